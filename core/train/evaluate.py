@@ -1,0 +1,99 @@
+"""Evaluation of a trained head with the real engine on held-out prompts.
+
+tau = accepted tokens per target forward in speculative steps (the bonus token included),
+so plain decoding has tau = 1. Engine acceptance at depth d = the fraction of steps whose
+accepted draft path reached depth d. Draft top-1/top-3 per depth on held-out *features*
+(teacher-forced tokens, the head's own features) comes from trainer.evaluate_features.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from core.config import GenerationConfig
+from core.train.data import Prompt
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    id: str
+    category: str
+    tokens: int  # tokens produced in speculative steps (the prefill's first token excluded)
+    forwards: int  # target forwards in speculative steps
+    accepted_draft: tuple[int, ...]  # draft tokens accepted per step
+    seconds: float
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(self.forwards, 1)
+
+
+@dataclass(frozen=True)
+class CategoryReport:
+    category: str
+    prompts: int
+    tau: float  # pooled over the category's steps
+    accept_at_depth: tuple[float, ...]  # P(accepted draft path length >= d), d = 1..
+    tokens_per_s: float
+
+
+def run_prompt(engine, prompt: Prompt, config: GenerationConfig) -> PromptResult:
+    """One held-out prompt's first turn through the engine; counts speculative steps only."""
+    tokens = forwards = 0
+    accepted: list[int] = []
+    t0 = time.perf_counter()
+    for ev in engine.generate([{"role": "user", "content": prompt.turns[0]}], config):
+        if ev.tree_size > 0:
+            tokens += len(ev.token_ids)
+            forwards += 1
+            accepted.append(ev.draft_tokens)
+    return PromptResult(prompt.id, prompt.category, tokens, forwards, tuple(accepted),
+                        time.perf_counter() - t0)
+
+
+def summarize(results: list[PromptResult], max_depth: int) -> list[CategoryReport]:
+    """Per category, plus an 'all' row pooling every step."""
+    groups: dict[str, list[PromptResult]] = {}
+    for r in results:
+        groups.setdefault(r.category, []).append(r)
+    groups["all"] = results
+    out = []
+    for cat, rs in groups.items():
+        steps = [a for r in rs for a in r.accepted_draft]
+        tokens, fwd = sum(r.tokens for r in rs), sum(r.forwards for r in rs)
+        depth = tuple(sum(a >= d for a in steps) / max(len(steps), 1) for d in range(1, max_depth + 1))
+        secs = sum(r.seconds for r in rs)
+        out.append(CategoryReport(cat, len(rs), tokens / max(fwd, 1), depth, tokens / max(secs, 1e-9)))
+    return out
+
+
+def evaluate_engine(engine, prompts: list[Prompt], config: GenerationConfig) -> list[PromptResult]:
+    results = []
+    bar = tqdm(prompts, unit="prompt", desc="eval")
+    for p in bar:
+        results.append(run_prompt(engine, p, config))
+        pooled = sum(r.tokens for r in results) / max(sum(r.forwards for r in results), 1)
+        bar.set_postfix(tau=f"{pooled:.2f}")
+    return results
+
+
+def pick_prompts(prompts: list[Prompt], per_category: int) -> list[Prompt]:
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if seen.get(p.category, 0) < per_category:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            out.append(p)
+    return out
+
+
+def format_table(reports: list[CategoryReport]) -> str:
+    depth = len(reports[0].accept_at_depth) if reports else 0
+    head = "| category | prompts | tau | tok/s | " + " | ".join(f"acc@{d + 1}" for d in range(depth)) + " |"
+    sep = "|" + "---|" * (4 + depth)
+    rows = [f"| {r.category} | {r.prompts} | {r.tau:.2f} | {r.tokens_per_s:.1f} | "
+            + " | ".join(f"{a:.2f}" for a in r.accept_at_depth) + " |" for r in reports]
+    return "\n".join([head, sep, *rows])

@@ -1,0 +1,178 @@
+"""Feature cache: one target forward per conversation gives every last hidden state
+(after the final norm, what the LM head consumes). Stored in safetensors shards.
+
+Shard k (`shard_00000.safetensors`) holds a run of consecutive conversations:
+  input_ids (N,) int32, loss_mask (N,) bool (assistant tokens), hidden (N, H) fp16,
+  offsets (M + 1,) int64 (conversation i spans offsets[i]:offsets[i+1]).
+`manifest.json` lists the shards in order with how many source conversations each
+covers; a rerun continues after the last complete shard (a shard is written atomically).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from core.train.data import DataError, assistant_mask, conversation_digest
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    max_len: int = 768  # longer conversations are cut (the head trains on short windows anyway)
+    shard_tokens: int = 50_000
+    batch_tokens: int = 4096  # conversations of similar length are run together, right-padded
+
+
+@dataclass(frozen=True)
+class Sequence:
+    input_ids: torch.Tensor  # (n,) long
+    loss_mask: torch.Tensor  # (n,) bool: token is written by the assistant
+    hidden: torch.Tensor  # (n, H) fp16 target features
+    argmax: torch.Tensor  # (n,) long: the target's greedy next token at each position
+
+
+def read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {"shards": [], "conversations": 0,
+                                                                "skipped_no_assistant": 0}
+
+
+@torch.inference_mode()
+def target_features(model, seqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Last hidden states and greedy next tokens per id sequence (one batched forward,
+    right padding) -> [((n_i, H) fp16, (n_i,) long)]."""
+    n = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)
+    att = torch.zeros(len(seqs), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], att[i, :len(s)] = s, 1
+    out = model.model(input_ids=ids, attention_mask=att, use_cache=False)  # the final norm is applied
+    h = out.last_hidden_state  # (B, n, H)
+    top = model.lm_head(h).argmax(-1)  # (B, n)
+    return [(h[i, :len(s)].to(torch.float16), top[i, :len(s)]) for i, s in enumerate(seqs)]
+
+
+def tokenize_all(tokenizer, convs: list[list[dict]], max_len: int) -> tuple[list, int]:
+    """(ids, mask) per conversation (None where it has no assistant token) and that count."""
+    out, empty = [], 0
+    for conv in convs:
+        ids, mask = assistant_mask(tokenizer, conv)
+        ids, mask = ids[:max_len], mask[:max_len]
+        if not mask.any():
+            empty += 1
+            out.append(None)
+        else:
+            out.append((ids, mask))
+    return out, empty
+
+
+def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureConfig) -> dict:
+    """Write shards for every conversation not yet covered by the manifest; returns the manifest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    man = read_manifest(folder)
+    start = man["conversations"]
+    if start > len(convs) or man.get("digest", conversation_digest([])) != conversation_digest(convs[:start]):
+        raise DataError(f"{folder} caches features of other conversations than these (the first {start} "
+                        "differ); delete the folder or point --work elsewhere to start afresh")
+    todo = convs[start:]
+    if not todo:
+        print(f"features: all {start} conversations already cached in {folder}")
+        return man
+    tokenized, empty = tokenize_all(target.tokenizer, todo, cfg.max_len)
+    if empty == len(todo) and not man["shards"]:
+        raise DataError("the dataset has no assistant tokens: nothing to train the head on "
+                        "(every conversation lacks an assistant turn)")
+    pending: list[Sequence] = []
+    covered = 0
+    bar = tqdm(total=sum(len(t[0]) for t in tokenized if t), unit="tok", desc="features")
+    order = _length_batches(tokenized, cfg.batch_tokens)
+    for batch in order:
+        feats = target_features(target.model, [tokenized[i][0] for i in batch])
+        for i, (h, top) in zip(batch, feats):
+            pending.append((i, Sequence(tokenized[i][0], tokenized[i][1], h, top)))
+        bar.update(sum(len(tokenized[i][0]) for i in batch))
+        # flush a shard once enough tokens of a *contiguous* prefix of conversations are done
+        done = {i for i, _ in pending}
+        prefix = covered
+        while prefix < len(tokenized) and (prefix in done or tokenized[prefix] is None):
+            prefix += 1
+        ready = [(i, s) for i, s in pending if i < prefix]
+        if sum(len(s.input_ids) for _, s in ready) >= cfg.shard_tokens or prefix == len(tokenized):
+            _write_shard(folder, man, [s for _, s in sorted(ready, key=lambda x: x[0])], prefix - covered,
+                         conversation_digest(convs[:start + prefix]))
+            man["skipped_no_assistant"] += sum(1 for i in range(covered, prefix) if tokenized[i] is None)
+            pending = [(i, s) for i, s in pending if i >= prefix]
+            covered = prefix
+    bar.close()
+    if covered < len(tokenized):  # conversations with no assistant tokens at the very end
+        _write_shard(folder, man, [], len(tokenized) - covered, conversation_digest(convs))
+        man["skipped_no_assistant"] += len(tokenized) - covered
+    return man
+
+
+def _length_batches(tokenized, batch_tokens: int) -> list[list[int]]:
+    """Indices in source order, grouped greedily so batch size x longest <= batch_tokens.
+
+    Source order (not length order) keeps shards contiguous, so resume stays simple."""
+    batches, cur, longest = [], [], 0
+    for i, t in enumerate(tokenized):
+        if t is None:
+            continue
+        n = len(t[0])
+        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _write_shard(folder: Path, man: dict, seqs: list[Sequence], n_convs: int, digest: str) -> None:
+    from safetensors.torch import save_file
+
+    name = f"shard_{len(man['shards']):05d}.safetensors"
+    if seqs:
+        lens = torch.tensor([0] + [len(s.input_ids) for s in seqs])
+        tensors = {"input_ids": torch.cat([s.input_ids for s in seqs]).to(torch.int32),
+                   "loss_mask": torch.cat([s.loss_mask for s in seqs]),
+                   "hidden": torch.cat([s.hidden for s in seqs]).contiguous(),
+                   "argmax": torch.cat([s.argmax for s in seqs]).to(torch.int32),
+                   "offsets": lens.cumsum(0)}
+        tmp = folder / (name + ".partial")
+        save_file(tensors, str(tmp))
+        tmp.rename(folder / name)
+    man["shards"].append({"file": name if seqs else None, "conversations": n_convs,
+                          "sequences": len(seqs), "tokens": int(sum(len(s.input_ids) for s in seqs)),
+                          "assistant_tokens": int(sum(int(s.loss_mask.sum()) for s in seqs))})
+    man["conversations"] += n_convs
+    man["digest"] = digest
+    tmp = folder / (MANIFEST + ".partial")
+    tmp.write_text(json.dumps(man, indent=1))
+    tmp.rename(folder / MANIFEST)
+
+
+def load_sequences(folder: Path) -> list[Sequence]:
+    """Every cached sequence, in source order."""
+    from safetensors.torch import load_file
+
+    man = read_manifest(folder)
+    if not man["shards"]:
+        raise DataError(f"no feature shards in {folder}: run `python -m core.train features` first")
+    out = []
+    for shard in man["shards"]:
+        if shard["file"] is None:
+            continue
+        t = load_file(str(folder / shard["file"]))
+        off = t["offsets"].tolist()
+        for a, b in zip(off[:-1], off[1:]):
+            out.append(Sequence(t["input_ids"][a:b].long(), t["loss_mask"][a:b], t["hidden"][a:b],
+                                t["argmax"][a:b].long()))
+    return out

@@ -1,0 +1,139 @@
+"""Prompts generated from hand-written templates x topics, in the eight MT-bench categories.
+
+Every prompt's `group` is its topic, so a held-out topic never appears in training under
+another template.
+"""
+
+from __future__ import annotations
+
+import random
+
+from core.train.data import Prompt
+
+TOPICS = {
+    "writing": ["a rainy morning in a small town", "the first day at a new job", "a lost dog finding its way home",
+                "climate change", "a trip to Japan", "learning to play the piano", "a lighthouse keeper",
+                "the importance of sleep", "remote work", "a robot who wants to paint", "friendship",
+                "an old library", "moving to a new city", "the ocean at night", "a childhood memory",
+                "a failed experiment", "autumn leaves", "a busy train station", "a local farmers market",
+                "the value of failure", "a mountain hike", "a time capsule", "the last bookstore in town",
+                "a surprise birthday party", "city gardens", "a letter from the future", "a winter storm",
+                "a street musician", "the smell of fresh bread", "a forgotten island", "a new smartphone",
+                "volunteering at an animal shelter", "the history of coffee", "a chess tournament",
+                "a family recipe", "the night sky", "electric cars", "a marathon", "a haunted house",
+                "a quiet village", "public libraries", "a science fair", "space tourism", "a bakery",
+                "an unexpected phone call", "a road trip", "bees and pollination", "a wedding", "kindness"],
+    "roleplay": ["a pirate captain", "a medieval knight", "a travel agent", "a detective in 1920s London",
+                 "a friendly librarian", "a strict chef", "a fitness coach", "a tour guide in Rome",
+                 "an astronaut on Mars", "a customer support agent", "a wise old wizard",
+                 "a nervous job candidate", "a museum curator", "a sports commentator", "a time traveler",
+                 "a career counselor", "a shopkeeper in a fantasy village", "a news reporter",
+                 "a ship's navigator", "a park ranger", "a stand-up comedian", "a startup founder",
+                 "a language tutor", "a pediatric nurse", "a famous painter", "a robot butler",
+                 "a radio DJ", "a gardener", "a math teacher", "a zoo keeper", "a lawyer", "a barista",
+                 "a ghost in an old castle", "a mountain guide", "a film director", "a science teacher"],
+    "reasoning": ["three friends sharing a pizza", "a train leaving at noon", "a family with four children",
+                  "a race between five runners", "boxes of apples and oranges", "a clock that runs slow",
+                  "a farmer with chickens and cows", "a bookshelf with ten books", "people standing in a line",
+                  "a tournament of eight teams", "a bag of red and blue marbles", "two people's ages",
+                  "a week of weather forecasts", "a code hidden in a riddle", "colored hats on prisoners",
+                  "a liar and a truth-teller", "a birthday party seating plan", "a river crossing puzzle",
+                  "a set of light switches", "a calendar puzzle", "coins on a table", "a relay race",
+                  "a library schedule", "an elevator in a tall building", "a chess board", "a parking lot",
+                  "a shop discount", "a staircase", "a school timetable", "a queue at the bank"],
+    "math": ["fractions", "percentages", "prime numbers", "the area of a circle", "simple interest",
+             "compound interest", "linear equations", "quadratic equations", "averages", "probability of dice",
+             "the Pythagorean theorem", "ratios", "speed and distance", "the volume of a cylinder",
+             "arithmetic sequences", "geometric sequences", "factorials", "greatest common divisors",
+             "least common multiples", "unit conversion", "angles in a triangle", "logarithms",
+             "derivatives", "integrals", "matrices", "binary numbers", "square roots", "exponents",
+             "the perimeter of a rectangle", "combinations", "permutations", "statistics median and mode"],
+    "coding": ["reversing a string", "checking for palindromes", "binary search", "FizzBuzz",
+               "merging two sorted lists", "counting word frequencies", "reading a CSV file",
+               "a stack class", "a queue class", "computing Fibonacci numbers", "removing duplicates from a list",
+               "sorting a dictionary by value", "parsing JSON", "validating an email address",
+               "finding the largest element", "matrix multiplication", "a linked list", "bubble sort",
+               "quicksort", "a simple HTTP request", "recursion", "list comprehensions", "exceptions",
+               "a decorator", "a generator", "unit tests", "SQL joins", "a REST API endpoint",
+               "regular expressions", "string formatting", "a binary tree", "depth-first search",
+               "breadth-first search", "memoization", "command-line arguments", "file handling"],
+    "extraction": ["a product review", "a news article about a new bridge", "a restaurant menu",
+                   "a job posting", "a meeting transcript", "an email from a customer", "a weather report",
+                   "a recipe", "a movie synopsis", "a company announcement", "a travel itinerary",
+                   "a sports match report", "a scientific abstract", "a real estate listing",
+                   "a school newsletter", "an invoice", "a press release", "a flight confirmation",
+                   "a book description", "a hotel review", "a doctor's appointment note", "an event flyer"],
+    "stem": ["photosynthesis", "black holes", "DNA replication", "the water cycle", "plate tectonics",
+             "Newton's laws of motion", "electric circuits", "the immune system", "quantum entanglement",
+             "the greenhouse effect", "vaccines", "semiconductors", "the periodic table", "evolution",
+             "neural networks", "the speed of light", "chemical bonds", "volcanoes", "antibiotics",
+             "renewable energy", "the human heart", "gravity", "climate models", "batteries", "magnetism",
+             "cell division", "sound waves", "the Big Bang", "machine learning", "encryption", "enzymes",
+             "ocean currents", "nuclear fusion", "GPS satellites", "the nervous system", "rainbows"],
+    "humanities": ["the French Revolution", "the Renaissance", "ancient Rome", "the printing press",
+                   "the Industrial Revolution", "democracy in ancient Athens", "the Silk Road",
+                   "impressionist painting", "Shakespeare's plays", "the Cold War", "existentialism",
+                   "the Roman Empire's fall", "the Enlightenment", "world religions", "the Great Depression",
+                   "the civil rights movement", "Greek mythology", "supply and demand", "inflation",
+                   "the role of museums", "utilitarianism", "the Magna Carta", "jazz music",
+                   "the history of the internet", "the Olympic Games", "ancient Egypt", "the Byzantine Empire",
+                   "social media and society", "the ethics of AI", "the Meiji Restoration", "classical music",
+                   "urbanization", "human rights", "the Protestant Reformation", "the history of writing"],
+}
+
+TEMPLATES = {
+    "writing": ["Write a short story about {t}.", "Write a blog post about {t}.",
+                "Write a poem about {t}.", "Write a persuasive essay about {t}.",
+                "Write a diary entry about {t}.", "Write a short speech about {t}.",
+                "Describe {t} in vivid detail.", "Write a product description inspired by {t}.",
+                "Write an email to a friend about {t}.", "Write a haiku and a short explanation about {t}."],
+    "roleplay": ["Pretend you are {t}. Introduce yourself and describe your typical day.",
+                 "Act as {t}. A visitor asks you for advice. What do you say?",
+                 "You are {t}. Tell me about the biggest challenge in your work.",
+                 "Role-play as {t} and explain your job to a child.",
+                 "Imagine you are {t}. Write a letter to your younger self.",
+                 "As {t}, give me three tips for a beginner."],
+    "reasoning": ["Make up a logic puzzle about {t} and solve it step by step.",
+                  "Explain, step by step, how you would reason about a problem involving {t}.",
+                  "Here is a scenario: {t}. What assumptions are reasonable, and what follows from them?",
+                  "Create a riddle about {t}, then give the answer and explain it.",
+                  "Think step by step: what could go wrong in a situation involving {t}?"],
+    "math": ["Explain {t} with a worked example.", "Give me three practice problems about {t} with solutions.",
+             "What is the most common mistake students make with {t}? Show an example.",
+             "Explain {t} to a 12-year-old, step by step.", "Solve a word problem involving {t}, showing each step.",
+             "Summarize the key formulas for {t}."],
+    "coding": ["Write a Python function for {t} and explain it.", "How do I implement {t} in Python?",
+               "Explain {t} and give a short code example.", "Write JavaScript code for {t}.",
+               "What are common bugs when implementing {t}? Show a corrected example.",
+               "Write a C function for {t}.", "Explain the time complexity of {t}."],
+    "extraction": ["Invent {t}, then extract the key facts from it as a bulleted list.",
+                   "Write {t} and then summarize it in two sentences.",
+                   "Create {t} and extract all names, dates and numbers from it in JSON.",
+                   "Write a sample of {t} and list the three most important points.",
+                   "Given {t}, what questions would you ask to extract missing information? Write an example first."],
+    "stem": ["Explain {t} in simple terms.", "What is {t} and why does it matter?",
+             "Describe how {t} works, step by step.", "What are the main misconceptions about {t}?",
+             "Write a short lesson plan about {t}.", "Compare {t} with a related concept.",
+             "What are the latest ideas about {t}? Give a short overview."],
+    "humanities": ["Give an overview of {t}.", "What were the causes and consequences of {t}?",
+                   "Why is {t} important today?", "Explain {t} to a high school student.",
+                   "Write a short essay about {t}.", "What are three key facts about {t}?",
+                   "Compare two perspectives on {t}."],
+}
+
+
+def templated_prompts(per_category: int, seed: int) -> list[Prompt]:
+    """Up to `per_category` distinct (template, topic) prompts per category."""
+    rng = random.Random(seed)
+    out = []
+    for cat, topics in TOPICS.items():
+        combos = [(ti, t) for ti in range(len(TEMPLATES[cat])) for t in topics]
+        rng.shuffle(combos)
+        for ti, topic in combos[:per_category]:
+            text = TEMPLATES[cat][ti].format(t=topic)
+            out.append(Prompt(f"tpl-{cat}-{ti}-{_slug(topic)}", cat, (text,), group=f"{cat}:{topic}"))
+    return out
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in s.lower()).strip("-")[:40]

@@ -1,0 +1,106 @@
+"""Verification: which drafted tokens the target accepts, and the bonus token after them.
+
+Glossary (after vLLM's rejection sampler; EAGLE arXiv 2401.15077, SpecInfer arXiv 2305.09781):
+  accepted   drafted tokens on one root-to-node path that the target agrees with.
+  bonus      one more token chosen from the target's own distribution at the last
+             accepted node (its residual distribution when siblings were rejected there).
+  p          the target's next-token distribution at a node, after temperature, top-k and
+             top-p exactly as plain sampling applies them (`target_probs`).
+
+Greedy: a child is accepted iff its token is the target's argmax at its parent; the bonus
+is the argmax at the last accepted node. Output equals plain greedy decoding.
+
+Sampling with deterministic top-k siblings (how EAGLE-2 proposes them): each sibling x
+is a point-mass proposal, so it is accepted with probability p(x) / (mass left); on
+rejection p(x) is set to 0 and the rest renormalised; if every sibling is rejected the
+bonus is sampled from what is left. Every path of this procedure draws the next token
+from exactly p, so the output has the target's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.config import SamplingConfig
+from core.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verification:
+    path: tuple[int, ...]  # tree indices of the accepted nodes, root first (path[0] == 0)
+    tokens: tuple[int, ...]  # accepted draft tokens, then the bonus token
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path) - 1
+
+    @property
+    def bonus(self) -> int:
+        return self.tokens[-1]
+
+
+def target_probs(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+    """(n, V) logits -> (n, V) float probabilities: temperature, then top-k, then top-p."""
+    assert not s.greedy, "greedy decoding uses argmax, not probabilities"
+    x = logits.float() / s.temperature
+    if 0 < s.top_k < x.shape[-1]:
+        kth = x.topk(s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        srt, order = x.sort(dim=-1)  # ascending
+        cum = srt.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= 1 - s.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return x.softmax(-1)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verification:
+    """tree of n nodes, logits (n, V) of the target at every node -> accepted path + bonus.
+
+    Loop-free over nodes: a node is on the accepted path iff it and all its ancestors
+    match the target's argmax at their parents; siblings hold distinct tokens, so those
+    nodes form one path.
+    """
+    assert logits.shape[0] == tree.size
+    pred = logits.argmax(-1)  # (n,)
+    match = tree.tokens == pred[tree.parents.clamp(min=0)]  # (n,)
+    match[0] = True
+    accepted = (tree.mask() & ~match[None, :]).sum(-1) == 0  # (n,) all ancestors match
+    depth = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
+    last = int(depth.argmax())
+    path = tree.mask()[last].nonzero().flatten()  # ancestors of `last`, topological order
+    tokens = tree.tokens[path[1:]].tolist() + [int(pred[last])]
+    return Verification(path=tuple(path.tolist()), tokens=tuple(tokens))
+
+
+def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Verification:
+    """tree of n nodes, probs (n, V) from `target_probs` -> accepted path + bonus, exact in law."""
+    assert probs.shape[0] == tree.size
+    children: list[list[int]] = [[] for _ in range(tree.size)]
+    for i, p in enumerate(tree.parents.tolist()[1:], start=1):
+        children[p].append(i)  # tree order = the head's order of preference
+    tokens = tree.tokens.tolist()
+    node, path, out = 0, [0], []
+    while True:
+        residual = probs[node].clone()  # (V,) unnormalised mass still available
+        for child in children[node]:
+            x = tokens[child]
+            mass = float(residual.sum())
+            # point-mass proposal x: accept with probability p(x) / (mass left)
+            if mass > 0 and float(torch.rand((), generator=generator, device=residual.device)) * mass < float(residual[x]):
+                node = child
+                break
+            residual[x] = 0.0  # rejected: the next token is drawn from p restricted to the rest
+        else:
+            bonus = int(torch.multinomial(residual, 1, generator=generator))
+            return Verification(path=tuple(path), tokens=tuple(out + [bonus]))
+        path.append(node)
+        out.append(tokens[node])
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a (V,) distribution (plain sampling)."""
+    return int(torch.multinomial(probs, 1, generator=generator))

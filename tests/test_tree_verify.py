@@ -1,0 +1,182 @@
+"""Literal cases for tree masks/positions and acceptance, and the sampling distribution test."""
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from core.config import SamplingConfig
+from core.tree import ancestor_mask, tree_from_parents
+from core.verify import Verification, target_probs, verify_greedy, verify_sampled
+
+#        0 (root, token 10)
+#       / \
+#  1 (11)  2 (12)
+#   / \      \
+# 3(13) 4(14) 5(15)
+#  |
+# 6(16)
+TOKENS = [10, 11, 12, 13, 14, 15, 16]
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+
+
+def test_mask_positions_parents_literal():
+    tree = tree_from_parents(TOKENS, PARENTS)
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.mask(), expected)
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.positions(100).tolist() == [100, 101, 101, 102, 102, 102, 103]
+    assert tree.parents.tolist() == PARENTS
+
+
+def test_ancestor_mask_deep_chain():
+    parents = torch.tensor([-1] + list(range(0, 39)))
+    assert torch.equal(ancestor_mask(parents), torch.ones(40, 40, dtype=torch.bool).tril())
+
+
+def _logits_with_argmax(argmax: list[int], vocab: int = 20) -> torch.Tensor:
+    logits = torch.zeros(len(argmax), vocab)
+    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
+    return logits
+
+
+def test_greedy_acceptance_literal():
+    tree = tree_from_parents(TOKENS, PARENTS)
+    # target argmax at each node: root -> 11 (node 1), node 1 -> 13 (node 3), node 3 -> 7 (not 16)
+    logits = _logits_with_argmax([11, 13, 0, 7, 0, 0, 0])
+    result = verify_greedy(tree, logits)
+    assert result == Verification(path=(0, 1, 3), tokens=(11, 13, 7))  # 7 is the bonus token
+    assert result.accepted == 2 and result.bonus == 7
+
+
+def test_greedy_rejects_at_root():
+    tree = tree_from_parents(TOKENS, PARENTS)
+    result = verify_greedy(tree, _logits_with_argmax([19, 13, 0, 16, 0, 0, 0]))
+    assert result == Verification(path=(0,), tokens=(19,))
+
+
+def test_greedy_full_path_takes_bonus_at_leaf():
+    tree = tree_from_parents(TOKENS, PARENTS)
+    result = verify_greedy(tree, _logits_with_argmax([11, 13, 0, 16, 0, 0, 4]))
+    assert result == Verification(path=(0, 1, 3, 6), tokens=(11, 13, 16, 4))
+
+
+def test_target_probs_matches_manual_processing():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    p = target_probs(logits, SamplingConfig(temperature=0.5, top_p=0.9, top_k=4))
+    scaled = torch.tensor([4.0, 2.0, 1.0, 0.0])  # top_k=4 drops the last token
+    full = scaled.softmax(-1)
+    # top-p 0.9 keeps the smallest prefix (by probability) whose mass reaches 0.9
+    keep = int((full.cumsum(-1) < 0.9).sum()) + 1
+    expected = torch.zeros(5)
+    expected[:keep] = scaled[:keep].softmax(-1)
+    assert torch.allclose(p[0], expected, atol=1e-6)
+
+
+# --- sampling: the output distribution equals the target's -----------------------------------
+
+V = 6
+# target distributions at each node of a two-level tree (probabilities after processing)
+P_ROOT = torch.tensor([0.05, 0.30, 0.25, 0.20, 0.15, 0.05])
+P_CHILD = {1: torch.tensor([0.4, 0.1, 0.1, 0.1, 0.2, 0.1]), 2: torch.tensor([0.1, 0.1, 0.5, 0.1, 0.1, 0.1]),
+           3: torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])}
+# root 0 (token 5); children tokens 1, 3, 2 (in draft order: a deliberately imperfect order);
+# node 1 (token 1) has children tokens 0 and 4
+SAMPLE_TREE = tree_from_parents([5, 1, 3, 2, 0, 4], [-1, 0, 0, 0, 1, 1])
+
+
+def _tree_probs() -> torch.Tensor:
+    leaf = torch.full((V,), 1.0 / V)  # distribution after tokens (1,0) / (1,4): uniform
+    return torch.stack([P_ROOT, P_CHILD[1], P_CHILD[3], P_CHILD[2], leaf, leaf])
+
+
+def _exact_two_token_distribution() -> dict[tuple[int, int], float]:
+    out = {}
+    for a in range(V):
+        second = P_CHILD.get(a, torch.full((V,), 1.0 / V)) if a in (1, 2, 3) else torch.full((V,), 1.0 / V)
+        for b in range(V):
+            out[(a, b)] = float(P_ROOT[a] * second[b])
+    return out
+
+
+def _sample_pairs(verify, n: int, seed: int = 0) -> collections.Counter:
+    """First two output tokens; the second comes from the next step's plain distribution
+    when only one token was produced (what the engine would do next)."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = _tree_probs()
+    counts = collections.Counter()
+    for _ in range(n):
+        toks = verify(SAMPLE_TREE, probs, gen).tokens
+        if len(toks) == 1:
+            a = toks[0]
+            nxt = P_CHILD.get(a, torch.full((V,), 1.0 / V))
+            toks = (a, int(torch.multinomial(nxt, 1, generator=gen)))
+        counts[toks[:2]] += 1
+    return counts
+
+
+def chi2_pvalue(observed: list[int], probs: list[float]) -> float:
+    """Pearson chi-square of counts against exact probabilities (cells with p = 0 must be empty)."""
+    n, total = sum(observed), sum(probs)
+    cells = [(o, p) for o, p in zip(observed, probs) if p > 0]
+    assert sum(o for o, p in zip(observed, probs) if p == 0) == 0, "a zero-probability outcome was sampled"
+    expected = [p / total * n for _, p in cells]
+    scale = n / sum(expected)
+    return chisquare([o for o, _ in cells], [e * scale for e in expected]).pvalue
+
+
+def _chi2_pvalue(counts: collections.Counter, n: int) -> float:
+    exact = _exact_two_token_distribution()
+    keys = sorted(exact)
+    return chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys])
+
+
+def test_sampled_verification_matches_target_distribution():
+    n = 12000
+    assert _chi2_pvalue(_sample_pairs(verify_sampled, n), n) > 1e-3
+
+
+def _wrong_rule(tree, probs, generator):
+    """A plausible bug: accept each sibling with p(x) WITHOUT renormalising after rejections."""
+    children = [[] for _ in range(tree.size)]
+    for i, p in enumerate(tree.parents.tolist()[1:], start=1):
+        children[p].append(i)
+    node, path, out = 0, [0], []
+    while True:
+        for child in children[node]:
+            if float(torch.rand((), generator=generator)) < float(probs[node][tree.tokens[child]]):
+                node = child
+                break
+        else:
+            residual = probs[node].clone()
+            for child in children[node]:
+                residual[tree.tokens[child]] = 0
+            out.append(int(torch.multinomial(residual, 1, generator=generator)))
+            return Verification(path=tuple(path), tokens=tuple(out))
+        path.append(node)
+        out.append(int(tree.tokens[node]))
+
+
+def test_distribution_test_catches_wrong_acceptance_rule():
+    n = 12000
+    assert _chi2_pvalue(_sample_pairs(_wrong_rule, n), n) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_leaf_bonus_uses_full_target_distribution(temperature):
+    tree = tree_from_parents([3], [-1])  # root only: plain sampling
+    logits = torch.tensor([[1.0, 0.0, 2.0, -1.0]])
+    probs = target_probs(logits, SamplingConfig(temperature=temperature))
+    gen = torch.Generator().manual_seed(1)
+    n = 6000
+    counts = collections.Counter(verify_sampled(tree, probs, gen).tokens[0] for _ in range(n))
+    assert chi2_pvalue([counts[i] for i in range(4)], probs[0].double().tolist()) > 1e-3
