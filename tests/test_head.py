@@ -1,0 +1,138 @@
+"""Head checkpoints: the published EAGLE-1 layout loads strictly; broken ones are refused."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from core.head import HeadCache, HeadLoadError, load_head, new_head, save_head
+from tests.tiny import tiny_target
+
+PUBLISHED_KEYS = {
+    "fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(dtype=torch.float32)
+
+
+def published_checkpoint(folder, target, *, bias=True, extra=None, drop=None, as_pickle=True):
+    """Write a synthetic head exactly as the reference repo publishes it (LlamaConfig with
+    num_hidden_layers 1 and a `bias` flag, pytorch_model.bin with an embed_tokens copy)."""
+    c = target.model.config
+    h, inter, kvh = c.hidden_size, c.intermediate_size, c.num_key_value_heads
+    hd = h // c.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (h, h),
+              "layers.0.self_attn.k_proj.weight": (kvh * hd, h), "layers.0.self_attn.v_proj.weight": (kvh * hd, h),
+              "layers.0.self_attn.o_proj.weight": (h, h), "layers.0.mlp.gate_proj.weight": (inter, h),
+              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter),
+              "layers.0.post_attention_layernorm.weight": (h,), "embed_tokens.weight": (c.vocab_size, h)}
+    if bias:
+        shapes["fc.bias"] = (h,)
+    shapes.update(extra or {})
+    state = {k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items() if k not in (drop or ())}
+    config = {"architectures": ["LlamaForCausalLM"], "bias": bias, "hidden_act": "silu", "hidden_size": h,
+              "intermediate_size": inter, "max_position_embeddings": 2048, "model_type": "llama",
+              "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
+              "num_key_value_heads": kvh, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "torch_dtype": "float16", "vocab_size": c.vocab_size}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if as_pickle:
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        save_file(state, str(folder / "model.safetensors"))
+    return state
+
+
+@pytest.mark.parametrize("as_pickle", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_published_layout_loads_strictly(tmp_path, target, as_pickle, bias):
+    state = published_checkpoint(tmp_path, target, bias=bias, as_pickle=as_pickle)
+    head, vocab = load_head(tmp_path, target.model.config)
+    loaded = head.state_dict()
+    assert set(loaded) == (PUBLISHED_KEYS if bias else PUBLISHED_KEYS - {"fc.bias"})
+    for k, v in loaded.items():
+        assert torch.equal(v, state[k]), k
+    assert vocab is None
+
+
+def test_save_roundtrip_same_layout(tmp_path, target):
+    head = new_head(target.model.config, seed=3)
+    vocab = torch.tensor([5, 9, 2])
+    save_head(head, tmp_path, draft_vocab=vocab)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is True and cfg["hidden_size"] == 64
+    loaded, loaded_vocab = load_head(tmp_path, target.model.config)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+    assert loaded_vocab.tolist() == [5, 9, 2]
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(drop=["layers.0.mlp.up_proj.weight"]), "missing keys \\['layers.0.mlp.up_proj.weight'\\]"),
+    (dict(extra={"layers.0.input_layernorm.weight": (64,)}), "unexpected keys \\['layers.0.input_layernorm.weight'\\]"),
+    (dict(extra={"layers.0.mlp.up_proj.weight": (100, 64)}), "wrong shapes"),
+    (dict(as_pickle=False, drop=["fc.bias"]), "missing keys \\['fc.bias'\\]"),
+])
+def test_broken_checkpoints_refused(tmp_path, target, kwargs, fragment):
+    published_checkpoint(tmp_path, target, **kwargs)
+    with pytest.raises(HeadLoadError, match=fragment):
+        load_head(tmp_path, target.model.config)
+
+
+def test_head_for_another_model_refused(tmp_path, target):
+    published_checkpoint(tmp_path, target)
+    other = tiny_target(hidden=32).model.config
+    with pytest.raises(HeadLoadError, match="another model: hidden size 64, the target has 32"):
+        load_head(tmp_path, other)
+    other = tiny_target(vocab=50).model.config
+    with pytest.raises(HeadLoadError, match="another model: vocabulary 96, the target has 50"):
+        load_head(tmp_path, other)
+
+
+def test_missing_and_corrupt_files_refused(tmp_path, target):
+    with pytest.raises(HeadLoadError, match="does not exist"):
+        load_head(tmp_path / "nope", target.model.config)
+    published_checkpoint(tmp_path, target, as_pickle=False)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(HeadLoadError, match="corrupt or truncated"):
+        load_head(tmp_path, target.model.config)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(HeadLoadError, match="neither model.safetensors nor pytorch_model.bin"):
+        load_head(tmp_path, target.model.config)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle at all")
+    with pytest.raises(HeadLoadError, match="cannot be read safely"):
+        load_head(tmp_path, target.model.config)
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(HeadLoadError, match="not valid JSON"):
+        load_head(tmp_path, target.model.config)
+
+
+def test_pickle_with_code_is_refused(tmp_path, target):
+    published_checkpoint(tmp_path, target)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"fc.weight": Evil()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(HeadLoadError, match="cannot be read safely"):
+        load_head(tmp_path, target.model.config)
+
+
+def test_head_cache_forward_equals_full_causal(target):
+    head = new_head(target.model.config, seed=1).eval()
+    x, f = torch.randn(1, 9, 64), torch.randn(1, 9, 64)
+    full = head(x, f, torch.arange(9))
+    cache = HeadCache(head.config, torch.float32, torch.device("cpu"), capacity=4)  # forces growth
+    from core.head import causal_mask
+    a = head(x[:, :5], f[:, :5], torch.arange(5), cache=cache)
+    b = head(x[:, 5:], f[:, 5:], torch.arange(5, 9), mask=causal_mask(4, 5, torch.float32, "cpu"), cache=cache)
+    assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)

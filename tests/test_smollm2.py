@@ -1,0 +1,66 @@
+"""The real embedded model: SmolLM2-135M-Instruct from the PyPI wheel, fp32, on CPU."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from core.config import GenerationConfig, TreeConfig
+from core.engine import Engine
+from core.head import new_head, save_head
+from core.models import DEFAULT_HEAD_DIR
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+           "Give me three tips for staying focused while studying."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(2)
+    eng = Engine.load()  # the shipped head when present
+    if not eng.has_head:  # before a head is trained: a random one still must be exact
+        eng = Engine(eng.target, new_head(eng.target.model.config, seed=0).eval())
+    yield eng
+    torch.set_num_threads(1)
+
+
+def tokens(engine, prompt, **kw):
+    cfg = GenerationConfig(max_new_tokens=40, **kw)
+    return [t for ev in engine.generate(prompt, cfg) for t in ev.token_ids]
+
+
+@pytest.mark.slow
+def test_greedy_identical_to_plain_and_generate(engine):
+    for prompt in PROMPTS:
+        plain = tokens(engine, prompt, speculative=False)
+        assert tokens(engine, prompt) == plain
+        assert tokens(engine, prompt, tree=TreeConfig(depth=3, top_k=4, total_tokens=8)) == plain
+    ids = engine.encode(PROMPTS[0])
+    ref = engine.target.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+    assert ref[0, len(ids):].tolist() == tokens(engine, PROMPTS[0], speculative=False)
+
+
+@pytest.mark.slow
+def test_headless_cli_both_modes_same_text(engine, tmp_path):
+    head = []
+    if not DEFAULT_HEAD_DIR.is_dir():  # before a head is trained, use the fixture's random one
+        save_head(engine.head, tmp_path / "head")
+        head = ["--head", str(tmp_path / "head")]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "core.generate", "What is 2 + 2?",
+                                     "--max-new-tokens", "24", *a], capture_output=True, text=True, timeout=300)
+    plain, spec = run("--plain"), run(*head)
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    body = lambda out: out.stdout.rsplit("\n[", 1)[0]
+    assert body(plain) == body(spec) and body(plain).strip()
+    assert "[plain] tokens=" in plain.stdout and "tau=1.00" in plain.stdout
+    assert "[eagle] tokens=" in spec.stdout and "tokens/s=" in spec.stdout
+
+
+def test_cli_bad_input_is_one_clear_line():
+    out = subprocess.run([sys.executable, "-m", "core.generate", "hi", "--depth", "0", "--plain"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == "error: tree depth must be an integer in 1..32, got 0"
+    out = subprocess.run([sys.executable, "-m", "core.generate", "  ", "--plain", "--max-new-tokens", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "the prompt is empty" in out.stderr and "Traceback" not in out.stderr
