@@ -141,8 +141,11 @@ class Engine:
     def count_tokens(self, messages: Sequence[dict]) -> int:
         return len(self.encode(messages))
 
-    def generate(self, prompt, config: GenerationConfig) -> Iterator[StepEvent]:
-        """Stream the answer as StepEvents; closing the generator stops within one step."""
+    def generate(self, prompt, config: GenerationConfig, on_step=None) -> Iterator[StepEvent]:
+        """Stream the answer as StepEvents; closing the generator stops within one step.
+
+        `on_step(tree, verification)`, if given, sees every speculative step (statistics).
+        """
         ids = self.encode(prompt)
         if len(ids) >= self.max_context:
             raise EngineError(f"the prompt is {len(ids)} tokens but the model's context is "
@@ -153,14 +156,14 @@ class Engine:
         if config.speculative and not self.has_head:
             raise EngineError("speculation needs a draft head: load one (--head) or turn speculation off")
         with torch.inference_mode():
-            yield from _Run(self, ids, config).events()
+            yield from _Run(self, ids, config, on_step).events()
 
 
 class _Run:
     """State of one answer: caches, counters and the stop rules."""
 
-    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig):
-        self.e, self.cfg = engine, config
+    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None):
+        self.e, self.cfg, self.on_step = engine, config, on_step
         self.model, self.device = engine.target.model, engine.target.device
         self.ids = torch.tensor(ids, device=self.device)
         self.cache = kv.new_cache(self.model)
@@ -229,6 +232,8 @@ class _Run:
         s = self.cfg.sampling
         result: Verification = (verify_greedy(tree, logits) if s.greedy
                                 else verify_sampled(tree, target_probs(logits, s), self.gen))
+        if self.on_step is not None:
+            self.on_step(tree, result)
         path = torch.tensor(result.path, device=self.device)
         kv.keep(self.cache, committed, path)
         self.forwards += 1

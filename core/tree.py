@@ -26,6 +26,7 @@ class DraftTree:
     tokens: torch.Tensor   # (n,) int64 token ids, tokens[0] is the root
     parents: torch.Tensor  # (n,) int64, parents[0] == -1
     depths: torch.Tensor   # (n,) int64, depths[0] == 0
+    scores: torch.Tensor | None = None  # (n,) cumulative draft log-prob (dynamic trees), root 0
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -174,9 +175,10 @@ def _select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, r
     tree_parents = torch.where(par >= 0, slot[par.clamp(min=0)], torch.zeros_like(par))
     assert bool((tree_parents >= 0).all()), "draft tree lost a parent"
     root = torch.tensor([root_token], device=tokens.device)
-    return DraftTree(tokens=torch.cat([root, tokens[chosen]]),
-                     parents=torch.cat([torch.tensor([-1], device=tokens.device), tree_parents]),
-                     depths=torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device), depth[chosen] + 1]))
+    zero = torch.zeros(1, dtype=torch.long, device=tokens.device)
+    return DraftTree(tokens=torch.cat([root, tokens[chosen]]), parents=torch.cat([zero - 1, tree_parents]),
+                     depths=torch.cat([zero, depth[chosen] + 1]),
+                     scores=torch.cat([zero.to(scores.dtype), scores[chosen]]))
 
 
 def draft_static(drafter: Drafter, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,

@@ -26,7 +26,8 @@ MANIFEST = "manifest.json"
 class FeatureConfig:
     max_len: int = 768  # longer conversations are cut (the head trains on short windows anyway)
     shard_tokens: int = 50_000
-    batch_tokens: int = 4096  # conversations of similar length are run together, right-padded
+    batch_tokens: int = 0  # > 0: consecutive conversations run together, right-padded (0: one at a
+    # time, which measured fastest on a CPU: 415 vs 345 tok/s of CPU time in bf16, batch 1 vs 4)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def _length_batches(tokenized, batch_tokens: int) -> list[list[int]]:
         if t is None:
             continue
         n = len(t[0])
-        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+        if cur and (batch_tokens <= 0 or max(longest, n) * (len(cur) + 1) > batch_tokens):
             batches.append(cur)
             cur, longest = [], 0
         cur.append(i)

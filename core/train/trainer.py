@@ -50,6 +50,7 @@ class TrainConfig:
     ckpt_every_s: float = 300.0
     log_every: int = 20
     seed: int = 0
+    autocast_bf16: bool = False  # bf16 matmuls (fp32 weights and optimizer); ~1.5x faster on avx512_bf16 CPUs
     max_steps: int | None = None  # stop after this step (tests; simulating an interruption)
 
     def __post_init__(self) -> None:
@@ -275,7 +276,8 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
         idx = schedule(cfg.seed + epoch, len(seqs), cfg.batch_size, lengths)[k]
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(cfg, step, total, elapsed)
-        loss, metrics = step_loss(head, fz, collate([seqs[i] for i in idx]), cfg, cfg.noise)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            loss, metrics = step_loss(head, fz, collate([seqs[i] for i in idx]), cfg, cfg.noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)

@@ -1,0 +1,189 @@
+"""Fit the draft tree to the hardware (after Sequoia, arXiv 2402.12374).
+
+    tokens/s(d, n) = E[tokens per step | depth d, tree size n] / (t_draft(d) + t_verify(n) + t_other)
+
+t_verify(n): measured cost of one target forward over n new tokens; t_draft(d): measured
+cost of the head's catch-up plus d levels of drafting; E[tokens per step]: from one
+calibration run with a large tree, replaying which smaller trees would have held the
+accepted path (a smaller EAGLE-2 tree keeps the best n - 1 candidates of depth <= d, a
+subset of the large tree's candidates, and greedy acceptance of a node depends only on
+its ancestors). Results are cached per model, head, device, dtype and thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from core import cache as kv
+from core.config import GenerationConfig, TreeConfig
+from core.engine import Engine, forward_tree, prefill
+from core.head import HeadCache
+from core.models import cache_home
+from core.tree import catch_up, draft, tree_from_parents
+
+CALIBRATION_PROMPTS = (
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short poem about autumn leaves.",
+    "What are three differences between Python lists and tuples?",
+    "A train travels 60 km in 45 minutes. What is its average speed in km/h?",
+    "Summarise the causes of the French Revolution in a few sentences.",
+    "Write a Python function that checks whether a number is prime.",
+)
+SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+DEPTHS = tuple(range(1, 9))
+
+
+@dataclass(frozen=True)
+class Profile:
+    verify_s: dict[int, float]   # tokens in one target call -> seconds
+    draft_s: dict[int, float]    # tree depth -> seconds to draft it (catch-up included)
+    other_s: float               # per-step bookkeeping (acceptance, cache commit)
+    steps: tuple[tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]], ...]  # (depths, scores, path)
+    top_k: int
+
+
+def expected_tokens(steps, depth: int, size: int) -> float:
+    """Mean tokens per step (accepted drafts + bonus) had the tree been (depth, size)."""
+    total = 0
+    for depths, scores, path in steps:
+        d = torch.tensor(depths[1:])
+        s = torch.tensor(scores[1:])
+        eligible = (d <= depth).nonzero().flatten()
+        order = torch.sort(-s[eligible], stable=True).indices[: size - 1]
+        kept = set((eligible[order] + 1).tolist())
+        accepted = 0
+        for node in path[1:]:
+            if node not in kept:
+                break
+            accepted += 1
+        total += accepted + 1
+    return total / max(1, len(steps))
+
+
+def interpolate(table: dict[int, float], n: int) -> float:
+    xs = sorted(table)
+    if n <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if a <= n <= b:
+            return table[a] + (table[b] - table[a]) * (n - a) / (b - a)
+    return table[xs[-1]] * n / xs[-1]
+
+
+def choose(profile: Profile, depths=DEPTHS, sizes=SIZES) -> tuple[TreeConfig, float]:
+    """The (depth, size) with the highest predicted tokens/s; pure, for literal tests."""
+    best, best_rate = None, -1.0
+    for d in depths:
+        if d not in profile.draft_s:
+            continue
+        for n in sizes:
+            if n - 1 > profile.top_k + (d - 1) * profile.top_k ** 2:
+                continue  # more nodes than the tree can have
+            step = profile.draft_s[d] + interpolate(profile.verify_s, n) + profile.other_s
+            rate = expected_tokens(profile.steps, d, n) / step
+            if rate > best_rate:
+                best, best_rate = TreeConfig(depth=d, top_k=profile.top_k, total_tokens=n), rate
+    return best, best_rate
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 3) -> tuple[dict, dict]:
+    """Target cost per call against tokens in the call, and draft cost per depth."""
+    model, device = engine.target.model, engine.target.device
+    ids = torch.arange(100, 100 + context, device=device) % model.config.vocab_size
+    cache = kv.new_cache(model)
+    with torch.inference_mode():
+        features, _ = prefill(model, ids, cache)
+        verify = {}
+        for n in tqdm(SIZES, desc="target cost per call", leave=False):
+            tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)))
+
+            def call():
+                forward_tree(model, tree, cache, context)
+                kv.keep(cache, context, [])
+
+            call()  # warm-up
+            verify[n] = _median_time(call, reps)
+        head_cache = HeadCache(engine.head.config, engine.target.dtype, device)
+        root_hidden = catch_up(engine.drafter, head_cache, ids[1:], features[:-1])
+        catch = _median_time(lambda: (catch_up(engine.drafter, head_cache, ids[:3], features[:3]),
+                                      head_cache.truncate(context - 1)), reps)
+        drafts = {}
+        for d in tqdm(DEPTHS, desc="draft cost per depth", leave=False):
+            cfg = TreeConfig(depth=d, top_k=top_k, total_tokens=min(512, 1 + top_k + (d - 1) * top_k))
+            drafts[d] = catch + _median_time(lambda: draft(engine.drafter, head_cache, int(ids[-1]),
+                                                           root_hidden, cfg), reps)
+    return verify, drafts
+
+
+def calibrate(engine: Engine, top_k: int, max_new_tokens: int = 48, prompts=CALIBRATION_PROMPTS):
+    """Greedy answers with a large tree; record every step's candidates and accepted path."""
+    steps, other = [], []
+    big = TreeConfig(depth=max(DEPTHS), top_k=top_k, total_tokens=max(SIZES) + 16)
+    record = lambda tree, result: steps.append((tuple(tree.depths.tolist()), tuple(tree.scores.tolist()),
+                                                result.path))
+    for prompt in tqdm(prompts, desc="acceptance calibration", leave=False):
+        for ev in engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, tree=big),
+                                  on_step=record):
+            if ev.tree_size:
+                other.append(ev.other_s)
+    return tuple(steps), statistics.median(other) if other else 0.0
+
+
+def profile_key(engine: Engine) -> str:
+    head = engine.head.fc.weight.detach().float().flatten()[:4096].cpu().numpy().tobytes()
+    parts = [engine.target.name, hashlib.sha1(head).hexdigest()[:12], str(engine.target.device),
+             str(engine.target.dtype), f"threads{torch.get_num_threads()}",
+             str(None if engine.drafter.vocab is None else engine.drafter.vocab.numel())]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _path(engine: Engine):
+    return cache_home() / "autotune" / f"{profile_key(engine)}.json"
+
+
+def cached_tree(engine: Engine) -> TreeConfig | None:
+    """The tree chosen earlier for this model/head/device/dtype/threads, if any."""
+    if not engine.has_head:
+        return None
+    path = _path(engine)
+    if not path.is_file():
+        return None
+    try:
+        return TreeConfig(**json.loads(path.read_text())["choice"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeConfig:
+    """Measure (or reuse) the cost and acceptance profile and return the fastest tree."""
+    if not engine.has_head:
+        raise ValueError("choosing a tree needs a draft head")
+    if not refresh and (tree := cached_tree(engine)) is not None:
+        return tree
+    verify, drafts = measure_costs(engine, top_k)
+    steps, other = calibrate(engine, top_k)
+    profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k)
+    tree, rate = choose(profile)
+    path = _path(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"choice": asdict(tree), "predicted_tokens_per_s": rate,
+                                "verify_s": verify, "draft_s": drafts, "other_s": other,
+                                "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
+                                                    for d in DEPTHS for n in SIZES}}, indent=1))
+    return tree

@@ -1,0 +1,54 @@
+"""The tree chooser: literal replay of acceptance, and larger trees when verification is cheap."""
+
+import pytest
+
+from core.autotune import Profile, cached_tree, choose, choose_tree, expected_tokens
+from core.config import TreeConfig
+from core.engine import Engine
+from tests.tiny import random_head, tiny_target
+
+# one step: root, then nodes 1..6 with depths and cumulative scores; the target accepted 0 -> 2 -> 5
+STEP = ((0, 1, 1, 2, 2, 3, 3), (0.0, -0.5, -1.0, -1.2, -1.6, -2.0, -3.0), (0, 2, 4, 5))
+
+
+def test_expected_tokens_replays_smaller_trees():
+    steps = (STEP,)
+    assert expected_tokens(steps, depth=3, size=7) == 4  # whole path kept: 3 drafts + bonus
+    assert expected_tokens(steps, depth=1, size=7) == 2  # depth 1: only node 2 on the path
+    assert expected_tokens(steps, depth=3, size=2) == 1  # best node is 1, off the path
+    assert expected_tokens(steps, depth=3, size=5) == 3  # keeps 1,2,3,4: path 2,4 then 5 is cut
+
+
+def _profile(verify_slope: float) -> Profile:
+    # a deep, always-accepted chain (scores fall slowly) plus weak siblings at every depth
+    depths, scores, parents = [0], [0.0], []
+    chain = [0]
+    for d in range(1, 9):
+        depths += [d, d]
+        scores += [-0.1 * d, -5.0 - d]
+        chain.append(len(depths) - 2)
+    steps = ((tuple(depths), tuple(scores), tuple(chain)),)
+    verify = {n: 0.05 + verify_slope * n for n in (2, 4, 8, 16, 32, 64)}
+    return Profile(verify_s=verify, draft_s={d: 0.002 * d for d in range(1, 9)}, other_s=0.001,
+                   steps=steps, top_k=2)
+
+
+def test_chooser_picks_larger_tree_when_verification_is_cheaper():
+    cheap, _ = choose(_profile(verify_slope=0.0001))
+    costly, _ = choose(_profile(verify_slope=0.02))
+    assert cheap.total_tokens > costly.total_tokens
+    assert cheap == TreeConfig(depth=8, top_k=2, total_tokens=10)  # smallest size holding the chain
+    assert costly.total_tokens <= 4
+
+
+def test_choose_tree_measures_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
+    target = tiny_target()
+    engine = Engine(target, random_head(target))
+    assert cached_tree(engine) is None
+    tree = choose_tree(engine, top_k=4)
+    assert isinstance(tree, TreeConfig) and tree.top_k == 4
+    assert cached_tree(engine) == tree
+    assert len(list((tmp_path / "autotune").glob("*.json"))) == 1
+    with pytest.raises(ValueError, match="draft head"):
+        choose_tree(Engine(target))
