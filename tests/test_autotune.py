@@ -27,7 +27,8 @@ def _profile(verify_slope: float) -> Profile:
         depths += [d, d]
         scores += [-0.1 * d, -5.0 - d]
         chain.append(len(depths) - 2)
-    steps = ((tuple(depths), tuple(scores), tuple(chain)),)
+    # one step accepts the whole chain, three accept nothing: extra nodes pay off less and less
+    steps = ((tuple(depths), tuple(scores), tuple(chain)),) + ((tuple(depths), tuple(scores), (0,)),) * 3
     verify = {n: 0.05 + verify_slope * n for n in (2, 4, 8, 16, 32, 64)}
     return Profile(verify_s=verify, draft_s={d: 0.002 * d for d in range(1, 9)}, other_s=0.001,
                    steps=steps, top_k=2)
@@ -35,10 +36,10 @@ def _profile(verify_slope: float) -> Profile:
 
 def test_chooser_picks_larger_tree_when_verification_is_cheaper():
     cheap, _ = choose(_profile(verify_slope=0.0001))
-    costly, _ = choose(_profile(verify_slope=0.02))
+    costly, _ = choose(_profile(verify_slope=0.05))
     assert cheap.total_tokens > costly.total_tokens
     assert cheap == TreeConfig(depth=8, top_k=2, total_tokens=10)  # smallest size holding the chain
-    assert costly.total_tokens <= 4
+    assert costly.total_tokens == 2
 
 
 def test_choose_tree_measures_once_and_caches(tmp_path, monkeypatch):

@@ -1,0 +1,481 @@
+"""Benchmark: `python -m core.bench [--modes plain,eagle,hf,hf-lookup] [--out results.json] ...`.
+
+Every mode answers the same prompts on the SAME model object, dtype and torch threads:
+  plain      our decode loop without speculation (one target forward per token)
+  eagle      our decode loop with the EAGLE draft head and tree verification
+  hf         transformers' `model.generate` (greedy or sampled), what a user runs instead
+  hf-lookup  transformers' prompt-lookup decoding, `generate(prompt_lookup_num_tokens=k)`
+Prompts are MT-bench style: later turns are asked after the mode's OWN answer to the
+earlier ones. Each mode gets one warm-up generation, then the modes are interleaved per
+prompt (order rotated from prompt to prompt) so machine noise hits all of them alike.
+
+Words used in the results: `tokens` generated tokens; `seconds` wall time of the
+generation calls (prefill included, prompt templating excluded); `target_forwards` target
+model calls (hf modes: counted with a forward hook); `tau` tokens per target forward;
+`accepted_length_histogram` (eagle) tokens committed per speculative step, bonus included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.engine import Engine, EngineError
+from core.head import HeadLoadError, new_head
+from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError
+
+BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
+MODE_NAMES = ("plain", "eagle", "hf", "hf-lookup")
+ENGINE_MODES = ("plain", "eagle")
+WARMUP_TOKENS = 16
+
+
+class BenchError(ValueError):
+    """Bad benchmark input (prompt file, modes, settings); the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    tree_source: str = "manual"  # "manual", "auto", or why auto fell back to defaults
+    lookup_tokens: int = 10      # hf-lookup: prompt_lookup_num_tokens
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise BenchError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not (isinstance(self.lookup_tokens, int) and self.lookup_tokens >= 1):
+            raise BenchError(f"lookup_tokens must be an integer >= 1, got {self.lookup_tokens!r}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One answer (one turn) of one mode."""
+
+    output_ids: tuple[int, ...]
+    seconds: float
+    target_forwards: int
+    accepted_lengths: tuple[int, ...] = ()  # eagle: tokens committed per speculative step
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+
+
+# ---------------------------------------------------------------------------- prompts
+
+def _parse_prompt(obj, where: str) -> Prompt:
+    if not isinstance(obj, dict):
+        raise BenchError(f"{where}: expected a JSON object {{\"id\", \"category\", \"turns\"}}")
+    missing = [k for k in ("id", "category", "turns") if k not in obj]
+    if missing:
+        raise BenchError(f"{where}: missing field(s) {', '.join(missing)}")
+    turns = obj["turns"]
+    if not isinstance(turns, list) or not turns:
+        raise BenchError(f"{where}: \"turns\" must be a non-empty list of strings")
+    if not all(isinstance(t, str) and t.strip() for t in turns):
+        raise BenchError(f"{where}: every turn must be a non-empty string")
+    if not isinstance(obj["category"], str):
+        raise BenchError(f"{where}: \"category\" must be a string")
+    return Prompt(id=str(obj["id"]), category=obj["category"], turns=tuple(turns))
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Read a prompts file, one JSON object a line; blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchError(f"prompts file {path} does not exist")
+    prompts, seen = [], set()
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        prompt = _parse_prompt(obj, where)
+        if prompt.id in seen:
+            raise BenchError(f"{where}: duplicate prompt id {prompt.id!r}")
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    if not prompts:
+        raise BenchError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def parse_modes(modes: str | Sequence[str]) -> list[str]:
+    names = [m.strip() for m in modes.split(",")] if isinstance(modes, str) else list(modes)
+    unknown = [m for m in names if m not in MODE_NAMES]
+    if unknown or not names:
+        raise BenchError(f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                         f"choose from {', '.join(MODE_NAMES)}")
+    if len(set(names)) != len(names):
+        raise BenchError(f"a mode is listed twice in {','.join(names)}")
+    return names
+
+
+# ---------------------------------------------------------------------------- modes
+
+def _engine_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
+                     speculative: bool) -> Generation:
+    config = GenerationConfig(max_new_tokens=s.max_new_tokens, speculative=speculative, tree=s.tree,
+                              sampling=s.sampling, seed=seed)
+    tokens, lengths, split = [], [], [0.0, 0.0, 0.0]
+    forwards = 0
+    start = time.perf_counter()
+    for ev in engine.generate(ids, config):
+        tokens += ev.token_ids
+        forwards = ev.target_forwards
+        split = [split[0] + ev.draft_s, split[1] + ev.verify_s, split[2] + ev.other_s]
+        if ev.tree_size:  # a speculative step (the prefill and plain steps have none)
+            lengths.append(len(ev.token_ids))
+    seconds = time.perf_counter() - start
+    return Generation(tuple(tokens), seconds, forwards, tuple(lengths), *split)
+
+
+class _CountForwards:
+    """Counts calls of `model.forward` (what transformers' generate runs once per target call)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.count = model, 0
+
+    def __enter__(self) -> "_CountForwards":
+        self.handle = self.model.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, *_) -> None:
+        self.count += 1
+
+    def __exit__(self, *_) -> None:
+        self.handle.remove()
+
+
+def _truncate(ids: list[int], eos: Iterable[int], limit: int) -> tuple[int, ...]:
+    """Cut after the first eos and at `limit`, the engine's stop rules."""
+    eos = set(eos)
+    end = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
+    return tuple(ids[:min(end, limit)])
+
+
+def _hf_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
+                 lookup: int | None) -> Generation:
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    target, sp = engine.target, s.sampling
+    eos = list(target.eos_ids)
+    budget = min(s.max_new_tokens, target.max_context - len(ids))
+    sampled = {} if sp.greedy else {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}
+    config = HFGenerationConfig(max_new_tokens=budget, do_sample=not sp.greedy, eos_token_id=eos,
+                                pad_token_id=eos[0], prompt_lookup_num_tokens=lookup, **sampled)
+    x = torch.tensor([ids], device=target.device)
+    torch.manual_seed(seed)
+    with torch.inference_mode(), _CountForwards(target.model) as counter:
+        start = time.perf_counter()
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+        seconds = time.perf_counter() - start
+    return Generation(_truncate(out[0, len(ids):].tolist(), eos, budget), seconds, counter.count)
+
+
+Runner = Callable[[Engine, list[int], BenchSettings, int], Generation]
+MODES: dict[str, Runner] = {
+    "plain": functools.partial(_engine_generate, speculative=False),
+    "eagle": functools.partial(_engine_generate, speculative=True),
+    "hf": functools.partial(_hf_generate, lookup=None),
+    "hf-lookup": lambda engine, ids, s, seed: _hf_generate(engine, ids, s, seed, s.lookup_tokens),
+}
+
+
+def run_conversation(engine: Engine, prompt: Prompt, mode: str, s: BenchSettings, seed: int) -> list[Generation]:
+    """All turns of one prompt in one mode; each turn's history holds this mode's own answers."""
+    messages, answers = [], []
+    for t, turn in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": turn})
+        ids = engine.encode(messages)
+        if len(ids) >= engine.max_context:
+            raise BenchError(f"prompt {prompt.id!r}, turn {t + 1}: {len(ids)} tokens do not fit the "
+                             f"model's context of {engine.max_context}")
+        answers.append(MODES[mode](engine, ids, s, seed + t))
+        text = engine.target.tokenizer.decode(list(answers[-1].output_ids), skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+    return answers
+
+
+def mode_order(modes: Sequence[str], i: int) -> list[str]:
+    """Prompt i runs the modes rotated by i, so no mode always runs first (or last)."""
+    k = i % len(modes)
+    return list(modes[k:]) + list(modes[:k])
+
+
+def run_benchmark(engine: Engine, prompts: Sequence[Prompt], modes: str | Sequence[str],
+                  settings: BenchSettings = BenchSettings(), *, head_name: str | None = None,
+                  progress: bool = False) -> dict:
+    """Run every mode on every prompt (interleaved) and return the results dict (see module doc)."""
+    from tqdm import tqdm
+
+    modes = parse_modes(modes)
+    if "eagle" in modes and not engine.has_head:
+        raise BenchError("mode 'eagle' needs a draft head; load one (--head) or drop the mode")
+    if not prompts:
+        raise BenchError("no prompts to run")
+    load_before = os.getloadavg()[0]
+    if settings.warmup:
+        warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens))
+        for mode in modes:
+            MODES[mode](engine, engine.encode(prompts[0].turns[0]), warm, settings.seed)
+    runs: dict[str, list[list[Generation]]] = {m: [] for m in modes}
+    with tqdm(total=len(prompts) * len(modes), disable=not progress, file=sys.stderr, unit="run") as bar:
+        for i, prompt in enumerate(prompts):
+            for mode in mode_order(modes, i):
+                bar.set_description(f"{prompt.id} [{mode}]")
+                runs[mode].append(run_conversation(engine, prompt, mode, settings, settings.seed + 100 * i))
+                bar.update()
+    result = _header(engine, settings, head_name, prompts, (load_before, os.getloadavg()[0]))
+    result.update(_summaries(prompts, runs, settings.sampling.greedy))
+    return result
+
+
+# ---------------------------------------------------------------------------- results
+
+def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Sequence[Prompt],
+            load: tuple[float, float]) -> dict:
+    import transformers
+
+    return {
+        "model": engine.target.name,
+        "head": head_name or ("loaded" if engine.has_head else None),
+        "device": str(engine.target.device),
+        "dtype": str(engine.target.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
+                     "top_p": s.sampling.top_p, "top_k": s.sampling.top_k, "seed": s.seed,
+                     "tree": asdict(s.tree), "tree_source": s.tree_source, "lookup_tokens": s.lookup_tokens,
+                     "warmup": s.warmup, "prompts": len(prompts), "turns": sum(len(p.turns) for p in prompts),
+                     "order": "modes interleaved per prompt, rotated"},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "load_average_1min": {"start": round(load[0], 2), "end": round(load[1], 2)},
+    }
+
+
+def _mode_summary(mode: str, prompts: Sequence[Prompt], runs: list[list[Generation]]) -> dict:
+    flat = [g for turns in runs for g in turns]
+    tokens = sum(len(g.output_ids) for g in flat)
+    seconds = sum(g.seconds for g in flat)
+    forwards = sum(g.target_forwards for g in flat)
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "target_forwards": forwards, "tau": tokens / forwards,
+           "per_prompt": [{"id": p.id, "category": p.category, "tokens": sum(len(g.output_ids) for g in turns),
+                           "seconds": sum(g.seconds for g in turns),
+                           "target_forwards": sum(g.target_forwards for g in turns),
+                           "output_ids": [list(g.output_ids) for g in turns]}  # one list per turn
+                          for p, turns in zip(prompts, runs)]}
+    if mode in ENGINE_MODES:
+        out["time_split"] = {"draft_s": sum(g.draft_s for g in flat), "verify_s": sum(g.verify_s for g in flat),
+                             "other_s": sum(g.other_s for g in flat)}
+    if mode == "eagle":
+        lengths = [n for g in flat for n in g.accepted_lengths]
+        out["accepted_length_histogram"] = {str(n): lengths.count(n) for n in sorted(set(lengths))}
+        out["mean_accepted_length"] = sum(lengths) / len(lengths) if lengths else None
+    return out
+
+
+def _ratios(modes: dict, base: str) -> dict:
+    if base not in modes:
+        return {}
+    return {m: v["tokens_per_s"] / modes[base]["tokens_per_s"] for m, v in modes.items()}
+
+
+def _summaries(prompts: Sequence[Prompt], runs: dict[str, list[list[Generation]]], greedy: bool) -> dict:
+    modes = {m: _mode_summary(m, prompts, r) for m, r in runs.items()}
+    identical, agreement = {}, {}
+    if greedy and "plain" in runs:
+        ref = [[g.output_ids for g in turns] for turns in runs["plain"]]
+        for m, r in runs.items():
+            same = [[g.output_ids for g in turns] == want for turns, want in zip(r, ref)]
+            identical[m], agreement[m] = all(same), sum(same) / len(same)
+    return {"modes": modes, "speedup_vs_plain": _ratios(modes, "plain"), "speedup_vs_hf": _ratios(modes, "hf"),
+            "identical_to_plain": identical, "prompts_identical_to_plain": agreement}
+
+
+def write_results(result: dict, path: str | Path) -> Path:
+    """JSON with lists of ids kept on one line each."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2)
+    text = re.sub(r"\[[\d,\s]*\]", lambda m: json.dumps(json.loads(m.group(0))), text)
+    path.write_text(text + "\n")
+    return path
+
+
+def format_table(result: dict) -> str:
+    rows = [("mode", "tokens", "seconds", "tok/s", "fwd", "tau", "vs plain", "vs hf", "= plain")]
+    for m, v in result["modes"].items():
+        ratio = lambda key: f"{result[key][m]:.2f}x" if m in result[key] else "-"  # noqa: E731
+        same = result["identical_to_plain"].get(m)
+        rows.append((m, str(v["tokens"]), f"{v['seconds']:.1f}", f"{v['tokens_per_s']:.1f}",
+                     str(v["target_forwards"]), f"{v['tau']:.2f}", ratio("speedup_vs_plain"),
+                     ratio("speedup_vs_hf"), "-" if same is None else ("yes" if same else "NO")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    if "eagle" in result["modes"]:
+        split = result["modes"]["eagle"]["time_split"]
+        lines.append("eagle time: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in split.items()) +
+                     f"; accepted lengths {result['modes']['eagle']['accepted_length_histogram']}")
+    return "\n".join(lines)
+
+
+def write_plot(result: dict, path: str | Path) -> Path:
+    """Tokens/s per mode, and (with eagle) the accepted-length histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eagle = result["modes"].get("eagle")
+    fig, axes = plt.subplots(1, 2 if eagle else 1, figsize=(11 if eagle else 6, 4), squeeze=False)
+    names = list(result["modes"])
+    speeds = [result["modes"][m]["tokens_per_s"] for m in names]
+    ax = axes[0][0]
+    ax.bar(names, speeds, color=["tab:orange" if m == "eagle" else "tab:gray" for m in names])
+    for x, y in enumerate(speeds):
+        ax.annotate(f"{y:.1f}", (x, y), ha="center", va="bottom")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{result['model']} {result['dtype']}, {result['threads']} threads, "
+                 f"T={result['settings']['temperature']}", fontsize=9)
+    if eagle:
+        hist = eagle["accepted_length_histogram"]
+        ax = axes[0][1]
+        ax.bar([int(k) for k in hist], list(hist.values()), color="tab:orange")
+        ax.set_xlabel("tokens committed per step (accepted drafts + bonus)")
+        ax.set_ylabel("steps")
+        ax.set_title(f"eagle: tau {eagle['tau']:.2f} tokens per target forward", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def auto_tree(engine: Engine) -> tuple[TreeConfig, str]:
+    """The tree `core.autotune` fits to this machine; TreeConfig defaults until it exists."""
+    try:
+        from core.autotune import choose_tree
+    except ModuleNotFoundError as e:
+        if e.name != "core.autotune":
+            raise
+        return TreeConfig(), "auto unavailable (no core.autotune): TreeConfig defaults"
+    return choose_tree(engine), "auto"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m core.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", help=f"JSONL prompts file (default: built-in {BUILTIN_PROMPTS.name})")
+    p.add_argument("--modes", default="plain,eagle,hf,hf-lookup", help=f"comma-separated: {','.join(MODE_NAMES)}")
+    p.add_argument("--limit", type=int, help="only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", choices=("auto", "manual"), help="auto (default) unless --depth/--top-k/--total-tokens")
+    p.add_argument("--depth", type=int)
+    p.add_argument("--top-k", type=int, help="draft tree branching")
+    p.add_argument("--total-tokens", type=int, help="tree size incl. root")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="hf-lookup: prompt_lookup_num_tokens")
+    p.add_argument("--model", default=EMBEDDED)
+    p.add_argument("--head", default="default",
+                   help="folder or hub id; 'default' = shipped head; 'random' = untrained head (exact, slow)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--out", help="write results JSON here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    return p.parse_args(argv)
+
+
+def _tree_choice(a: argparse.Namespace) -> TreeConfig | None:
+    """The manual tree, or None for auto; refuses auto mixed with manual settings."""
+    given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
+             if v is not None}
+    if a.tree == "auto" and given:
+        raise BenchError("--tree auto chooses the tree itself; drop --depth/--top-k/--total-tokens")
+    return TreeConfig(**given) if given or a.tree == "manual" else None
+
+
+def load_engine(a: argparse.Namespace, need_head: bool) -> tuple[Engine, str | None]:
+    if not need_head:
+        return Engine.load(a.model, None, dtype=a.dtype, device=a.device), None
+    if a.head == "random":
+        engine = Engine.load(a.model, None, dtype=a.dtype, device=a.device)
+        head = new_head(engine.target.model.config, seed=0).to(engine.target.device, engine.target.dtype)
+        return Engine(engine.target, head.eval().requires_grad_(False)), "random (new_head seed 0)"
+    engine = Engine.load(a.model, a.head, dtype=a.dtype, device=a.device)
+    if not engine.has_head:
+        raise BenchError(f"mode 'eagle' needs a head and none is shipped at {DEFAULT_HEAD_DIR}; pass "
+                         "--head FOLDER, or --head random (exact output, low acceptance)")
+    return engine, str(DEFAULT_HEAD_DIR) if a.head == "default" else a.head
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        modes = parse_modes(a.modes)
+        prompts = load_prompts(a.prompts or BUILTIN_PROMPTS)
+        if a.limit is not None:
+            if a.limit < 1:
+                raise BenchError(f"--limit must be >= 1, got {a.limit}")
+            prompts = prompts[:a.limit]
+        sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
+        manual = _tree_choice(a)
+        settings = BenchSettings(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed,
+                                 lookup_tokens=a.lookup_tokens, warmup=not a.no_warmup)
+        if a.threads is not None:
+            if a.threads < 1:
+                raise BenchError(f"--threads must be >= 1, got {a.threads}")
+            torch.set_num_threads(a.threads)
+        engine, head_name = load_engine(a, "eagle" in modes)
+        if manual is not None:
+            tree, source = manual, "manual"
+        elif "eagle" in modes:
+            tree, source = auto_tree(engine)
+        else:
+            tree, source = TreeConfig(), "unused (no eagle mode)"
+        settings = replace(settings, tree=tree, tree_source=source)
+        result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True)
+    except (BenchError, ConfigError, EngineError, ModelLoadError, HeadLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["settings"]["prompts_file"] = str(a.prompts or BUILTIN_PROMPTS)
+    print(format_table(result))
+    if a.out:
+        print(f"results: {write_results(result, a.out)}")
+    if a.plot:
+        print(f"plot: {write_plot(result, a.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
