@@ -1,0 +1,167 @@
+"""Engine step events -> what the UI shows. Pure rendering; no decoding happens here.
+
+Words used below (the engine's): a *verification step* is one target forward over a draft
+tree; it commits `len(token_ids)` tokens, of which the first `draft_tokens` are *accepted
+draft* tokens and any remaining one is the *bonus* token the target adds itself. A plain
+step (and the prefill step) commits one target token. tau is the mean number of tokens
+committed per target forward.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+MAX_CHART_STEPS = 60  # the chart shows the latest steps; the JSON keeps them all
+DRAFT, BONUS, PLAIN = "accepted draft", "bonus (target)", "plain (target)"
+FINISH_TEXT = {"eos": "end of answer", "stop": "stop string", "length": "max new tokens reached",
+               "context": "context window full"}
+
+
+def flatten(content) -> str:
+    """Gradio gives message content as a string or a list of parts; the engine wants text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, (list, tuple)):
+        return "".join(flatten(part) for part in content)
+    return "" if content is None else str(content)
+
+
+def engine_messages(history: list[dict], system: str) -> list[dict]:
+    """UI history -> chat-template messages (plain strings, optional system prompt first)."""
+    msgs = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
+    return msgs + [{"role": m["role"], "content": flatten(m["content"])} for m in history]
+
+
+def trim_to_context(messages: list[dict], count_tokens, max_context: int, max_new_tokens: int):
+    """Drop the oldest user/assistant turns until the prompt and the answer fit the context.
+
+    Returns (messages, dropped_turns). The system prompt and the last user message always
+    stay; if even they do not fit the caller reports it (the engine would stop at once).
+    """
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    turns = messages[len(system):]
+    dropped = 0
+    while len(turns) > 1 and count_tokens(system + turns) + max_new_tokens > max_context:
+        cut = 1
+        while cut < len(turns) - 1 and turns[cut]["role"] != "user":
+            cut += 1  # drop a whole exchange so the history still alternates user/assistant
+        turns = turns[cut:]
+        dropped += 1
+    return system + turns, dropped
+
+
+@dataclass
+class AnswerView:
+    """Accumulates one answer's step events into text, per-step rows and running totals."""
+
+    mode: str  # "speculative" | "plain"
+    text: str = ""
+    rows: list[dict] = field(default_factory=list)
+    pieces: list[tuple[int, str, str]] = field(default_factory=list)  # (token id, text, kind)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    total_tokens: int = 0
+    target_forwards: int = 0
+    elapsed_s: float = 0.0
+    tree_size: int = 0
+    finish_reason: str | None = None
+    stopped: bool = False
+
+    def add(self, ev) -> None:
+        assert len(ev.token_ids) == len(ev.token_texts), "token texts must align with token ids"
+        extra_kind = BONUS if ev.tree_size > 0 else PLAIN
+        for i, (tid, piece) in enumerate(zip(ev.token_ids, ev.token_texts)):
+            self.pieces.append((int(tid), piece, DRAFT if i < ev.draft_tokens else extra_kind))
+        self.text += ev.text
+        self.rows.append({"step": len(self.rows) + 1, "tokens": len(ev.token_ids),
+                          "draft": ev.draft_tokens, "tree_size": ev.tree_size,
+                          "draft_ms": round(ev.draft_s * 1e3, 2), "verify_ms": round(ev.verify_s * 1e3, 2)})
+        self.draft_s += ev.draft_s
+        self.verify_s += ev.verify_s
+        self.other_s += ev.other_s
+        self.total_tokens, self.target_forwards, self.elapsed_s = ev.total_tokens, ev.target_forwards, ev.elapsed_s
+        if ev.tree_size:
+            self.tree_size = ev.tree_size
+        if ev.finished:
+            self.finish_reason = ev.finish_reason
+
+    @property
+    def tau(self) -> float:
+        return self.total_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def shares(self) -> tuple[float, float, float]:
+        """Fractions of the measured step time spent drafting, verifying, and elsewhere."""
+        total = self.draft_s + self.verify_s + self.other_s
+        if total <= 0:
+            return 0.0, 0.0, 0.0
+        return self.draft_s / total, self.verify_s / total, self.other_s / total
+
+    def frame(self) -> pd.DataFrame:
+        """Long format for a stacked bar chart: per step, accepted-draft and target tokens."""
+        recs = []
+        for r in self.rows[-MAX_CHART_STEPS:]:
+            target_kind = BONUS if r["tree_size"] > 0 else PLAIN
+            recs.append({"step": str(r["step"]), "tokens": r["draft"], "kind": DRAFT})
+            recs.append({"step": str(r["step"]), "tokens": r["tokens"] - r["draft"], "kind": target_kind})
+        return pd.DataFrame(recs, columns=["step", "tokens", "kind"])
+
+    def step_labels(self) -> list[str]:
+        """The chart's x order (steps are categories; their labels would sort as text)."""
+        return [str(r["step"]) for r in self.rows[-MAX_CHART_STEPS:]]
+
+    def summary(self) -> dict:
+        d, v, o = self.shares()
+        return {"mode": self.mode, "steps": len(self.rows), "tokens": self.total_tokens,
+                "target_forwards": self.target_forwards, "tau": round(self.tau, 3),
+                "tokens_per_s": round(self.tokens_per_s, 2), "elapsed_s": round(self.elapsed_s, 3),
+                "draft_share": round(d, 3), "verify_share": round(v, 3), "other_share": round(o, 3),
+                "tree_size": self.tree_size, "finish_reason": self.finish_reason, "stopped": self.stopped,
+                "per_step": self.rows}
+
+    def stats_markdown(self) -> str:
+        d, v, o = self.shares()
+        end = "stopped by you" if self.stopped else FINISH_TEXT.get(self.finish_reason or "", "streaming…")
+        tree = f" · tree {self.tree_size} nodes" if self.mode == "speculative" else ""
+        return (f"**τ {self.tau:.2f}** tokens per target forward · **{self.tokens_per_s:.1f} tok/s** · "
+                f"{self.total_tokens} tokens in {self.elapsed_s:.1f} s\n\n"
+                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.mode} · {end}")
+
+    def highlight_html(self) -> str:
+        """The answer token by token, coloured by origin. A separate panel, so markdown and
+        code in the chat are never broken; text is escaped and whitespace kept."""
+        spans = []
+        for tid, piece, kind in self.pieces:
+            cls = {DRAFT: "tok-draft", BONUS: "tok-bonus"}.get(kind, "tok-plain")
+            spans.append(f'<span class="{cls}" title="id {tid} · {kind}">{html.escape(piece)}</span>')
+        legend = ('<div class="tok-legend"><span class="tok-draft">accepted draft</span> '
+                  '<span class="tok-bonus">bonus token</span> <span class="tok-plain">plain decoding</span></div>')
+        return f'{legend}<div class="tok-view">{"".join(spans)}</div>'
+
+
+def empty_frame() -> pd.DataFrame:
+    """A zero-height placeholder holding every kind: Gradio fixes the chart's colour legend
+    from the first value it renders, so an empty first frame would draw no bars later."""
+    return pd.DataFrame({"step": ["1"] * 3, "tokens": [0] * 3, "kind": [DRAFT, BONUS, PLAIN]})
+
+
+def compare_markdown(plain: AnswerView, spec: AnswerView, greedy: bool) -> str:
+    speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else 0.0
+    if greedy:
+        same = "**identical** ✓" if plain.text == spec.text else "**different** ✗ (unexpected for greedy)"
+    else:
+        same = "not compared (sampling: answers differ by design)"
+    return (f"| | plain | speculative |\n|---|---|---|\n"
+            f"| tokens/s | {plain.tokens_per_s:.1f} | {spec.tokens_per_s:.1f} |\n"
+            f"| target forwards | {plain.target_forwards} | {spec.target_forwards} |\n"
+            f"| τ | {plain.tau:.2f} | {spec.tau:.2f} |\n\n"
+            f"**Speed-up: {speedup:.2f}×** · answers: {same}")

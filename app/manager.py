@@ -1,0 +1,226 @@
+"""The model manager: which engine serves, downloading targets and heads with byte-level
+progress, and switching models (the old engine keeps serving until the new one is ready,
+then it is freed).
+
+Loading itself is core's (`Engine.load` via the injected `loader`); this module only
+orchestrates and reports.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm as base_tqdm
+
+from app.state import ModelChoice, remember
+from core.models import (CATALOGUE, EMBEDDED, EMBEDDED_HUB_ID, CatalogueEntry, ModelLoadError, catalogue_entry,
+                         download)
+
+CUSTOM = "Custom (hub id or local folder)"
+POLL_S = 0.2
+
+
+class ByteRecorder:
+    """A thread-safe record of the byte progress bars huggingface_hub opens.
+
+    snapshot_download updates its byte bars from worker threads, so the UI cannot rely on
+    tqdm tracking; it polls `snapshot()` from the event thread instead.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bars: list = []
+
+    def tqdm_class(self):
+        recorder = self
+
+        class RecordingTqdm(base_tqdm):
+            # a plain tqdm subclass: huggingface_hub passes it no `name`/`disable` and we stay silent
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("file", io.StringIO())
+                kwargs["disable"] = False
+                super().__init__(*args, **kwargs)
+                if self.unit == "B":
+                    with recorder._lock:
+                        recorder._bars.append(self)
+
+        return RecordingTqdm
+
+    def snapshot(self) -> tuple[int, int]:
+        """(bytes done, bytes total) of the byte bar that has advanced furthest."""
+        with self._lock:
+            bars = [(int(b.n), int(b.total or 0)) for b in self._bars]
+        return max(bars, default=(0, 0))
+
+
+def download_with_progress(repo_id: str, on_progress, *, endpoint: str | None = None,
+                           allow_patterns: list[str] | None = None) -> Path:
+    """core.models.download in a worker thread, reporting (done, total) bytes every POLL_S.
+
+    Raises ModelLoadError (gated, missing, offline, disk full) from the worker unchanged.
+    """
+    recorder = ByteRecorder()
+    result: dict = {}
+
+    def work():
+        try:
+            result["path"] = download(repo_id, allow_patterns=allow_patterns, endpoint=endpoint,
+                                      tqdm_class=recorder.tqdm_class())
+        except BaseException as e:  # handed to the caller's thread below
+            result["error"] = e
+
+    worker = threading.Thread(target=work, name=f"download {repo_id}", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(POLL_S)
+        on_progress(*recorder.snapshot())
+    on_progress(*recorder.snapshot())
+    if "error" in result:
+        raise result["error"]
+    return result["path"]
+
+
+def is_hub_id(name: str | None) -> bool:
+    if not name or name in ("default", EMBEDDED, EMBEDDED_HUB_ID):
+        return False
+    return not Path(name).expanduser().exists() and not name.startswith((".", "/", "~")) and name.count("/") == 1
+
+
+def is_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_disk_space(repo_id: str) -> None:
+    """Refuse at once, with numbers, a catalogue download that cannot fit on the disk.
+
+    Only catalogue targets have a known size (16-bit checkpoints, 2 bytes per parameter);
+    anything else relies on core.models.download's disk-full error.
+    """
+    from huggingface_hub import constants
+
+    entry = catalogue_entry(repo_id)
+    if entry is None or entry.target == EMBEDDED or is_cached(repo_id):
+        return
+    folder = Path(constants.HF_HUB_CACHE)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    need, free = entry.params_billion * 2e9, shutil.disk_usage(folder).free
+    if free < need * 1.05:
+        raise ModelLoadError(f"not enough disk space for {repo_id}: about {need / 1e9:.0f} GB needed, "
+                             f"{free / 1e9:.1f} GB free under {folder}. Free some space or point HF_HOME "
+                             "at a bigger disk, then retry (a partial download resumes)")
+
+
+def catalogue_frame() -> pd.DataFrame:
+    rows = []
+    for e in CATALOGUE:
+        embedded = e.target == EMBEDDED
+        rows.append({"model": e.key, "target": EMBEDDED_HUB_ID if embedded else e.target,
+                     "EAGLE head": "ours (assets/)" if embedded else e.head,
+                     "params": f"{e.params_billion:g} B",
+                     "memory 16-bit": f"{e.memory_gb(False):g} GB", "memory 4-bit": f"{e.memory_gb(True):g} GB",
+                     "gated": "yes (token)" if e.gated else "no",
+                     "downloaded": "built in" if embedded else ("yes" if is_cached(e.target) else "no")})
+    return pd.DataFrame(rows)
+
+
+def catalogue_choice(key: str) -> CatalogueEntry | None:
+    return next((e for e in CATALOGUE if e.key == key), None)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A model asked for in the manager tab, before anything is fetched or loaded."""
+
+    choice: ModelChoice
+
+    @classmethod
+    def parse(cls, key: str, custom_target: str, custom_head: str, dtype: str, device: str,
+              four_bit: bool) -> "Request":
+        entry = catalogue_choice(key)
+        if entry is not None:
+            head = "default" if entry.target == EMBEDDED else entry.head
+            return cls(ModelChoice(entry.target, head, dtype, device, bool(four_bit)))
+        target = (custom_target or "").strip()
+        if not target:
+            raise ModelLoadError("enter a hub id (owner/name) or a local folder for the target model")
+        head = (custom_head or "").strip() or None
+        return cls(ModelChoice(target, head, dtype, device, bool(four_bit)))
+
+    def hub_ids(self) -> list[str]:
+        """Repos this request would download (local folders and the embedded model need none)."""
+        return [r for r in (self.choice.model, self.choice.head) if is_hub_id(r)]
+
+
+class ModelManager:
+    """Owns the serving engine. `loader` is `Engine.load` (injected so tests can count loads)."""
+
+    def __init__(self, loader, choice: ModelChoice, engine=None, *, endpoint: str | None = None):
+        self.loader = loader
+        self.endpoint = endpoint if endpoint is not None else os.environ.get("HF_ENDPOINT")
+        self.choice = choice
+        self.engine = engine if engine is not None else self._load(choice)
+        self._switch_lock = threading.Lock()
+
+    def _load(self, choice: ModelChoice):
+        return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype,
+                           device=choice.device, load_in_4bit=choice.load_in_4bit)
+
+    def download(self, request: Request, on_progress) -> list[Path]:
+        """Fetch (or resume) every hub repo of the request; on_progress(repo, done, total)."""
+        paths = []
+        for repo in request.hub_ids():
+            check_disk_space(repo)
+        for repo in request.hub_ids():
+            paths.append(download_with_progress(repo, lambda n, t, r=repo: on_progress(r, n, t),
+                                                endpoint=self.endpoint))
+        return paths
+
+    def switch(self, request: Request):
+        """Load the requested model, then swap it in and free the old one.
+
+        If loading fails the old engine stays in place and serving; the error propagates.
+        """
+        with self._switch_lock:
+            new = self._load(request.choice)
+            old, self.engine, self.choice = self.engine, new, request.choice
+            del old  # the last reference unless an answer is still streaming from it
+            free_memory()
+            remember(self.choice)
+            return new
+
+    def status_markdown(self) -> str:
+        e = self.engine
+        head = ("EAGLE head loaded: speculation available" if e.has_head
+                else "no EAGLE head: plain decoding only")
+        return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens")
+
+
+def free_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def progress_text(repo: str, done: int, total: int, started: float) -> str:
+    rate = done / max(time.monotonic() - started, 1e-6)
+    return f"{repo}: {format_bytes(done)} / {format_bytes(total)} ({format_bytes(int(rate))}/s)"

@@ -1,0 +1,98 @@
+"""Small pieces of app state that are not the model: who may do what, the last model used,
+and turning the UI's raw control values into a validated `GenerationConfig`.
+
+Parsing only: every range check lives in core.config, so a bad value is refused with the
+same message as in the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.models import EMBEDDED, cache_home
+
+LAST_MODEL_FILE = "last_model.json"
+
+
+@dataclass(frozen=True)
+class Access:
+    """What visitors may do. A public link without a password must not let strangers make the
+    server read arbitrary local paths or fill its disk, so model switching is closed then."""
+
+    shared: bool = False
+    authenticated: bool = False
+
+    @property
+    def can_manage_models(self) -> bool:
+        return not self.shared or self.authenticated
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Everything needed to (re)load a model; remembered between launches."""
+
+    model: str = EMBEDDED
+    head: str | None = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    load_in_4bit: bool = False
+
+    def describe(self) -> str:
+        head = ("no head" if self.head is None else "its default head" if self.head == "default"
+                else f"head `{self.head}`")
+        quant = ", 4-bit" if self.load_in_4bit else ""
+        return f"`{self.model}` with {head} ({self.dtype}, {self.device}{quant})"
+
+
+def last_model_path() -> Path:
+    return cache_home() / LAST_MODEL_FILE
+
+
+def remember(choice: ModelChoice) -> None:
+    """Best effort: a read-only cache dir must not stop the app."""
+    path = last_model_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(choice), indent=2))
+    except OSError:
+        pass
+
+
+def recall() -> ModelChoice | None:
+    """The last model that loaded successfully, or None when unknown or unreadable."""
+    try:
+        data = json.loads(last_model_path().read_text())
+        return ModelChoice(model=str(data["model"]), head=data.get("head"),
+                           dtype=str(data.get("dtype", "float32")), device=str(data.get("device", "cpu")),
+                           load_in_4bit=bool(data.get("load_in_4bit", False)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth, top_k,
+                      tree_size, seed=None) -> GenerationConfig:
+    """The chat controls -> a GenerationConfig (raises ConfigError with the setting's name).
+
+    Sliders arrive as floats (or None from an API caller); integers are rounded, not truncated.
+    """
+    def as_int(v, name):
+        if v is None:
+            raise ConfigError(f"{name} is missing")
+        try:
+            return int(round(float(v)))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{name} must be a number, got {v!r}") from e
+
+    tree = TreeConfig(depth=as_int(depth, "tree depth"), top_k=as_int(top_k, "top-k"),
+                      total_tokens=as_int(tree_size, "tree size"))
+    try:
+        sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"temperature and top-p must be numbers ({e})") from e
+    return GenerationConfig(max_new_tokens=as_int(max_new_tokens, "max new tokens"),
+                            speculative=bool(speculative), tree=tree, sampling=sampling, seed=seed)

@@ -1,0 +1,162 @@
+"""The Blocks layout and its wiring. Handlers live in app.session; rendering in app.chat."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.chat import empty_frame
+from app.manager import CUSTOM, ModelManager, catalogue_frame
+from app.session import Handlers
+from app.state import Access
+from core.config import GenerationConfig, TreeConfig
+from core.models import CATALOGUE
+
+CSS = """
+.tok-view { max-height: 320px; overflow-y: auto; white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 0.9em; line-height: 1.6; }
+.tok-draft { background: #bbf7d0; color: #14532d; border-radius: 3px; }
+.tok-bonus { background: #fed7aa; color: #7c2d12; border-radius: 3px; }
+.tok-plain { background: #e5e7eb; color: #111827; border-radius: 3px; }
+.tok-legend span { padding: 1px 6px; margin-right: 6px; font-size: 0.85em; }
+#notice p { color: #b45309; }
+"""
+HEADER = ("# eagle-chat\nLocal chat with lossless EAGLE speculative decoding: a small draft head "
+          "guesses a tree of tokens, the model checks them all in one pass, and the answer is exactly "
+          "what the model alone would write — only faster.")
+
+
+class App:
+    """The built demo plus a banner the launcher can set after launch (share-link status)."""
+
+    def __init__(self, demo: gr.Blocks, handlers: Handlers):
+        self.demo = demo
+        self.handlers = handlers
+        self.banner = ""
+
+
+def build(manager: ModelManager, access: Access = Access()) -> App:
+    h = Handlers(manager, access)
+    tree, gen = TreeConfig(), GenerationConfig()
+    has_head = manager.engine.has_head
+    with gr.Blocks(title="eagle-chat", analytics_enabled=False) as demo:
+        app = App(demo, h)
+        gr.Markdown(HEADER)
+        status = gr.Markdown(manager.status_markdown(), elem_id="status")
+        banner = gr.Markdown(elem_id="banner")
+        with gr.Tabs():
+            with gr.Tab("Chat"):
+                with gr.Row():
+                    with gr.Column(scale=3):
+                        chatbot = gr.Chatbot(label="Conversation", height=430, elem_id="chatbot",
+                                             buttons=["copy"], feedback_options=None,
+                                             placeholder="Ask anything. Speculation settings are on the right.")
+                        notice = gr.Markdown(elem_id="notice")
+                        with gr.Row():
+                            box = gr.Textbox(placeholder="Message (Enter to send)", show_label=False,
+                                             scale=6, elem_id="message", autofocus=True)
+                            send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                        with gr.Row():
+                            stop = gr.Button("Stop", elem_id="stop")
+                            regen = gr.Button("Regenerate", elem_id="regenerate")
+                            clear = gr.Button("Clear", elem_id="clear")
+                        system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2)
+                    with gr.Column(scale=2):
+                        spec = gr.Checkbox(has_head, label="Speculative decoding (EAGLE)", interactive=has_head,
+                                           elem_id="speculative",
+                                           info="Greyed out when the model has no EAGLE head.")
+                        depth = gr.Slider(1, 16, tree.depth, step=1, label="Tree depth", elem_id="depth")
+                        with gr.Accordion("Advanced speculation", open=False):
+                            top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k")
+                            tree_size = gr.Slider(2, 96, tree.total_tokens, step=1, label="Tree size (nodes verified)",
+                                                  elem_id="tree-size")
+                        chart = gr.BarPlot(empty_frame(), x="step", y="tokens", color="kind",
+                                           title="Tokens committed per verification step",
+                                           y_lim=[0, tree.depth + 1], height=230, elem_id="chart",
+                                           color_map={"accepted draft": "#16a34a", "bonus (target)": "#f97316",
+                                                      "plain (target)": "#6b7280"})
+                        stats = gr.Markdown(elem_id="stats")
+                        highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts")
+                        tokens = gr.HTML(elem_id="tokens")
+                        with gr.Accordion("Sampling", open=False, elem_id="sampling"):
+                            temperature = gr.Slider(0, 2, gen.sampling.temperature, step=0.05,
+                                                    label="Temperature (0 = greedy)", elem_id="temperature")
+                            top_p = gr.Slider(0.05, 1, gen.sampling.top_p, step=0.05, label="Top-p", elem_id="top-p")
+                            max_new = gr.Slider(1, 2048, gen.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new")
+                        with gr.Accordion("Raw numbers", open=False):
+                            stats_json = gr.JSON(label="This answer", elem_id="stats-json")
+            with gr.Tab("Side by side"):
+                gr.Markdown("One prompt, answered plain and then with speculation on the same model, "
+                            "with the sampling and tree settings of the Chat tab.")
+                with gr.Row():
+                    prompt = gr.Textbox(show_label=False, placeholder="Prompt", scale=6, elem_id="compare-prompt")
+                    run = gr.Button("Compare", variant="primary", scale=1)
+                    stop2 = gr.Button("Stop", scale=1)
+                with gr.Row():
+                    plain_out = gr.Markdown(elem_id="plain-answer")
+                    spec_out = gr.Markdown(elem_id="spec-answer")
+                summary = gr.Markdown(elem_id="compare-summary")
+                with gr.Accordion("Raw numbers", open=False):
+                    compare_json = gr.JSON(label="Numbers")
+            with gr.Tab("Models"):
+                models_tab(h, manager, access, status, spec)
+
+        settings = [temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight]
+        history = gr.State([])
+        outs = [chatbot, history, box, chart, stats, stats_json, tokens, notice]
+        # one generation at a time on the shared engine, whichever button started it
+        lane = dict(concurrency_id="engine", concurrency_limit=1)
+        chat_args = dict(fn=h.respond, inputs=[box, history, system] + settings, outputs=outs, **lane)
+        send.click(api_name="chat", **chat_args)
+        box.submit(api_visibility="private", **chat_args)
+        regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate", **lane)
+        stop.click(h.stop, None, None, queue=False, api_name="stop")
+        clear.click(h.clear, None, outs, api_name="clear", queue=False)
+        run.click(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
+                               [plain_out, spec_out, summary, compare_json], api_name="compare", **lane)
+        stop2.click(h.stop, None, None, queue=False, api_visibility="private")
+        demo.load(lambda: h.page_load(app.banner), None, [status, banner, spec], api_visibility="private")
+    return app
+
+
+def models_tab(h: Handlers, manager: ModelManager, access: Access, status, spec) -> None:
+    allowed = access.can_manage_models
+    gr.Markdown("Targets with their EAGLE heads. One click downloads (resumable, with progress) and "
+                "switches; the current model keeps answering until the new one is ready.")
+    if not allowed:
+        gr.Markdown("Locked: this app is shared by a public link without a password: downloads, local "
+                    "folders and model switching are disabled.", elem_id="locked")
+    table = gr.Dataframe(catalogue_frame(), interactive=False, label="Catalogue", wrap=True)
+    keys = [e.key for e in CATALOGUE] + [CUSTOM]
+    with gr.Row():
+        key = gr.Dropdown(keys, value=keys[0], label="Model", interactive=allowed, scale=2)
+        dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=manager.choice.dtype, label="dtype",
+                            interactive=allowed)
+        device = gr.Dropdown(devices(), value=manager.choice.device, label="Device", interactive=allowed)
+        four_bit = gr.Checkbox(manager.choice.load_in_4bit, label="4-bit (nf4)", interactive=allowed,
+                               info="Default for 7B+ models on CUDA")
+    with gr.Row():
+        target = gr.Textbox(label="Custom target: hub id (owner/name) or local folder", interactive=allowed)
+        head = gr.Textbox(label="Custom EAGLE head: hub id or local folder (optional)", interactive=allowed)
+    with gr.Row():
+        dl = gr.Button("Download", interactive=allowed)
+        load = gr.Button("Download & switch", variant="primary", interactive=allowed)
+    result = gr.Markdown(elem_id="model-result")
+    inputs = [key, target, head, dtype, device, four_bit]
+    dl.click(h.download, inputs, [result, table], api_name="download")
+    load.click(h.load, inputs, [result, status, spec, table], api_name="load_model")
+    key.change(lambda k, d: gr.Checkbox(value=d == "cuda" and k != keys[0]), [key, device], four_bit,
+               api_visibility="private")
+
+
+def devices() -> list[str]:
+    import torch
+
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def launch(app: App, *, port: int | None, share: bool, auth: tuple[str, str] | None, inbrowser: bool):
+    """Start serving without blocking; returns (local_url, share_url or None)."""
+    app.demo.queue(default_concurrency_limit=1)
+    app.demo.launch(server_name="127.0.0.1", server_port=port, share=share, auth=auth, inbrowser=inbrowser,
+                    prevent_thread_lock=True, css=CSS, theme=gr.themes.Soft(), quiet=True,
+                    footer_links=["api", "settings"])
+    return app.demo.local_url, app.demo.share_url

@@ -1,0 +1,119 @@
+"""Start the eagle-chat UI: `python launcher.py` (see --help).
+
+Loads the embedded SmolLM2 with its EAGLE head (or the model used last time), serves the
+Gradio app on 127.0.0.1 and opens the browser. A public share link is created only with
+--share; with --share and no --auth, visitors cannot download or switch models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launcher.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", help="target: 'smollm2' (embedded), a hub id (owner/name) or a local "
+                   "folder [default: the last model used, else smollm2]")
+    p.add_argument("--head", help="EAGLE head: hub id or local folder; 'default' = our head for the "
+                   "embedded model, the catalogue's head for a catalogue model; 'none' = plain decoding "
+                   "only [default: 'default']")
+    p.add_argument("--port", type=int, default=None, help="local port [default: 7860 or the next free one]")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    p.add_argument("--share", action="store_true", help="also create a public Gradio link (off by default)")
+    p.add_argument("--auth", metavar="USER:PASS", help="require this login (recommended with --share)")
+    p.add_argument("--load-in-4bit", action="store_true", help="load the target in 4-bit nf4 (bitsandbytes)")
+    p.add_argument("--device", default=None, help="cpu or cuda [default: cpu, or the last one used]")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 [default: float32]")
+    args = p.parse_args(argv)
+    if args.auth is not None:
+        user, sep, password = args.auth.partition(":")
+        if not (user and sep and password):
+            p.error("--auth must look like USER:PASS (both non-empty)")
+        args.auth = (user, password)
+    if args.port is not None and not 1 <= args.port <= 65535:
+        p.error(f"--port must be in 1..65535, got {args.port}")
+    return args
+
+
+def choose(args):
+    """The model to start with: flags win; otherwise the last model used; otherwise SmolLM2."""
+    from app.state import ModelChoice, recall
+
+    from core.models import EMBEDDED, catalogue_entry
+
+    base = recall() if args.model is None else None
+    base = base or ModelChoice()
+    head = args.head if args.head is not None else ("default" if args.model is not None else base.head)
+    entry = catalogue_entry(args.model or base.model)
+    if head == "default" and entry is not None and entry.target != EMBEDDED:
+        head = entry.head  # a catalogue target comes with its published EAGLE head
+    return ModelChoice(model=args.model or base.model, head=None if head == "none" else head,
+                       dtype=args.dtype or base.dtype, device=args.device or base.device,
+                       load_in_4bit=args.load_in_4bit or (base.load_in_4bit and args.model is None))
+
+
+def start_manager(args):
+    from app.manager import ModelManager
+    from app.session import LOAD_ERRORS
+    from app.state import ModelChoice, remember
+    from core.engine import Engine
+
+    choice = choose(args)
+    if choice.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("error: --device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    print(f"Loading {choice.describe()} …", flush=True)
+    try:
+        manager = ModelManager(Engine.load, choice)
+    except LOAD_ERRORS as e:
+        if args.model is not None or args.head is not None or choice == ModelChoice():
+            sys.exit(f"error: {e}")
+        print(f"The last model used could not be loaded ({e}); starting the embedded SmolLM2.", flush=True)
+        try:
+            manager = ModelManager(Engine.load, ModelChoice())
+        except LOAD_ERRORS as e2:
+            sys.exit(f"error: {e2}")
+    remember(manager.choice)
+    return manager
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from app.state import Access
+    from app.ui import build, launch
+
+    manager = start_manager(args)
+    app = build(manager, Access(shared=args.share, authenticated=args.auth is not None))
+    try:
+        local_url, share_url = launch(app, port=args.port, share=args.share, auth=args.auth,
+                                      inbrowser=not args.no_browser)
+    except OSError as e:
+        sys.exit(f"error: cannot serve on port {args.port}: {e}")
+    print(f"eagle-chat is running at {local_url}", flush=True)
+    if args.share and share_url:
+        print(f"Public link: {share_url}", flush=True)
+        if args.auth is None:
+            print("Anyone with the link can chat; downloads and model switching are disabled "
+                  "(use --auth USER:PASS to allow them).", flush=True)
+    elif args.share:
+        app.banner = ("Notice: the public share link could not be created (no internet connection to Gradio's "
+                      "share servers?). The app is serving locally only.")
+        print("Notice: could not create a public share link (offline?). Serving locally only at "
+              f"{local_url}", flush=True)
+    try:
+        app.demo.block_thread()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.demo.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The running app on the real SmolLM2 (with a seeded random EAGLE head), driven through
+gradio_client like any API user, and through Debian's chromium with pip's playwright."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.app_server import CHROMIUM, ROOT, Launched, free_port, isolated_home, random_head
+from tests.test_app_launcher import browser_spy
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a helpful assistant."
+# greedy, 16 new tokens, a small tree: the random head accepts little, so keep verification cheap
+FAST = dict(temperature=0.0, top_p=1.0, max_new=16, depth=2, top_k=2, tree_size=4)
+
+
+def chat_args(message, *, spec=True, highlight=True, **over):
+    s = {**FAST, **over}
+    return (message, SYSTEM, s["temperature"], s["top_p"], s["max_new"], spec, s["depth"], s["top_k"],
+            s["tree_size"], highlight)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The app as a user starts it, with a spy standing in for the web browser it opens."""
+    tmp = tmp_path_factory.mktemp("live")
+    head = random_head(tmp / "head")
+    spy_env, opened = browser_spy(tmp)
+    app = Launched(["--port", str(free_port()), "--head", str(head)], env={**isolated_home(tmp), **spy_env})
+    app.opened = opened
+    yield app
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def app_url(launched):
+    return launched.url
+
+
+def test_launcher_serves_on_the_port_and_opens_the_browser(launched):
+    assert "Loading `smollm2` with head" in launched.output
+    deadline = time.monotonic() + 10
+    while not launched.opened.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launched.opened.read_text().split() == [launched.url]
+
+
+@pytest.fixture()
+def client(app_url):
+    from gradio_client import Client
+
+    return Client(app_url, verbose=False)
+
+
+def stream(client, *args, api_name="/chat"):
+    job = client.submit(*args, api_name=api_name)
+    updates = [out for out in job]
+    return updates, job.result()
+
+
+def test_chat_streams_with_per_step_stats(client):
+    updates, (chat, _box, chart, stats_md, stats, tokens_html, notice) = stream(
+        client, *chat_args("What is the capital of France?"))
+    answer = chat[-1]["content"][0]["text"]
+    texts = [u[0][-1]["content"][0]["text"] if u[0][-1]["content"] else "" for u in updates]
+    assert len(updates) >= 4 and len(set(texts)) >= 3, "the answer must arrive in several pieces"
+    assert "Paris" in answer
+    assert stats["mode"] == "speculative" and stats["steps"] == len(stats["per_step"]) >= 2
+    assert sum(r["tokens"] for r in stats["per_step"]) == stats["tokens"]
+    assert all(0 < r["tree_size"] <= 4 for r in stats["per_step"][1:]), "every step after prefill verifies a tree"
+    assert stats["tau"] >= 1.0 and stats["tokens_per_s"] > 0 and stats["draft_share"] > 0
+    assert len(chart["value"]["data"]) == 2 * stats["steps"], "chart: draft and target part of every step"
+    assert "τ" in stats_md and "tok/s" in stats_md
+    assert tokens_html.count("<span class=\"tok-") == stats["tokens"] + 3  # tokens + legend
+
+
+def test_toggle_switches_mode_and_output_is_identical(client, app_url):
+    from gradio_client import Client
+
+    _, spec_out = stream(client, *chat_args("Name a fruit.", spec=True))
+    _, plain_out = stream(Client(app_url, verbose=False), *chat_args("Name a fruit.", spec=False))
+    spec_stats, plain_stats = spec_out[4], plain_out[4]
+    assert spec_stats["mode"] == "speculative" and plain_stats["mode"] == "plain"
+    assert all(r["tree_size"] == 0 and r["tokens"] == 1 for r in plain_stats["per_step"])
+    assert plain_stats["tau"] == 1.0 and plain_stats["draft_share"] == 0
+    assert spec_out[0][-1]["content"] == plain_out[0][-1]["content"], "greedy speculation must be lossless"
+    _, follow_up = stream(client, *chat_args("And a vegetable?", spec=False))
+    assert len(follow_up[0]) == 4, "the second message continues the same conversation"
+    assert follow_up[4]["mode"] == "plain", "the toggle applies to the next message"
+
+
+def test_stop_regenerate_clear_and_bad_input(client):
+    from gradio_client.exceptions import AppError
+
+    job = client.submit(*chat_args("Write a long story about a dragon.", spec=False, max_new=400), api_name="/chat")
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped_at = time.monotonic()
+    client.predict(api_name="/stop")
+    out = job.result()
+    assert out[4]["stopped"] and out[4]["tokens"] < 60, "Stop must end the answer within a step or two"
+    assert time.monotonic() - stopped_at < 10
+    assert "Stopped" in out[6]
+    _, again = stream(client, *chat_args("Say hello.", spec=False))
+    assert again[4]["finish_reason"] in ("eos", "length") and len(again[0]) == 4
+    _, regen = stream(client, *chat_args("ignored", spec=True)[1:], api_name="/regenerate")
+    assert regen[0] == again[0] and regen[4]["mode"] == "speculative", "regenerate replaces the last answer"
+    with pytest.raises(AppError, match="Type a message"):
+        client.predict(*chat_args("   "), api_name="/chat")
+    with pytest.raises(AppError, match="less than minimum"):  # the slider's own range check
+        client.predict(*chat_args("hi", top_p=0.0), api_name="/chat")
+    _, kept = stream(client, *chat_args("Thanks!", spec=False, max_new=4))
+    assert len(kept[0]) == 6, "errors never lose the conversation"
+    job = client.submit(*chat_args("Tell me everything about France.", spec=False, max_new=400), api_name="/chat")
+    while len(job.outputs()) < 3 and time.monotonic() < deadline + 60:
+        time.sleep(0.05)
+    cleared = client.predict(api_name="/clear")
+    assert cleared[0] == [] and cleared[3] == ""
+    assert job.result(timeout=30)[0] == [], "Clear stops a streaming answer, which then shows the empty chat"
+    _, fresh = stream(client, *chat_args("Hi", spec=False, max_new=4))
+    assert len(fresh[0]) == 2, "after Clear the conversation starts over"
+
+
+def test_side_by_side_reports_identical_greedy_answers(client):
+    s = FAST
+    updates, (plain_md, spec_md, summary, data) = stream(
+        client, "Name three colors.", SYSTEM, s["temperature"], s["top_p"], s["max_new"], s["depth"],
+        s["top_k"], s["tree_size"], api_name="/compare")
+    assert len(updates) > 4
+    assert data["identical"] is True and "identical" in summary
+    assert data["plain"]["tokens_per_s"] > 0 and data["speculative"]["tokens_per_s"] > 0
+    assert data["speedup"] == pytest.approx(
+        data["speculative"]["tokens_per_s"] / data["plain"]["tokens_per_s"], rel=0.02)
+    assert data["plain"]["mode"] == "plain" and 0 < data["speculative"]["tree_size"] <= 4
+    assert plain_md.split("\n\n", 1)[1] == spec_md.split("\n\n", 1)[1]
+
+
+def test_model_management_is_open_locally(client):
+    msg, _ = client.predict("SmolLM2-135M-Instruct (embedded)", "", "", "float32", "cpu", False,
+                            api_name="/download")
+    assert "Nothing to download" in msg
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium is not installed")
+def test_browser_chat_chart_and_toggle(app_url):
+    from playwright.sync_api import sync_playwright
+
+    shot = ROOT / "test-artifacts" / "app.png"
+    shot.parent.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(app_url)
+            bars = page.locator("#chart .mark-rect path")
+            bars.first.wait_for(state="attached", timeout=30_000)
+            placeholder = bars.count()
+            set_number(page, "#sampling", "#max-new", FAST["max_new"])
+            page.locator("#depth input[type=number]").fill(str(FAST["depth"]))
+            page.locator("#depth input[type=number]").press("Enter")
+            page.locator("#message textarea").fill("What is the capital of France?")
+            page.locator("#send").click()
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('speculative')"
+                                   " && /end of answer|max new tokens/.test(document.querySelector('#stats').innerText)",
+                                   timeout=90_000)
+            assert "Paris" in page.locator("#chatbot").inner_text()
+            assert bars.count() > placeholder, "the chart draws a bar per step"
+            assert page.locator("#tokens .tok-view .tok-bonus").count() > 0, "speculative steps end in a bonus token"
+            page.screenshot(path=str(shot), full_page=True)
+            page.locator("#speculative input[type=checkbox]").uncheck()
+            page.locator("#message textarea").fill("And of Italy?")
+            page.locator("#message textarea").press("Enter")  # Enter sends, like the button
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('plain')"
+                                   " && /end of answer|max new tokens/.test(document.querySelector('#stats').innerText)",
+                                   timeout=90_000)
+            view = page.locator("#tokens .tok-view")
+            assert view.locator(".tok-plain").count() > 1 and view.locator(".tok-bonus").count() == 0
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+
+
+def set_number(page, accordion: str, slider: str, value: int) -> None:
+    box = page.locator(f"{slider} input[type=number]")
+    if not box.is_visible():
+        page.locator(accordion).get_by_text("Sampling").first.click()
+    box.fill(str(value))
+    box.press("Enter")

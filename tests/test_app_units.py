@@ -1,0 +1,135 @@
+"""Fast checks of the app's pure parts: event rendering, context trimming, settings parsing,
+the remembered model, the access policy and the launcher's argument parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.chat import BONUS, DRAFT, PLAIN, AnswerView, compare_markdown, engine_messages, flatten, trim_to_context
+from app.state import Access, ModelChoice, generation_config, recall, remember
+from core.config import ConfigError
+from core.engine import StepEvent
+
+
+def event(ids, texts, draft, tree, *, total, forwards, elapsed, finished=False, reason=None,
+          draft_s=0.01, verify_s=0.03, other_s=0.0):
+    return StepEvent(token_ids=tuple(ids), draft_tokens=draft, text="".join(texts), token_texts=tuple(texts),
+                     tree_size=tree, draft_s=draft_s, verify_s=verify_s, other_s=other_s, finished=finished,
+                     finish_reason=reason, total_tokens=total, target_forwards=forwards, elapsed_s=elapsed)
+
+
+def spec_answer() -> AnswerView:
+    view = AnswerView("speculative")
+    view.add(event([10], ["Hi"], 0, 0, total=1, forwards=1, elapsed=0.1, draft_s=0.0))  # prefill
+    view.add(event([11, 12, 13], [" <b>", "```", "x"], 2, 8, total=4, forwards=2, elapsed=0.3))  # 2 draft + bonus
+    view.add(event([14], ["!"], 0, 8, total=5, forwards=3, elapsed=0.5, finished=True, reason="eos"))  # bonus only
+    return view
+
+
+def test_answer_view_classifies_tokens_by_id_and_position():
+    view = spec_answer()
+    assert view.text == "Hi <b>```x!"
+    assert [(tid, kind) for tid, _, kind in view.pieces] == [
+        (10, PLAIN), (11, DRAFT), (12, DRAFT), (13, BONUS), (14, BONUS)]
+    assert view.tau == pytest.approx(5 / 3) and view.tokens_per_s == pytest.approx(10.0)
+    d, v, o = view.shares()
+    assert (d, v, o) == pytest.approx((0.02 / 0.11, 0.09 / 0.11, 0.0))
+    assert view.finish_reason == "eos" and view.tree_size == 8
+    frame = view.frame()
+    assert frame.to_dict("records")[2:4] == [{"step": "2", "tokens": 2, "kind": DRAFT},
+                                             {"step": "2", "tokens": 1, "kind": BONUS}]
+    assert view.step_labels() == ["1", "2", "3"]
+    summary = view.summary()
+    assert summary["per_step"][1] == {"step": 2, "tokens": 3, "draft": 2, "tree_size": 8,
+                                      "draft_ms": 10.0, "verify_ms": 30.0}
+
+
+def test_highlight_is_escaped_and_separate_from_the_markdown_answer():
+    html = spec_answer().highlight_html()
+    assert "<b>" not in html.split("tok-view")[1] and "&lt;b&gt;" in html
+    assert html.count('class="tok-draft"') == 2 + 1  # two tokens + legend
+    assert 'title="id 13 · bonus (target)"' in html
+    assert "```" in spec_answer().text, "the chat keeps the raw markdown, fences intact"
+
+
+def test_compare_summary_flags_identity_only_for_greedy():
+    a, b = spec_answer(), spec_answer()
+    assert "identical" in compare_markdown(a, b, greedy=True)
+    b.text += "?"
+    assert "different" in compare_markdown(a, b, greedy=True)
+    assert "not compared" in compare_markdown(a, b, greedy=False)
+
+
+def test_messages_are_flattened_and_trimmed_oldest_first():
+    history = [{"role": "user", "content": [{"type": "text", "text": "a" * 40}]},
+               {"role": "assistant", "content": "b" * 40},
+               {"role": "user", "content": "c" * 40},
+               {"role": "assistant", "content": [{"type": "text", "text": "d"}, {"type": "text", "text": "e"}]},
+               {"role": "user", "content": "now"}]
+    msgs = engine_messages(history, "  be brief ")
+    assert msgs[0] == {"role": "system", "content": "be brief"} and msgs[4]["content"] == "de"
+    count = lambda ms: sum(len(m["content"]) for m in ms)  # one "token" per character
+    kept, dropped = trim_to_context(msgs, count, max_context=70, max_new_tokens=10)
+    assert dropped == 1 and [m["role"] for m in kept] == ["system", "user", "assistant", "user"]
+    assert kept[1]["content"] == "c" * 40
+    kept, dropped = trim_to_context(msgs, count, max_context=20, max_new_tokens=10)
+    assert dropped == 2 and kept == [msgs[0], msgs[-1]], "system prompt and last message always stay"
+    assert trim_to_context(msgs, count, 10_000, 10) == (msgs, 0)
+    assert flatten(None) == "" and flatten({"text": "x"}) == "x"
+
+
+def test_generation_config_parses_sliders_and_refuses_bad_values():
+    cfg = generation_config(max_new_tokens=24.0, temperature=0, top_p=1, speculative=True, depth=3.0,
+                            top_k=4.4, tree_size=10)
+    assert (cfg.max_new_tokens, cfg.tree.depth, cfg.tree.top_k, cfg.tree.total_tokens) == (24, 3, 4, 10)
+    assert cfg.sampling.greedy and cfg.speculative
+    with pytest.raises(ConfigError, match="top_p"):
+        generation_config(max_new_tokens=8, temperature=0, top_p=0, speculative=True, depth=3, top_k=4, tree_size=10)
+    with pytest.raises(ConfigError, match="tree depth"):
+        generation_config(max_new_tokens=8, temperature=0, top_p=1, speculative=True, depth=None, top_k=4,
+                          tree_size=10)
+    with pytest.raises(ConfigError, match="max new tokens must be a number"):
+        generation_config(max_new_tokens="many", temperature=0, top_p=1, speculative=True, depth=2, top_k=4,
+                          tree_size=10)
+
+
+def test_last_model_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "home"))
+    assert recall() is None
+    choice = ModelChoice("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "bfloat16", "cuda", True)
+    remember(choice)
+    assert recall() == choice
+    (tmp_path / "home" / "last_model.json").write_text("{not json")
+    assert recall() is None
+
+
+def test_public_link_without_password_closes_model_management():
+    from app.session import Handlers
+    import gradio as gr
+
+    assert Access().can_manage_models and Access(shared=True, authenticated=True).can_manage_models
+    locked = Handlers(manager=None, access=Access(shared=True))
+    for call in (locked.download, locked.load):
+        with pytest.raises(gr.Error, match="disabled on a public link"):
+            call("Custom (hub id or local folder)", "/etc", "", "float32", "cpu", False)
+
+
+def test_launcher_arguments(tmp_path, monkeypatch):
+    import launcher
+
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
+    args = launcher.parse_args(["--port", "7999", "--auth", "me:secret", "--no-browser", "--share"])
+    assert (args.port, args.auth, args.no_browser, args.share) == (7999, ("me", "secret"), True, True)
+    assert launcher.choose(args) == ModelChoice()  # nothing remembered: the embedded model + our head
+    for bad in (["--auth", "nopassword"], ["--auth", ":x"], ["--port", "70000"]):
+        with pytest.raises(SystemExit):
+            launcher.parse_args(bad)
+    (tmp_path / "last_model.json").write_text(json.dumps({"model": "/some/folder", "head": None,
+                                                          "dtype": "bfloat16", "device": "cpu"}))
+    assert launcher.choose(launcher.parse_args([])) == ModelChoice("/some/folder", None, "bfloat16", "cpu")
+    explicit = launcher.choose(launcher.parse_args(["--model", "smollm2", "--head", "none", "--dtype", "bf16"]))
+    assert explicit == ModelChoice("smollm2", None, "bf16", "cpu")
+    vicuna = launcher.choose(launcher.parse_args(["--model", "lmsys/vicuna-7b-v1.3", "--load-in-4bit"]))
+    assert vicuna == ModelChoice("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "float32", "cpu", True)
