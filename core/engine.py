@@ -19,9 +19,9 @@ from typing import Iterator, Sequence
 import torch
 
 from core import cache as kv
-from core.config import GenerationConfig
+from core.config import GenerationConfig, TreeConfig
 from core.head import EagleHead, HeadCache, HeadLoadError, additive, load_head
-from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, load_target, resolve
+from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, load_target, resolve
 from core.tree import DraftTree, Drafter, catch_up, draft
 from core.verify import Verification, sample, target_probs, verify_greedy, verify_sampled
 
@@ -73,6 +73,13 @@ def prefill(model, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor
     return features, model.lm_head(features[-1:])[0]
 
 
+def default_head(model: str) -> str | None:
+    if model == EMBEDDED:
+        return str(DEFAULT_HEAD_DIR) if DEFAULT_HEAD_DIR.is_dir() else None
+    entry = catalogue_entry(model)
+    return entry.head if entry else None
+
+
 class _Detokenizer:
     """Incremental, UTF-8 safe text from token ids; a piece is held back while incomplete."""
 
@@ -93,6 +100,7 @@ class Engine:
                  draft_vocab: torch.Tensor | None = None):
         self.target = target
         self.head = head
+        self.default_tree = TreeConfig()  # Engine.load replaces it with the tuned tree, if cached
         model = target.model
         self.drafter = None
         if head is not None:
@@ -104,15 +112,21 @@ class Engine:
     @classmethod
     def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype="float32",
              device: str = "cpu", load_in_4bit: bool = False) -> "Engine":
+        """Load a target and its head. head="default": the shipped head for the embedded
+        model, the catalogue's head for a catalogue target, else none (plain decoding only)."""
         target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
         if head == "default":
-            head = str(DEFAULT_HEAD_DIR) if model == EMBEDDED and DEFAULT_HEAD_DIR.is_dir() else None
+            head = default_head(model)
         if head is None:
             return cls(target)
-        folder = Path(head) if Path(head).expanduser().exists() else resolve(
+        folder = Path(head).expanduser() if Path(head).expanduser().exists() else resolve(
             head, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
         module, vocab = load_head(folder, target.model.config, dtype=target.dtype, device=device)
-        return cls(target, module, vocab)
+        engine = cls(target, module, vocab)
+        from core.autotune import cached_tree  # autotune builds on the engine
+
+        engine.default_tree = cached_tree(engine) or engine.default_tree
+        return engine
 
     @property
     def has_head(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.engine import Engine, EngineError
@@ -21,9 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--depth", type=int, default=TreeConfig.depth)
-    p.add_argument("--top-k", type=int, default=TreeConfig.top_k, help="draft tree branching")
-    p.add_argument("--total-tokens", type=int, default=TreeConfig.total_tokens, help="tree size incl. root")
+    p.add_argument("--depth", type=int, default=None, help="tree depth (default: tuned for this machine)")
+    p.add_argument("--top-k", type=int, default=None, help="draft tree branching")
+    p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. root")
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = shipped head")
     p.add_argument("--dtype", default="float32")
@@ -36,12 +37,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        config = GenerationConfig(
-            max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
-            tree=TreeConfig(depth=a.depth, top_k=a.top_k, total_tokens=a.total_tokens),
-            sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p))
+        sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
+        given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
+                 if v is not None}
+        TreeConfig(**given)  # refuse bad values before the model loads
         engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, device=a.device,
                              load_in_4bit=a.load_in_4bit)
+        tree = replace(engine.default_tree, **given)
+        config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
+                                  tree=tree, sampling=sampling)
         last = None
         for last in engine.generate(a.prompt, config):
             sys.stdout.write(last.text)
