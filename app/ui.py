@@ -8,7 +8,7 @@ from app.chat import empty_frame
 from app.manager import CUSTOM, ModelManager, catalogue_frame
 from app.session import Handlers
 from app.state import Access
-from core.config import GenerationConfig, TreeConfig
+from core.config import GenerationConfig
 from core.models import CATALOGUE
 
 CSS = """
@@ -35,7 +35,7 @@ class App:
 
 def build(manager: ModelManager, access: Access = Access()) -> App:
     h = Handlers(manager, access)
-    tree, gen = TreeConfig(), GenerationConfig()
+    tree, gen = manager.engine.default_tree, GenerationConfig()  # the tuned tree when cached
     has_head = manager.engine.has_head
     with gr.Blocks(title="eagle-chat", analytics_enabled=False) as demo:
         app = App(demo, h)
