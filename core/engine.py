@@ -58,7 +58,7 @@ def forward_tree(model, tree: DraftTree, cache, committed: int) -> tuple[torch.T
     context length plus its depth. The forward appends n entries to `cache`.
     """
     device = tree.tokens.device
-    allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask()], 1)
+    allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask], 1)
     dtype = model.get_input_embeddings().weight.dtype
     out = model.model(input_ids=tree.tokens[None], attention_mask=additive(allowed, dtype),
                       position_ids=tree.positions(committed)[None], cache=cache, use_cache=True)

@@ -12,6 +12,7 @@ come in the head's order of preference (most likely first).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,9 @@ class DraftTree:
     def size(self) -> int:
         return self.tokens.shape[0]
 
+    @functools.cached_property
     def mask(self) -> torch.Tensor:
+        """bool (n, n): mask[i, j] iff node j is node i or one of its ancestors."""
         return ancestor_mask(self.parents)
 
     def positions(self, offset: int) -> torch.Tensor:

@@ -68,10 +68,10 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verification:
     pred = logits.argmax(-1)  # (n,)
     match = tree.tokens == pred[tree.parents.clamp(min=0)]  # (n,)
     match[0] = True
-    accepted = (tree.mask() & ~match[None, :]).sum(-1) == 0  # (n,) all ancestors match
+    accepted = (tree.mask & ~match[None, :]).sum(-1) == 0  # (n,) all ancestors match
     depth = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
     last = int(depth.argmax())
-    path = tree.mask()[last].nonzero().flatten()  # ancestors of `last`, topological order
+    path = tree.mask[last].nonzero().flatten()  # ancestors of `last`, topological order
     tokens = tree.tokens[path[1:]].tolist() + [int(pred[last])]
     return Verification(path=tuple(path.tolist()), tokens=tuple(tokens))
 

@@ -117,7 +117,7 @@ def test_tree_masked_forward_equals_sequential(dtype, tol):
     model.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
     _, logits = forward_tree(model, tree, cache, len(prompt))
     for i in range(tree.size):
-        path = tree.mask()[i].nonzero().flatten()
+        path = tree.mask[i].nonzero().flatten()
         seq = model(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, -1]
         assert torch.allclose(logits[i], seq, atol=tol), i
 

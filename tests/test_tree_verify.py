@@ -32,7 +32,7 @@ def test_mask_positions_parents_literal():
         [1, 0, 1, 0, 0, 1, 0],
         [1, 1, 0, 1, 0, 0, 1],
     ], dtype=torch.bool)
-    assert torch.equal(tree.mask(), expected)
+    assert torch.equal(tree.mask, expected)
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert tree.positions(100).tolist() == [100, 101, 101, 102, 102, 102, 103]
     assert tree.parents.tolist() == PARENTS
