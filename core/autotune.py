@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from core import cache as kv
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
-from core.head import HeadCache
+from core.head import HeadCache, HeadLoadError
 from core.models import cache_home
 from core.tree import catch_up, draft, tree_from_parents
 
@@ -38,6 +39,7 @@ CALIBRATION_PROMPTS = (
 )
 SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 DEPTHS = tuple(range(1, 9))
+TREE_FILE = "tree.json"  # beside a head: the tree tuned on the machine that trained it
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,15 @@ def cached_tree(engine: Engine) -> TreeConfig | None:
         return None
 
 
+def shipped_tree(head_folder) -> TreeConfig | None:
+    """The tree tuned where the head was trained (`tree.json` beside the head), if any."""
+    path = Path(head_folder) / TREE_FILE
+    try:
+        return TreeConfig(**json.loads(path.read_text())) if path.is_file() else None
+    except (ValueError, TypeError) as e:
+        raise HeadLoadError(f"{path} is not a valid tree setting: {e}") from e
+
+
 def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeConfig:
     """Measure (or reuse) the cost and acceptance profile and return the fastest tree."""
     if not engine.has_head:
@@ -187,3 +198,37 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeCo
                                 "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
                                                     for d in DEPTHS for n in SIZES}}, indent=1))
     return tree
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m core.autotune",
+                                description="Measure this machine and choose the fastest draft tree.")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--head", default="default")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--ship", action="store_true", help=f"also write the choice to {TREE_FILE} beside the head")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    engine = Engine.load(a.model, a.head, dtype=a.dtype, device=a.device)
+    tree = choose_tree(engine, top_k=a.top_k, refresh=True)
+    report = json.loads(_path(engine).read_text())
+    print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} "
+          f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s)")
+    print("target ms per call:", {n: round(1000 * s, 1) for n, s in report["verify_s"].items()})
+    print("draft ms per depth:", {d: round(1000 * s, 1) for d, s in report["draft_s"].items()})
+    if a.ship:
+        from core.engine import default_head
+
+        folder = Path(a.head if a.head != "default" else default_head(a.model))
+        (folder / TREE_FILE).write_text(json.dumps(asdict(tree)) + "\n")
+        print(f"wrote {folder / TREE_FILE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -123,9 +123,9 @@ class Engine:
             head, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
         module, vocab = load_head(folder, target.model.config, dtype=target.dtype, device=device)
         engine = cls(target, module, vocab)
-        from core.autotune import cached_tree  # autotune builds on the engine
+        from core.autotune import cached_tree, shipped_tree  # autotune builds on the engine
 
-        engine.default_tree = cached_tree(engine) or engine.default_tree
+        engine.default_tree = cached_tree(engine) or shipped_tree(folder) or engine.default_tree
         return engine
 
     @property

@@ -53,3 +53,15 @@ def test_choose_tree_measures_once_and_caches(tmp_path, monkeypatch):
     assert len(list((tmp_path / "autotune").glob("*.json"))) == 1
     with pytest.raises(ValueError, match="draft head"):
         choose_tree(Engine(target))
+
+
+def test_shipped_tree_beside_head(tmp_path):
+    from core.autotune import shipped_tree
+    from core.head import HeadLoadError
+
+    assert shipped_tree(tmp_path) is None
+    (tmp_path / "tree.json").write_text('{"depth": 5, "top_k": 6, "total_tokens": 16}')
+    assert shipped_tree(tmp_path) == TreeConfig(5, 6, 16)
+    (tmp_path / "tree.json").write_text('{"depth": 0, "top_k": 6, "total_tokens": 16}')
+    with pytest.raises(HeadLoadError, match="tree depth must be"):
+        shipped_tree(tmp_path)
