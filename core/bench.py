@@ -365,10 +365,14 @@ def write_plot(result: dict, path: str | Path) -> Path:
     if eagle:
         hist = eagle["accepted_length_histogram"]
         ax = axes[0][1]
-        ax.bar([int(k) for k in hist], list(hist.values()), color="tab:orange")
+        lengths = [int(k) for k in hist]
+        ax.bar(lengths, list(hist.values()), color="tab:orange")
+        ax.set_xticks(range(1, max(lengths, default=1) + 1))
         ax.set_xlabel("tokens committed per step (accepted drafts + bonus)")
         ax.set_ylabel("steps")
-        ax.set_title(f"eagle: tau {eagle['tau']:.2f} tokens per target forward", fontsize=9)
+        tree = result["settings"]["tree"]
+        ax.set_title(f"eagle: tau {eagle['tau']:.2f} tokens per target forward; tree depth {tree['depth']}, "
+                     f"top-k {tree['top_k']}, {tree['total_tokens']} tokens", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
