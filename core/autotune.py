@@ -86,7 +86,7 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES) -> tuple[TreeConfig, fl
         if d not in profile.draft_s:
             continue
         for n in sizes:
-            if n - 1 > profile.top_k + (d - 1) * profile.top_k ** 2:
+            if n < 2 or n - 1 > profile.top_k + (d - 1) * profile.top_k ** 2:
                 continue  # more nodes than the tree can have
             step = profile.draft_s[d] + interpolate(profile.verify_s, n) + profile.other_s
             rate = expected_tokens(profile.steps, d, n) / step
@@ -112,7 +112,7 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 3)
     with torch.inference_mode():
         features, _ = prefill(model, ids, cache)
         verify = {}
-        for n in tqdm(SIZES, desc="target cost per call", leave=False):
+        for n in tqdm((1,) + SIZES, desc="target cost per call", leave=False):  # 1 = plain decoding
             tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)))
 
             def call():
@@ -220,6 +220,9 @@ def main(argv=None) -> None:
     report = json.loads(_path(engine).read_text())
     print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} "
           f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s)")
+    plain = 1.0 / (report["verify_s"]["1"] + report["other_s"])
+    print(f"plain decoding: predicted {plain:.1f} tokens/s"
+          + ("  -> speculation does not pay with this head on this machine" if plain > report["predicted_tokens_per_s"] else ""))
     print("target ms per call:", {n: round(1000 * s, 1) for n, s in report["verify_s"].items()})
     print("draft ms per depth:", {d: round(1000 * s, 1) for d, s in report["draft_s"].items()})
     if a.ship:
