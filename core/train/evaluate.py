@@ -8,8 +8,10 @@ accepted draft path reached depth d. Draft top-1/top-3 per depth on held-out *fe
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -70,14 +72,36 @@ def summarize(results: list[PromptResult], max_depth: int) -> list[CategoryRepor
     return out
 
 
-def evaluate_engine(engine, prompts: list[Prompt], config: GenerationConfig) -> list[PromptResult]:
-    results = []
-    bar = tqdm(prompts, unit="prompt", desc="eval")
-    for p in bar:
-        results.append(run_prompt(engine, p, config))
-        pooled = sum(r.tokens for r in results) / max(sum(r.forwards for r in results), 1)
+def evaluate_engine(engine, prompts: list[Prompt], config: GenerationConfig,
+                    log: Path | None = None) -> list[PromptResult]:
+    """Run every prompt; with `log`, each result is appended as a JSON line as it finishes
+    and prompts already in the log are not rerun (a rerun resumes)."""
+    done = _read_log(log) if log else {}
+    results = [done[p.id] for p in prompts if p.id in done]
+    bar = tqdm(prompts, unit="prompt", desc="eval", initial=len(results))
+    for p in (p for p in prompts if p.id not in done):
+        r = run_prompt(engine, p, config)
+        results.append(r)
+        if log:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(asdict(r)) + "\n")
+        pooled = sum(x.tokens for x in results) / max(sum(x.forwards for x in results), 1)
+        bar.update(1)
         bar.set_postfix(tau=f"{pooled:.2f}")
+    bar.close()
     return results
+
+
+def _read_log(log: Path) -> dict[str, PromptResult]:
+    out = {}
+    if log.is_file():
+        for line in log.read_text(encoding="utf-8").splitlines():
+            try:
+                d = json.loads(line)
+                out[d["id"]] = PromptResult(**{**d, "accepted_draft": tuple(d["accepted_draft"])})
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
 
 
 def pick_prompts(prompts: list[Prompt], per_category: int) -> list[Prompt]:

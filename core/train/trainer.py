@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from core.head import EagleHead, additive, load_head, save_head
+from core.train.data import DataError
 from core.train.features import Sequence
 
 STATE_FILE = "trainer_state.pt"
@@ -87,6 +88,17 @@ class StepMetrics:
     top1: tuple[float, ...]  # per depth: head top-1 == target greedy token
     top3: tuple[float, ...]
     count: tuple[int, ...]  # rows scored per depth
+
+
+def frequent_tokens(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary: the `size` tokens most frequent in the training answers
+    (ties to the lower id), as ascending target ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s.input_ids[s.loss_mask], minlength=vocab_size)
+    size = min(size, int((counts > 0).sum()))
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
 
 
 def collate(seqs: list[Sequence]) -> Batch:
@@ -232,27 +244,60 @@ class TrainResult:
 
 
 def save_checkpoint(folder: Path, head: EagleHead, draft_vocab: torch.Tensor, opt, step: int,
-                    elapsed: float, cfg: TrainConfig) -> None:
+                    elapsed: float, cfg: TrainConfig, samples: int) -> None:
     """Head in the published layout + trainer state; the state file is replaced atomically
     last, so a crash mid-save leaves the previous (head, state) pair or a newer head."""
     save_head(head, folder, draft_vocab=draft_vocab)
     tmp = folder / (STATE_FILE + ".partial")
-    torch.save({"step": step, "elapsed": elapsed, "optimizer": opt.state_dict(),
+    torch.save({"step": step, "elapsed": elapsed, "samples": samples, "optimizer": opt.state_dict(),
                 "rng": torch.get_rng_state(), "config": {k: str(v) for k, v in asdict(cfg).items()}}, tmp)
     tmp.rename(folder / STATE_FILE)
 
 
-def resume(folder: Path, head: EagleHead, opt, target_config) -> tuple[int, float]:
+def resume(folder: Path, head: EagleHead, opt, target_config, samples: int) -> tuple[int, float]:
     """Load (head weights, optimizer, RNG) from `folder` if it holds a checkpoint -> (step, elapsed)."""
     if not (folder / STATE_FILE).is_file():
         return 0, 0.0
+    state = torch.load(folder / STATE_FILE, weights_only=True)
+    if int(state.get("samples", -1)) != samples:
+        raise DataError(f"the checkpoint in {folder} was trained on {state.get('samples')} sequences, "
+                        f"this data has {samples}: resuming would repeat or skip samples. "
+                        "Delete the checkpoint folder to start afresh")
     loaded, _ = load_head(folder, target_config)
     head.load_state_dict(loaded.state_dict(), strict=True)
-    state = torch.load(folder / STATE_FILE, weights_only=True)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     print(f"train: resuming from {folder} at step {state['step']}", flush=True)
     return int(state["step"]), float(state["elapsed"])
+
+
+class EpochOrder:
+    """Batch k of epoch e is a pure function of (seed, e, k): a resumed run trains on exactly
+    the batches an uninterrupted one would have, from the step it stopped at."""
+
+    def __init__(self, seqs: list[Sequence], batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = len(seqs), batch_size, seed
+        self.lengths = [len(s.input_ids) for s in seqs]
+        self.per_epoch = len(self._epoch(0))
+        self._cache: tuple[int, list[list[int]]] = (0, self._epoch(0))
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        return schedule(self.seed + epoch, self.n, self.batch_size, self.lengths)
+
+    def batch(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.per_epoch)
+        if self._cache[0] != epoch:
+            self._cache = (epoch, self._epoch(epoch))
+        return self._cache[1][k]
+
+
+def optimizer_step(head: EagleHead, opt, loss: torch.Tensor, lr: float, clip: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), clip)
+    opt.step()
 
 
 def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, ckpt: Path,
@@ -260,28 +305,18 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
     """Train `head` in place on `seqs`, checkpointing to `ckpt` (resumed from there if present)."""
     head.train().requires_grad_(True)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    step, elapsed0 = resume(ckpt, head, opt, target_config)
-    lengths = [len(s.input_ids) for s in seqs]
-    per_epoch = len(schedule(cfg.seed, len(seqs), cfg.batch_size, lengths))
-    total = math.ceil(cfg.epochs * per_epoch)
+    step, elapsed0 = resume(ckpt, head, opt, target_config, len(seqs))
+    order = EpochOrder(seqs, cfg.batch_size, cfg.seed)
+    total = math.ceil(cfg.epochs * order.per_epoch)
     stop_at = total if cfg.max_steps is None else min(total, cfg.max_steps)
     t0, last_ckpt = time.time() - elapsed0, time.time()
     history, seen, window = [], [], []
     bar = tqdm(total=stop_at, initial=step, unit="step", desc="train")
-    while step < stop_at:
-        elapsed = time.time() - t0
-        if cfg.minutes and elapsed > cfg.minutes * 60:
-            break
-        epoch, k = divmod(step, per_epoch)
-        idx = schedule(cfg.seed + epoch, len(seqs), cfg.batch_size, lengths)[k]
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * lr_factor(cfg, step, total, elapsed)
+    while step < stop_at and not (cfg.minutes and time.time() - t0 > cfg.minutes * 60):
+        idx = order.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             loss, metrics = step_loss(head, fz, collate([seqs[i] for i in idx]), cfg, cfg.noise)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
+        optimizer_step(head, opt, loss, cfg.lr * lr_factor(cfg, step, total, time.time() - t0), cfg.grad_clip)
         step += 1
         seen.append(tuple(idx))
         window.append(metrics)
@@ -292,14 +327,14 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
                             lr=f"{opt.param_groups[0]['lr']:.1e}")
             window = []
         if time.time() - last_ckpt > cfg.ckpt_every_s:
-            save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg)
+            save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs))
             last_ckpt = time.time()
-            if val:
+            if val:  # held-out accuracy one depth beyond the trained ones
                 print(f"\nstep {step}: {format_accuracy(evaluate_features(head, fz, val, cfg.unroll + 1))}",
                       flush=True)
                 head.train()
     bar.close()
-    save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg)
+    save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs))
     head.eval().requires_grad_(False)
     return TrainResult(step, time.time() - t0, tuple(history), tuple(seen), step >= total)
 

