@@ -270,7 +270,7 @@ class _Run:
             self.n_out += 1
             if tok in self.eos:
                 reason = "eos"
-            elif self.stop_hit(pieces):
+            elif self.stop_hit():
                 reason = "stop"
             elif self.n_out >= self.budget:
                 reason = self.budget_reason
@@ -285,7 +285,7 @@ class _Run:
                          finish_reason=reason, total_tokens=self.n_out, target_forwards=self.forwards,
                          elapsed_s=now - self.start)
 
-    def stop_hit(self, pieces: list[str]) -> bool:
+    def stop_hit(self) -> bool:
         tail = self.detok.text[-(max((len(s) for s in self.cfg.stop_strings), default=0) + 64):]
         return any(s in tail for s in self.cfg.stop_strings)
 

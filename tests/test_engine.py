@@ -253,3 +253,18 @@ def test_every_tree_setting_grid_small(engine):
     for depth, top_k, total in itertools.product((1, 3, 8), (1, 4, 10), (2, 17, 64)):
         spec, _ = run(engine, PROMPTS[3], GenerationConfig(max_new_tokens=16, tree=TreeConfig(depth, top_k, total)))
         assert spec == ref, (depth, top_k, total)
+
+
+def test_reduced_draft_vocabulary_stays_lossless(target):
+    """Drafting over a subset of the vocabulary is only a proposal: output is unchanged,
+    and every drafted token comes from the subset."""
+    vocab = torch.arange(4, 60)  # excludes every token id >= 60 and the specials
+    head = random_head(target)
+    eng = Engine(target, head, draft_vocab=vocab)
+    drafted = []
+    record = lambda tree, result: drafted.extend(tree.tokens[1:].tolist())
+    for prompt in PROMPTS:
+        cfg = GenerationConfig(max_new_tokens=24, tree=TreeConfig(4, 4, 12))
+        spec = [t for ev in eng.generate(prompt, cfg, on_step=record) for t in ev.token_ids]
+        assert spec == plain_ids(eng, prompt)
+    assert drafted and set(drafted) <= set(vocab.tolist())
