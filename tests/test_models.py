@@ -73,3 +73,29 @@ def test_unreachable_hub_fails_fast_with_clear_message():
     with pytest.raises(ModelLoadError, match="cannot reach the Hugging Face hub|not found on the hub"):
         resolve("eagle-chat-tests/definitely-not-a-model", allow_patterns=["config.json"])
     assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_llama_family_targets_exact(tmp_path, family):
+    """Qwen2 (attention biases) and Mistral load through the same loader and stay exact."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, cfg_cls = {"qwen2": (Qwen2ForCausalLM, Qwen2Config), "mistral": (MistralForCausalLM, MistralConfig)}[family]
+    torch.manual_seed(0)
+    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, eos_token_id=0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    tiny_target().tokenizer.save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), dtype="float64")
+    assert target.model.config.model_type == family
+    engine = Engine(target, random_head(target))
+    for prompt in ([5, 9, 17, 33], [7, 8, 9]):
+        ref = target.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                    eos_token_id=0)[0, len(prompt):].tolist()
+        assert greedy(engine, prompt, False, 20) == ref
+        assert greedy(engine, prompt, True, 20) == ref
