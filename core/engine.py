@@ -190,7 +190,7 @@ class _Run:
         self.detok = _Detokenizer(engine.target.tokenizer)
         self.eos = set(engine.target.eos_ids)
         self.n_out = self.forwards = 0
-        self._draft_carry = 0.0  # head prefill time, reported with the first draft step
+        self._draft_carry = 0.0  # head catch-up time, reported with the next step's draft
         self.start = time.perf_counter()
 
     def choose(self, logits: torch.Tensor) -> int:
@@ -236,7 +236,7 @@ class _Run:
         self.forwards += 1
         return self.emit([new], 0, 0, 0.0, t1 - t0, t0), new
 
-    def spec_step(self, root: int, root_hidden: torch.Tensor) -> tuple[StepEvent, int, torch.Tensor]:
+    def spec_step(self, root: int, root_hidden: torch.Tensor) -> tuple[StepEvent, int, torch.Tensor | None]:
         t0 = time.perf_counter()
         tree = draft(self.e.drafter, self.head_cache, root, root_hidden, self.cfg.tree)
         t1 = time.perf_counter()
@@ -251,13 +251,14 @@ class _Run:
         path = torch.tensor(result.path, device=self.device)
         kv.keep(self.cache, committed, path)
         self.forwards += 1
-        t3 = time.perf_counter()
-        next_hidden = catch_up(self.e.drafter, self.head_cache, torch.tensor(result.tokens, device=self.device),
-                               features[path])
-        t4 = time.perf_counter()
-        draft_s = (t1 - t0) + (t4 - t3) + self._draft_carry
-        self._draft_carry = 0.0
-        event = self.emit(list(result.tokens), result.accepted, tree.size, draft_s, t2 - t1, t0)
+        carry = self._draft_carry  # spent before t0, so the step starts that much earlier
+        event = self.emit(list(result.tokens), result.accepted, tree.size, (t1 - t0) + carry, t2 - t1, t0 - carry)
+        next_hidden = None
+        if not event.finished:  # the head catches up only when another step follows
+            t3 = time.perf_counter()
+            next_hidden = catch_up(self.e.drafter, self.head_cache,
+                                   torch.tensor(result.tokens, device=self.device), features[path])
+            self._draft_carry = time.perf_counter() - t3  # reported with the next step's draft
         return event, result.bonus, next_hidden
 
     def emit(self, tokens: list[int], n_draft: int, tree_size: int, draft_s: float, verify_s: float,

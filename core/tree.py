@@ -125,6 +125,7 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
     lp = drafter.log_probs(root_hidden[None])[0]  # (Vd,)
     scores, idx = lp.topk(min(k, lp.shape[0]))  # (k,)
     cand_tokens, cand_parents, cand_scores = [drafter.to_target_ids(idx)], [torch.full_like(idx, -1)], [scores]
+    cand_depths = [torch.ones_like(idx)]
     frontier = torch.arange(idx.shape[0], device=device)  # candidate ids of the nodes to feed next
     frontier_feat = root_hidden.expand(idx.shape[0], -1)  # (k, H): output that proposed each node
     fed_anc = torch.zeros(0, 0, dtype=torch.bool, device=device)  # ancestry among fed nodes
@@ -150,6 +151,7 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
         cand_tokens.append(drafter.to_target_ids(child_idx.flatten()))
         cand_parents.append(child_parent)
         cand_scores.append(child_scores)
+        cand_depths.append(torch.full_like(child_parent, d + 1))
         best = child_scores.topk(min(k, child_scores.shape[0])).indices  # (k,) among new children
         frontier_feat = out[best // child_idx.shape[1]]
         fed_parent_slot = n_fed + best // child_idx.shape[1]
@@ -157,18 +159,13 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
         n_cand += child_scores.shape[0]
     cache.truncate(committed)
     return _select(torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores),
-                   root_token, cfg.total_tokens - 1)
+                   torch.cat(cand_depths), root_token, cfg.total_tokens - 1)
 
 
-def _select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, root_token: int,
-            keep: int) -> DraftTree:
+def _select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
+            root_token: int, keep: int) -> DraftTree:
     """Keep the `keep` best candidates (a connected tree: a child never outscores its parent)."""
-    # tokens, parents, scores: (C,), parents index candidates (-1 = root)
-    depth = torch.zeros_like(parents)
-    up = parents.clone()
-    while bool((up >= 0).any()):  # depth by walking up; at most `depth` passes
-        depth += (up >= 0).long()
-        up = torch.where(up >= 0, parents[up.clamp(min=0)], up)
+    # tokens, parents, scores, depths: (C,); parents index candidates (-1 = root)
     # stable sort: on a tie (child log-prob rounds to 0) the parent, with the lower index, wins
     order = torch.sort(-scores, stable=True).indices
     chosen = order[:keep].sort().values  # (m,) topological order
@@ -180,7 +177,7 @@ def _select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, r
     root = torch.tensor([root_token], device=tokens.device)
     zero = torch.zeros(1, dtype=torch.long, device=tokens.device)
     return DraftTree(tokens=torch.cat([root, tokens[chosen]]), parents=torch.cat([zero - 1, tree_parents]),
-                     depths=torch.cat([zero, depth[chosen] + 1]),
+                     depths=torch.cat([zero, depths[chosen]]),
                      scores=torch.cat([zero.to(scores.dtype), scores[chosen]]))
 
 
