@@ -12,10 +12,8 @@ its ancestors). Results are cached per model, head, device, dtype and thread cou
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,11 +21,13 @@ import torch
 from tqdm import tqdm
 
 from core import cache as kv
+from core.clock import median_time
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
-from core.head import HeadCache, HeadLoadError
+from core.head import HeadCache
 from core.models import cache_home
 from core.tree import catch_up, draft, tree_from_parents
+from core.treestore import TREE_FILE, save_tuned, shipped_tree, tuned_path, tuned_tree  # noqa: F401 (re-exported)
 
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
@@ -39,7 +39,6 @@ CALIBRATION_PROMPTS = (
 )
 SIZES = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 DEPTHS = tuple(range(1, 9))
-TREE_FILE = "tree.json"  # beside a head: the tree tuned on the machine that trained it
 
 
 @dataclass(frozen=True)
@@ -95,25 +94,17 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES) -> tuple[TreeConfig, fl
     return best, best_rate
 
 
-def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 3) -> tuple[dict, dict]:
     """Target cost per call against tokens in the call, and draft cost per depth."""
     model, device = engine.target.model, engine.target.device
     ids = torch.arange(100, 100 + context, device=device) % model.config.vocab_size
     cache = kv.new_cache(model)
+    _median_time = lambda fn, reps: median_time(fn, device, reps=reps, warmup=0)
     with torch.inference_mode():
-        features, _ = prefill(model, ids, cache)
+        features, _ = prefill(model, ids, cache, engine.drafter.feature_layers)
         verify = {}
         for n in tqdm((1,) + SIZES, desc="target cost per call", leave=False):  # 1 = plain decoding
-            tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)))
+            tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), device)
 
             def call():
                 forward_tree(model, tree, cache, context)
@@ -147,38 +138,10 @@ def calibrate(engine: Engine, top_k: int, max_new_tokens: int = 48, prompts=CALI
     return tuple(steps), statistics.median(other) if other else 0.0
 
 
-def profile_key(engine: Engine) -> str:
-    head = engine.head.fc.weight.detach().float().flatten()[:4096].cpu().numpy().tobytes()
-    parts = [engine.target.name, hashlib.sha1(head).hexdigest()[:12], str(engine.target.device),
-             str(engine.target.dtype), f"threads{torch.get_num_threads()}",
-             str(None if engine.drafter.vocab is None else engine.drafter.vocab.numel())]
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _path(engine: Engine):
-    return cache_home() / "autotune" / f"{profile_key(engine)}.json"
-
-
 def cached_tree(engine: Engine) -> TreeConfig | None:
-    """The tree chosen earlier for this model/head/device/dtype/threads, if any."""
-    if not engine.has_head:
-        return None
-    path = _path(engine)
-    if not path.is_file():
-        return None
-    try:
-        return TreeConfig(**json.loads(path.read_text())["choice"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def shipped_tree(head_folder) -> TreeConfig | None:
-    """The tree tuned where the head was trained (`tree.json` beside the head), if any."""
-    path = Path(head_folder) / TREE_FILE
-    try:
-        return TreeConfig(**json.loads(path.read_text())) if path.is_file() else None
-    except (ValueError, TypeError) as e:
-        raise HeadLoadError(f"{path} is not a valid tree setting: {e}") from e
+    """The tree chosen earlier for this model/head/device/numerics/threads, if any."""
+    choice = tuned_tree(engine)
+    return choice.tree if choice else None
 
 
 def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeConfig:
@@ -191,12 +154,11 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeCo
     steps, other = calibrate(engine, top_k)
     profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k)
     tree, rate = choose(profile)
-    path = _path(engine)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"choice": asdict(tree), "predicted_tokens_per_s": rate,
-                                "verify_s": verify, "draft_s": drafts, "other_s": other,
-                                "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
-                                                    for d in DEPTHS for n in SIZES}}, indent=1))
+    save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
+                              "other_s": other, "numerics": engine.numerics.describe(),
+                              "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
+                                                  for d in DEPTHS for n in SIZES}})
+    engine.tree_choice = tuned_tree(engine) or engine.tree_choice
     return tree
 
 
@@ -217,7 +179,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
     engine = Engine.load(a.model, a.head, dtype=a.dtype, device=a.device)
     tree = choose_tree(engine, top_k=a.top_k, refresh=True)
-    report = json.loads(_path(engine).read_text())
+    report = json.loads(tuned_path(engine).read_text())
     print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} "
           f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s)")
     plain = 1.0 / (report["verify_s"]["1"] + report["other_s"])

@@ -24,7 +24,7 @@ def cache_length(cache: DynamicCache) -> int:
 
 def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) -> None:
     """Keep entries [0, committed) and committed + path[i], in that order; drop the rest."""
-    path = torch.as_tensor(path, dtype=torch.long)
+    path = torch.as_tensor(path, dtype=torch.long).cpu()  # a few ints: decide on the host
     n = path.shape[0]
     contiguous = torch.equal(path, torch.arange(n))  # accepted nodes already in place: just cut
     for layer in cache.layers:

@@ -2,16 +2,19 @@
 
 One step in speculative mode:
   draft    the head extends the root (last accepted token) into a DraftTree   (core.tree)
-  verify   the target runs root + tree in ONE forward with a 4D tree mask      (forward_tree)
+  verify   the target runs root + tree in ONE forward                         (forward_tree)
   accept   greedy or sampled acceptance picks a path + bonus token             (core.verify)
   commit   the target cache keeps only the path; the head catches up on the
            path's true target features, giving the next root's proposal        (core.cache, catch_up)
 Plain mode is the same loop with no draft: each step verifies just the root.
+
+Numerics: with the batch-invariant kernels (core.invariant, bf16 on CPU) a tree row computes
+bit for bit what a plain step computes, so greedy output equals plain decoding by
+construction; `Engine.numerics` says which numerics run and what the probe found.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,11 +22,19 @@ from typing import Iterator, Sequence
 import torch
 
 from core import cache as kv
+from core import invariant
+from core.clock import now
 from core.config import GenerationConfig, TreeConfig
-from core.head import EagleHead, HeadCache, HeadLoadError, additive, load_head
+from core.head import HeadCache, additive
+from core.head3 import drafter_for, load_any_head, target_features
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, load_target, resolve
-from core.tree import DraftTree, Drafter, catch_up, draft
+from core.probe import ProbeResult, probe
+from core.text import TextStream
+from core.tree import DraftTree, catch_up, draft
+from core.treestore import TreeChoice, default_tree
 from core.verify import Verification, sample, target_probs, verify_greedy, verify_sampled
+
+ATTENTIONS = ("auto", "exact", "sdpa", "eager")
 
 
 class EngineError(ValueError):
@@ -51,26 +62,93 @@ class StepEvent:
         return len(self.token_ids)
 
 
-def forward_tree(model, tree: DraftTree, cache, committed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over the tree's n nodes -> (features (n, H), logits (n, V)).
+@dataclass(frozen=True)
+class Numerics:
+    """How the target computes, and whether tree rows are verified bit-identical to plain steps."""
+
+    dtype: str                  # "bfloat16", "float32", ...
+    attention: str              # "exact" (batch-invariant kernels), "sdpa" or "eager"
+    probe: ProbeResult | None   # None: not probed (e.g. no head, nothing to compare)
+    note: str = ""              # why these numerics were chosen (e.g. a failed probe's fallback)
+
+    @property
+    def exact(self) -> bool:
+        return self.probe is not None and self.probe.exact
+
+    def describe(self) -> str:
+        dt = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float64": "fp64"}.get(self.dtype, self.dtype)
+        kernels = "batch-invariant kernels" if self.attention == "exact" else f"{self.attention} attention"
+        if self.probe is None:
+            verdict = "exactness not checked"
+        elif self.probe.exact:
+            verdict = f"exact: verified on this machine ({self.probe.checked_at})"
+        else:
+            verdict = f"exact: not guaranteed ({self.probe.reason})"
+        return f"{dt}, {kernels}; {verdict}" + (f"; {self.note}" if self.note else "")
+
+
+# ---- target forwards (the model's public forward only: 4D mask / tree layout, positions, cache) ----
+
+def uses_exact_kernels(model) -> bool:
+    return model.config._attn_implementation == invariant.NAME
+
+
+def _window_masks(model, allowed: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
+                  dtype: torch.dtype):
+    """The 4D mask(s) for a tree forward, with the model's sliding window built in."""
+    cfg = model.config
+    full = additive(allowed, dtype)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or []
+    if not window or (types and "sliding_attention" not in types):
+        return full
+    near = key_positions[None, :] > positions[:, None] - window  # (n, L + n)
+    sliding = additive(allowed & near, dtype)
+    return {"full_attention": full, "sliding_attention": sliding} if types else sliding
+
+
+def forward_tree(model, tree: DraftTree, cache, committed: int,
+                 feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the tree's n nodes -> (features (n, F), logits (n, V)).
 
     Each node sees the committed context and its own ancestors; its position is the
-    context length plus its depth. The forward appends n entries to `cache`.
+    context length plus its depth. The forward appends n entries to `cache`. Features are
+    the last hidden state, or the fused layers an EAGLE-3 head reads.
     """
     device = tree.tokens.device
-    allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask], 1)
-    dtype = model.get_input_embeddings().weight.dtype
-    out = model.model(input_ids=tree.tokens[None], attention_mask=additive(allowed, dtype),
-                      position_ids=tree.positions(committed)[None], cache=cache, use_cache=True)
-    features = out.last_hidden_state[0]  # (n, H)
-    return features, model.lm_head(features)
+    positions = tree.positions(committed)  # (n,)
+    kwargs = {}
+    if uses_exact_kernels(model):
+        kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, tree.mask, committed)
+    else:
+        allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask], 1)
+        key_pos = torch.cat([torch.arange(committed, device=device), positions])
+        kwargs["attention_mask"] = _window_masks(model, allowed, positions, key_pos,
+                                                 model.get_input_embeddings().weight.dtype)
+    out = model.model(input_ids=tree.tokens[None], position_ids=positions[None], cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None, **kwargs)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0])
 
 
-def prefill(model, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids (T,) -> (features (T, H), logits of the last position (V,))."""
-    out = model.model(input_ids=ids[None], cache=cache, use_cache=True)
-    features = out.last_hidden_state[0]
-    return features, model.lm_head(features[-1:])[0]
+def plain_forward(model, token: int, cache, position: int, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row."""
+    device = model.get_input_embeddings().weight.device
+    kwargs = {"tree_layout": invariant.TreeLayout.single(position, device)} if uses_exact_kernels(model) else {}
+    out = model.model(input_ids=torch.tensor([[token]], device=device),
+                      position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None, **kwargs)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1])
+
+
+def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
+    return plain_forward(model, token, cache, position)[1]
+
+
+def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,))."""
+    out = model.model(input_ids=ids[None], cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1:])[0]
 
 
 def default_head(model: str) -> str | None:
@@ -80,53 +158,81 @@ def default_head(model: str) -> str | None:
     return entry.head if entry else None
 
 
-class _Detokenizer:
-    """Incremental, UTF-8 safe text from token ids; a piece is held back while incomplete."""
+# ---- numerics at load ----
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+def _auto_numerics(device: str, load_in_4bit: bool, dtype: str, attention: str) -> tuple[str, str]:
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cpu" and not load_in_4bit else (
+            "float16" if torch.device(device).type == "cuda" else "float32")
+    if attention == "auto":
+        attention = "exact" if dtype in ("bfloat16", "bf16") and torch.device(device).type == "cpu" else "sdpa"
+    return dtype, attention
 
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
-            return ""
-        piece, self.text = full[len(self.text):], full
-        return piece
+
+def set_numerics(target: LoadedModel, attention: str) -> None:
+    if attention == "exact":
+        invariant.make_invariant(target.model)
+    else:
+        invariant.undo_invariant(target.model, attention)
+
+
+def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_in_4bit: bool,
+                  check: bool) -> tuple[LoadedModel, Numerics]:
+    """Load the target in the requested numerics ("auto": bf16 + exact kernels on CPU when the
+    probe passes, else fp32 + sdpa with the probe's reason kept)."""
+    if attention not in ATTENTIONS:
+        raise EngineError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    auto = dtype == "auto" and attention == "auto"
+    dtype, attention = _auto_numerics(device, load_in_4bit, dtype, attention)
+    target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
+    set_numerics(target, attention)
+    result = probe(target.model, target.dtype, attention, device) if check else None
+    if auto and result is not None and not result.exact and attention == "exact":
+        target.model.float()
+        target = replace(target, dtype=torch.float32)
+        set_numerics(target, "sdpa")
+        fallback = probe(target.model, target.dtype, "sdpa", device)
+        return target, Numerics("float32", "sdpa", fallback,
+                                note=f"bf16 exact kernels failed the probe here ({result.reason}), so fp32 runs")
+    return target, Numerics(str(target.dtype).removeprefix("torch."), attention, result)
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, head: EagleHead | None = None,
-                 draft_vocab: torch.Tensor | None = None):
+    def __init__(self, target: LoadedModel, head=None, draft_vocab: torch.Tensor | None = None,
+                 numerics: Numerics | None = None):
         self.target = target
         self.head = head
-        self.default_tree = TreeConfig()  # Engine.load replaces it with the tuned tree, if cached
-        model = target.model
-        self.drafter = None
-        if head is not None:
-            weight = model.lm_head.weight
-            lm_weight = weight if draft_vocab is None else weight[draft_vocab].clone()
-            self.drafter = Drafter(head=head, embed=model.get_input_embeddings(),
-                                   lm_weight=lm_weight.to(target.dtype), vocab=draft_vocab)
+        self.drafter = None if head is None else drafter_for(head, target.model, draft_vocab)
+        self.numerics = numerics or Numerics(str(target.dtype).removeprefix("torch."),
+                                             "exact" if uses_exact_kernels(target.model) else
+                                             target.model.config._attn_implementation, None)
+        self.tree_choice = TreeChoice(TreeConfig(), "built-in default")  # Engine.load: tuned / shipped
 
     @classmethod
-    def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype="float32",
-             device: str = "cpu", load_in_4bit: bool = False) -> "Engine":
+    def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype: str = "auto",
+             attention: str = "auto", device: str = "cpu", load_in_4bit: bool = False) -> "Engine":
         """Load a target and its head. head="default": the shipped head for the embedded
         model, the catalogue's head for a catalogue target, else none (plain decoding only)."""
-        target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
         if head == "default":
             head = default_head(model)
+        target, numerics = load_numerics(model, dtype=dtype, attention=attention, device=device,
+                                         load_in_4bit=load_in_4bit, check=head is not None)
         if head is None:
-            return cls(target)
+            return cls(target, numerics=numerics)
         folder = Path(head).expanduser() if Path(head).expanduser().exists() else resolve(
             head, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
-        module, vocab = load_head(folder, target.model.config, dtype=target.dtype, device=device)
-        engine = cls(target, module, vocab)
-        from core.autotune import cached_tree, shipped_tree  # autotune builds on the engine
-
-        engine.default_tree = cached_tree(engine) or shipped_tree(folder) or engine.default_tree
+        drafter = load_any_head(folder, target.model, dtype=target.dtype, device=device)
+        engine = cls(target, drafter.head, getattr(drafter, "vocab", None), numerics)
+        engine.tree_choice = default_tree(engine, folder)
         return engine
+
+    @property
+    def default_tree(self) -> TreeConfig:
+        return self.tree_choice.tree
+
+    @property
+    def tree_origin(self) -> str:
+        return self.tree_choice.origin
 
     @property
     def has_head(self) -> bool:
@@ -158,7 +264,9 @@ class Engine:
     def generate(self, prompt, config: GenerationConfig, on_step=None) -> Iterator[StepEvent]:
         """Stream the answer as StepEvents; closing the generator stops within one step.
 
-        `on_step(tree, verification)`, if given, sees every speculative step (statistics).
+        Each step runs in its own `torch.inference_mode()` block, so the generator may be
+        advanced from any thread (Gradio moves it between workers). `on_step(tree,
+        verification)`, if given, sees every speculative step (statistics).
         """
         ids = self.encode(prompt)
         if len(ids) >= self.max_context:
@@ -169,16 +277,27 @@ class Engine:
             raise EngineError(f"token ids must be in 0..{vocab - 1}")
         if config.speculative and not self.has_head:
             raise EngineError("speculation needs a draft head: load one (--head) or turn speculation off")
+        return _stream(self, ids, config, on_step)
+
+
+def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step) -> Iterator[StepEvent]:
+    with torch.inference_mode():
+        run = _Run(engine, ids, config, on_step)
+        event = run.first_step()
+    yield event
+    while not event.finished:
         with torch.inference_mode():
-            yield from _Run(self, ids, config, on_step).events()
+            event = run.next_step()
+        yield event
 
 
 class _Run:
-    """State of one answer: caches, counters and the stop rules."""
+    """State of one answer: caches, counters, the text stream and the stop rules."""
 
     def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None):
         self.e, self.cfg, self.on_step = engine, config, on_step
         self.model, self.device = engine.target.model, engine.target.device
+        self.layers = engine.drafter.feature_layers if config.speculative else None
         self.ids = torch.tensor(ids, device=self.device)
         self.cache = kv.new_cache(self.model)
         self.head_cache = (HeadCache(engine.head.config, engine.target.dtype, self.device)
@@ -187,62 +306,66 @@ class _Run:
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self.budget = min(config.max_new_tokens, engine.max_context - len(ids))
         self.budget_reason = "length" if config.max_new_tokens <= engine.max_context - len(ids) else "context"
-        self.detok = _Detokenizer(engine.target.tokenizer)
+        self.text = TextStream(engine.target.tokenizer, config.stop_strings)
         self.eos = set(engine.target.eos_ids)
         self.n_out = self.forwards = 0
+        self.token, self.root_hidden = None, None
         self._draft_carry = 0.0  # head catch-up time, reported with the next step's draft
-        self.start = time.perf_counter()
+        self.start = self.now()
+
+    def now(self) -> float:
+        return now(self.device)
 
     def choose(self, logits: torch.Tensor) -> int:
         """Plain decoding's choice from (V,) logits."""
         s = self.cfg.sampling
         return int(logits.argmax()) if s.greedy else sample(target_probs(logits[None], s)[0], self.gen)
 
-    def events(self) -> Iterator[StepEvent]:
-        t0 = time.perf_counter()
-        features, logits = prefill(self.model, self.ids, self.cache)
-        token = self.choose(logits)
+    def first_step(self) -> StepEvent:
+        t0 = self.now()
+        features, logits = prefill(self.model, self.ids, self.cache, self.layers)
+        self.token = self.choose(logits)
         self.forwards += 1
-        t1 = time.perf_counter()
-        event = self.emit([token], 0, 0, 0.0, t1 - t0, t0)
-        yield event
-        root_hidden = None
+        t1 = self.now()
+        event = self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
         if self.cfg.speculative and not event.finished:
-            t = time.perf_counter()
-            root_hidden = catch_up(self.e.drafter, self.head_cache,
-                                   torch.cat([self.ids[1:], torch.tensor([token], device=self.device)]), features)
-            self._draft_carry = time.perf_counter() - t
-        while not event.finished:
-            if self.cfg.speculative and self.fits_tree():
-                event, token, root_hidden = self.spec_step(token, root_hidden)
-            else:
-                event, token = self.plain_step(token)
-                if self.cfg.speculative and not event.finished:  # near the context end: stay plain
-                    self.cfg = replace(self.cfg, speculative=False)
-            yield event
+            self.root_hidden = self.catch_up(torch.cat([self.ids[1:], torch.tensor([self.token], device=self.device)]),
+                                             features)
+        return event
+
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        t = self.now()
+        hidden = catch_up(self.e.drafter, self.head_cache, tokens, features)
+        self._draft_carry = self.now() - t  # reported with the next step's draft
+        return hidden
+
+    def next_step(self) -> StepEvent:
+        if self.cfg.speculative and self.fits_tree():
+            return self.spec_step()
+        event = self.plain_step()
+        if self.cfg.speculative and not event.finished:  # near the context end: stay plain
+            self.cfg = replace(self.cfg, speculative=False)
+        return event
 
     def fits_tree(self) -> bool:
         return kv.cache_length(self.cache) + self.cfg.tree.depth + 1 < self.e.max_context
 
-    def plain_step(self, token: int) -> tuple[StepEvent, int]:
-        t0 = time.perf_counter()
+    def plain_step(self) -> StepEvent:
+        t0 = self.now()
         committed = kv.cache_length(self.cache)
-        out = self.model.model(input_ids=torch.tensor([[token]], device=self.device),
-                               position_ids=torch.tensor([[committed]], device=self.device),
-                               cache=self.cache, use_cache=True)
-        logits = self.model.lm_head(out.last_hidden_state[0, -1])
-        t1 = time.perf_counter()
-        new = self.choose(logits)
+        _, logits = plain_forward(self.model, self.token, self.cache, committed)
+        t1 = self.now()
+        self.token = self.choose(logits)
         self.forwards += 1
-        return self.emit([new], 0, 0, 0.0, t1 - t0, t0), new
+        return self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
 
-    def spec_step(self, root: int, root_hidden: torch.Tensor) -> tuple[StepEvent, int, torch.Tensor | None]:
-        t0 = time.perf_counter()
-        tree = draft(self.e.drafter, self.head_cache, root, root_hidden, self.cfg.tree)
-        t1 = time.perf_counter()
+    def spec_step(self) -> StepEvent:
+        t0 = self.now()
+        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, self.cfg.tree)
+        t1 = self.now()
         committed = kv.cache_length(self.cache)
-        features, logits = forward_tree(self.model, tree, self.cache, committed)
-        t2 = time.perf_counter()
+        features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
+        t2 = self.now()
         s = self.cfg.sampling
         result: Verification = (verify_greedy(tree, logits) if s.greedy
                                 else verify_sampled(tree, target_probs(logits, s), self.gen))
@@ -253,13 +376,11 @@ class _Run:
         self.forwards += 1
         carry = self._draft_carry  # spent before t0, so the step starts that much earlier
         event = self.emit(list(result.tokens), result.accepted, tree.size, (t1 - t0) + carry, t2 - t1, t0 - carry)
-        next_hidden = None
+        self._draft_carry = 0.0
+        self.token = result.bonus
         if not event.finished:  # the head catches up only when another step follows
-            t3 = time.perf_counter()
-            next_hidden = catch_up(self.e.drafter, self.head_cache,
-                                   torch.tensor(result.tokens, device=self.device), features[path])
-            self._draft_carry = time.perf_counter() - t3  # reported with the next step's draft
-        return event, result.bonus, next_hidden
+            self.root_hidden = self.catch_up(torch.tensor(result.tokens, device=self.device), features[path])
+        return event
 
     def emit(self, tokens: list[int], n_draft: int, tree_size: int, draft_s: float, verify_s: float,
              t_start: float) -> StepEvent:
@@ -267,37 +388,21 @@ class _Run:
         kept, pieces, reason = [], [], None
         for tok in tokens:
             kept.append(tok)
-            pieces.append(self.detok.push(tok))
             self.n_out += 1
+            pieces.append(self.text.push(tok))
             if tok in self.eos:
                 reason = "eos"
-            elif self.stop_hit():
+            elif self.text.stopped:
                 reason = "stop"
             elif self.n_out >= self.budget:
                 reason = self.budget_reason
             if reason:
                 break
-        if reason == "stop":
-            pieces = self.cut_stop(pieces)
-        now = time.perf_counter()
+        if reason and reason != "stop":
+            pieces[-1] += self.text.finish()
+        t = self.now()
         return StepEvent(token_ids=tuple(kept), draft_tokens=min(n_draft, len(kept)), text="".join(pieces),
                          token_texts=tuple(pieces), tree_size=tree_size, draft_s=draft_s, verify_s=verify_s,
-                         other_s=max(0.0, now - t_start - draft_s - verify_s), finished=reason is not None,
+                         other_s=max(0.0, t - t_start - draft_s - verify_s), finished=reason is not None,
                          finish_reason=reason, total_tokens=self.n_out, target_forwards=self.forwards,
-                         elapsed_s=now - self.start)
-
-    def stop_hit(self) -> bool:
-        tail = self.detok.text[-(max((len(s) for s in self.cfg.stop_strings), default=0) + 64):]
-        return any(s in tail for s in self.cfg.stop_strings)
-
-    def cut_stop(self, pieces: list[str]) -> list[str]:
-        """Drop the stop string (and anything after it) from this step's text pieces."""
-        text = self.detok.text
-        cut = min(i for i in (text.find(s) for s in self.cfg.stop_strings) if i >= 0)
-        shown_before = len(text) - sum(len(p) for p in pieces)
-        out, pos = [], shown_before
-        for p in pieces:
-            keep_len = max(0, min(len(p), cut - pos))
-            out.append(p[:keep_len])
-            pos += len(p)
-        return out
+                         elapsed_s=t - self.start)

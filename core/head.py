@@ -267,7 +267,7 @@ def read_checkpoint(folder: Path) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
             state = torch.load(folder / PICKLE_FILE, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types for bad pickles
             raise HeadLoadError(f"{folder / PICKLE_FILE} cannot be read safely ({type(e).__name__}: "
-                                f"{str(e)[:200]}); the file is corrupt or not a plain state dict") from e
+                                f"{e}); the file is corrupt or not a plain state dict") from e
     else:
         raise HeadLoadError(f"head checkpoint {folder} has neither {WEIGHTS_FILE} nor {PICKLE_FILE}")
     return config, state

@@ -61,10 +61,10 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def tree_from_parents(tokens: list[int], parents: list[int]) -> DraftTree:
-    """Build a DraftTree from plain lists (used by tests and static trees)."""
-    t = torch.tensor(tokens, dtype=torch.long)
-    p = torch.tensor(parents, dtype=torch.long)
+def tree_from_parents(tokens: list[int], parents: list[int], device=None) -> DraftTree:
+    """Build a DraftTree from plain lists (used by tests, the probe and cost measurements)."""
+    t = torch.tensor(tokens, dtype=torch.long, device=device)
+    p = torch.tensor(parents, dtype=torch.long, device=device)
     depths = ancestor_mask(p).sum(-1) - 1
     return DraftTree(tokens=t, parents=p, depths=depths)
 
@@ -77,6 +77,9 @@ class Drafter:
     embed: torch.nn.Embedding     # the target's input embedding
     lm_weight: torch.Tensor       # (Vd, H): rows of the target's LM head the draft scores
     vocab: torch.Tensor | None    # (Vd,) target ids of those rows, None when Vd == V
+    # which target hidden states the head reads: None = the last one (after the final norm);
+    # an EAGLE-3 drafter (core.head3.Drafter3) names the fused layers instead
+    feature_layers = None
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: (m, H) -> (m, Vd) draft log-probabilities

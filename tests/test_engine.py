@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import core.engine as engine_mod
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.engine import Engine, EngineError, _Run, forward_tree
+from core.invariant import make_invariant
 from core.tree import tree_from_parents
 from tests.test_tree_verify import _wrong_rule, chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
@@ -92,11 +93,11 @@ def test_chat_messages_use_template(engine, target):
 
 def test_kv_cache_after_step_equals_plain_cache(engine, target):
     prompt = PROMPTS[0]
-    r = _Run(engine, prompt, GenerationConfig(max_new_tokens=30, tree=TreeConfig(4, 4, 12)))
-    events = r.events()
-    emitted = []
-    for _ in range(4):
-        emitted += next(events).token_ids
+    with torch.inference_mode():
+        r = _Run(engine, prompt, GenerationConfig(max_new_tokens=30, tree=TreeConfig(4, 4, 12)))
+        emitted = list(r.first_step().token_ids)
+        for _ in range(3):
+            emitted += r.next_step().token_ids
     # the cache holds the prompt and every emitted token but the last (the next root)
     plain = DynamicCache()
     target.model.model(input_ids=torch.tensor([prompt + emitted[:-1]]), cache=plain, use_cache=True)
@@ -157,11 +158,16 @@ def test_text_deltas_and_token_texts_align(engine, target):
     assert "".join(ev.text for ev in events) == target.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_speculative_sampling_matches_target_distribution(monkeypatch):
+@pytest.mark.parametrize("numerics", ["float64", "bf16-exact"])
+def test_speculative_sampling_matches_target_distribution(monkeypatch, numerics):
     """End to end, tiny vocabulary: tokens 2 and 3 of the answer (drafted and verified by
-    the tree) follow the target's exact distribution; a wrong rule is caught."""
+    the tree) follow the target's exact distribution; a wrong rule is caught. Also in the
+    CPU default numerics (bf16 with the batch-invariant kernels)."""
     # an oracle-like head proposes the likely tokens first, where a wrong rule matters most
-    target = tiny_target(vocab=8, lm_std=0.15, seed=5, mix=0.3)
+    dtype = torch.float64 if numerics == "float64" else torch.bfloat16
+    target = tiny_target(vocab=8, lm_std=0.15, seed=5, mix=0.3, dtype=dtype)
+    if numerics == "bf16-exact":
+        make_invariant(target.model)
     eng = Engine(target, oracle_head(target))
     prompt = [5, 6, 7]
     sampling = SamplingConfig(temperature=1.0)

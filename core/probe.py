@@ -1,0 +1,121 @@
+"""The batch-invariance probe: does a draft tree verify bit-identically to plain decoding here?
+
+At load, on the loaded target at its real shapes, it prefills a random context that ends
+just before a 64-position block boundary (so tree rows straddle it), verifies one random
+tree with siblings, then replays every root-to-leaf path as plain one-token steps and
+compares each node's logits bit for bit. The verdict depends on the kernels the CPU and
+torch pick, so it is cached per machine, torch version, model, dtype, attention and thread
+count; a cached verdict costs nothing at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+import torch
+
+from core import cache as kv
+from core.models import cache_home
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    exact: bool
+    reason: str        # one line: what was compared, or the first difference found
+    seconds: float     # time the probe took when it ran
+    checked_at: str    # UTC time of the run (cached verdicts keep it)
+    cached: bool = False
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
+    c = model.config
+    parts = [_cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
+             torch.__version__, c.model_type, str(c.hidden_size), str(c.num_hidden_layers), str(c.vocab_size),
+             str(getattr(c, "intermediate_size", "")), str(dtype), attention, f"threads{torch.get_num_threads()}"]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _probe_tree(vocab: int, gen: torch.Generator, device):
+    """A 9-node tree: root -> 3 children; two chains below them (depths up to 4)."""
+    from core.tree import tree_from_parents
+
+    parents = [-1, 0, 0, 0, 1, 1, 4, 2, 7]
+    tokens = torch.randint(0, vocab, (len(parents),), generator=gen).tolist()
+    return tree_from_parents(tokens, parents, device)
+
+
+def _preorder(parents: list[int]) -> list[int]:
+    children = {i: [] for i in range(len(parents))}
+    for i, p in enumerate(parents[1:], start=1):
+        children[p].append(i)
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    return order
+
+
+def run_probe(model, context: int = 62, seed: int = 0) -> ProbeResult:
+    """Compare tree-verified logits with plain-step logits for every node of a random tree."""
+    from core.engine import forward_tree, plain_logits
+
+    t0 = time.perf_counter()
+    device = model.get_input_embeddings().weight.device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (context,), generator=gen).to(device)
+    tree = _probe_tree(vocab, gen, device)
+    cache = kv.new_cache(model)
+    reason = None
+    with torch.inference_mode():
+        model.model(input_ids=ids[None], cache=cache, use_cache=True)
+        _, tree_logits = forward_tree(model, tree, cache, context)
+        kv.keep(cache, context, [])
+        # every node once, in depth-first order: cropping the cache to the node's depth leaves
+        # exactly its ancestors in it (the previous node's path shares them)
+        for node in _preorder(tree.parents.tolist()):
+            depth = int(tree.depths[node])
+            kv.keep(cache, context + depth, [])
+            logits = plain_logits(model, int(tree.tokens[node]), cache, context + depth)
+            if reason is None and not torch.equal(logits, tree_logits[node]):
+                diff = float((logits.float() - tree_logits[node].float()).abs().max())
+                reason = f"tree row {node} (depth {depth}) differs from its plain step by up to {diff:.3g} in the logits"
+    seconds = time.perf_counter() - t0
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if reason is None:
+        return ProbeResult(True, f"{tree.size} tree rows bit-identical to plain steps", seconds, now)
+    return ProbeResult(False, reason, seconds, now)
+
+
+def probe(model, dtype: torch.dtype, attention: str, device, refresh: bool = False) -> ProbeResult:
+    """The cached verdict for this machine/model/numerics, running the probe if there is none."""
+    path = cache_home() / "probe" / f"{probe_key(model, dtype, attention, device)}.json"
+    if not refresh and path.is_file():
+        try:
+            return ProbeResult(**(json.loads(path.read_text()) | {"cached": True}))
+        except (ValueError, TypeError):
+            pass  # unreadable: probe again
+    result = run_probe(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(result) | {"cached": False}))
+        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    except OSError:
+        pass  # a read-only cache only costs the probe again next time
+    return result

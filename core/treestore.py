@@ -1,0 +1,102 @@
+"""Where the default draft tree comes from: tuned trees on disk, read and written atomically.
+
+Below both the engine (which reads the default tree at load) and core.autotune (which
+measures and writes it), so neither imports the other. A tree is looked up in order:
+  1. tuned on this machine: `~/.cache/eagle-chat/autotune/<key>.json`, keyed by model, head,
+     device, dtype, attention, draft vocabulary and thread count;
+  2. shipped: `tree.json` beside the head (tuned where the head was trained);
+  3. built in: `TreeConfig()`.
+`TreeChoice.origin` says which, so the UI can show it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from core.config import TreeConfig
+from core.head import HeadLoadError
+from core.models import cache_home
+
+TREE_FILE = "tree.json"  # beside a head: the tree tuned on the machine that trained it
+
+
+class TreeFileError(HeadLoadError):
+    """A tree.json beside a head is unreadable; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    tree: TreeConfig
+    origin: str  # "tuned on this machine at ...", "shipped with the head", "built-in default"
+
+
+def head_fingerprint(head: torch.nn.Module) -> str:
+    first = next(head.parameters()).detach().float().flatten()[:4096].cpu().numpy().tobytes()
+    return hashlib.sha1(first).hexdigest()[:12]
+
+
+def profile_key(engine) -> str:
+    vocab = engine.drafter.vocab
+    parts = [engine.target.name, head_fingerprint(engine.head), str(engine.target.device),
+             str(engine.target.dtype), engine.numerics.attention, f"threads{torch.get_num_threads()}",
+             str(None if vocab is None else vocab.numel())]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def tuned_path(engine) -> Path:
+    return cache_home() / "autotune" / f"{profile_key(engine)}.json"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a concurrent reader sees old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_tuned(engine, tree: TreeConfig, report: dict) -> Path:
+    path = tuned_path(engine)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    write_atomic(path, json.dumps({"choice": asdict(tree), "tuned_at": stamp} | report, indent=1))
+    return path
+
+
+def tuned_tree(engine) -> TreeChoice | None:
+    """The tree chosen earlier for this engine's key, if any (an unreadable file counts as none)."""
+    if not engine.has_head:
+        return None
+    path = tuned_path(engine)
+    try:
+        data = json.loads(path.read_text())
+        return TreeChoice(TreeConfig(**data["choice"]), f"tuned on this machine at {data.get('tuned_at', '?')}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def shipped_tree(head_folder) -> TreeConfig | None:
+    """The tree tuned where the head was trained (`tree.json` beside the head), if any."""
+    path = Path(head_folder) / TREE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return TreeConfig(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise TreeFileError(f"{path} is not a valid tree setting: {e}") from e
+
+
+def default_tree(engine, head_folder) -> TreeChoice:
+    tuned = tuned_tree(engine)
+    if tuned is not None:
+        return tuned
+    shipped = shipped_tree(head_folder) if head_folder else None
+    if shipped is not None:
+        return TreeChoice(shipped, "shipped with the head")
+    return TreeChoice(TreeConfig(), "built-in default")
