@@ -2,12 +2,14 @@
 
 Loads the embedded SmolLM2 with its EAGLE head (or the model used last time), serves the
 Gradio app on 127.0.0.1 and opens the browser. A public share link is created only with
---share; with --share and no --auth, visitors cannot download or switch models.
+--share; with --share and no --auth, visitors through the link cannot download or switch models
+and each of their answers is capped (--remote-max-new-tokens, --remote-max-seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -23,9 +25,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "embedded model, the catalogue's head for a catalogue model; 'none' = plain decoding "
                    "only [default: 'default']")
     p.add_argument("--port", type=int, default=None, help="local port [default: 7860 or the next free one]")
-    p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    p.add_argument("--no-browser", action="store_true",
+                   help="do not open a browser tab (for headless machines: a server, SSH, a container)")
     p.add_argument("--share", action="store_true", help="also create a public Gradio link (off by default)")
     p.add_argument("--auth", metavar="USER:PASS", help="require this login (recommended with --share)")
+    p.add_argument("--remote-max-new-tokens", type=int, default=256, metavar="N",
+                   help="without --auth, the most new tokens one answer may have for a visitor through the "
+                   "public link")
+    p.add_argument("--remote-max-seconds", type=float, default=60.0, metavar="S",
+                   help="without --auth, the most seconds one answer may take for a visitor through the "
+                   "public link")
     p.add_argument("--load-in-4bit", action="store_true", help="load the target in 4-bit nf4 (bitsandbytes)")
     p.add_argument("--device", default=None, help="cpu or cuda [default: cpu, or the last one used]")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 [default: float32]")
@@ -37,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.auth = (user, password)
     if args.port is not None and not 1 <= args.port <= 65535:
         p.error(f"--port must be in 1..65535, got {args.port}")
+    if args.remote_max_new_tokens < 1:
+        p.error(f"--remote-max-new-tokens must be at least 1, got {args.remote_max_new_tokens}")
+    if not args.remote_max_seconds > 0:
+        p.error(f"--remote-max-seconds must be positive, got {args.remote_max_seconds}")
     return args
 
 
@@ -59,7 +72,7 @@ def choose(args):
 
 def start_manager(args):
     from app.manager import ModelManager
-    from app.session import LOAD_ERRORS
+    from app.models_tab import LOAD_ERRORS
     from app.state import ModelChoice, remember
     from core.engine import Engine
 
@@ -84,13 +97,20 @@ def start_manager(args):
     return manager
 
 
+def access(args):
+    from app.state import Access
+
+    return Access(authenticated=args.auth is not None, remote_max_new_tokens=args.remote_max_new_tokens,
+                  remote_max_seconds=args.remote_max_seconds)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from app.state import Access
     from app.ui import build, launch
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     manager = start_manager(args)
-    app = build(manager, Access(shared=args.share, authenticated=args.auth is not None))
+    app = build(manager, access(args))
     try:
         local_url, share_url = launch(app, port=args.port, share=args.share, auth=args.auth,
                                       inbrowser=not args.no_browser)
@@ -100,8 +120,9 @@ def main(argv=None) -> None:
     if args.share and share_url:
         print(f"Public link: {share_url}", flush=True)
         if args.auth is None:
-            print("Anyone with the link can chat; downloads and model switching are disabled "
-                  "(use --auth USER:PASS to allow them).", flush=True)
+            print(f"Anyone with the link can chat, up to {args.remote_max_new_tokens} new tokens and "
+                  f"{args.remote_max_seconds:g} s per answer; downloads and model switching are disabled for "
+                  "them (use --auth USER:PASS to allow everything).", flush=True)
     elif args.share:
         app.banner = ("Notice: the public share link could not be created (no internet connection to Gradio's "
                       "share servers?). The app is serving locally only.")

@@ -99,6 +99,11 @@ class AnswerView:
     def tokens_per_s(self) -> float:
         return self.total_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def own_tokens_per_s(self) -> float:
+        """Tokens per second of this answer's own clock (see clock_s)."""
+        return self.total_tokens / self.clock_s if self.clock_s > 0 else 0.0
+
     def shares(self) -> tuple[float, float, float]:
         """Fractions of the measured step time spent drafting, verifying, and elsewhere."""
         total = self.draft_s + self.verify_s + self.other_s
@@ -106,18 +111,32 @@ class AnswerView:
             return 0.0, 0.0, 0.0
         return self.draft_s / total, self.verify_s / total, self.other_s / total
 
+    @property
+    def clock_s(self) -> float:
+        """This answer's own clock: the compute time of its steps, not the time between them."""
+        return self.draft_s + self.verify_s + self.other_s
+
+    def token_ids(self) -> list[int]:
+        return [tid for tid, _, _ in self.pieces]
+
     def frame(self) -> pd.DataFrame:
-        """Long format for a stacked bar chart: per step, accepted-draft and target tokens."""
+        """Long format for a stacked bar chart: per step, accepted-draft and target tokens. The
+        step is a number, so the axis labels only every few steps instead of crowding them."""
         recs = []
         for r in self.rows[-MAX_CHART_STEPS:]:
             target_kind = BONUS if r["tree_size"] > 0 else PLAIN
-            recs.append({"step": str(r["step"]), "tokens": r["draft"], "kind": DRAFT})
-            recs.append({"step": str(r["step"]), "tokens": r["tokens"] - r["draft"], "kind": target_kind})
+            recs.append({"step": r["step"], "tokens": r["draft"], "kind": DRAFT})
+            recs.append({"step": r["step"], "tokens": r["tokens"] - r["draft"], "kind": target_kind})
         return pd.DataFrame(recs, columns=["step", "tokens", "kind"])
 
-    def step_labels(self) -> list[str]:
-        """The chart's x order (steps are categories; their labels would sort as text)."""
-        return [str(r["step"]) for r in self.rows[-MAX_CHART_STEPS:]]
+    def x_range(self) -> list[float]:
+        """The chart's step range, with half a step of room so the end bars are whole."""
+        steps = [r["step"] for r in self.rows[-MAX_CHART_STEPS:]] or [1]
+        return [steps[0] - 0.5, steps[-1] + 0.5]
+
+    def kinds(self) -> list[str]:
+        """The legend: what this mode's bars can be (a speculative answer's prefill is plain)."""
+        return [DRAFT, BONUS, PLAIN] if self.mode == "speculative" else [PLAIN]
 
     def summary(self) -> dict:
         d, v, o = self.shares()
@@ -151,17 +170,4 @@ class AnswerView:
 def empty_frame() -> pd.DataFrame:
     """A zero-height placeholder holding every kind: Gradio fixes the chart's colour legend
     from the first value it renders, so an empty first frame would draw no bars later."""
-    return pd.DataFrame({"step": ["1"] * 3, "tokens": [0] * 3, "kind": [DRAFT, BONUS, PLAIN]})
-
-
-def compare_markdown(plain: AnswerView, spec: AnswerView, greedy: bool) -> str:
-    speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else 0.0
-    if greedy:
-        same = "**identical** ✓" if plain.text == spec.text else "**different** ✗ (unexpected for greedy)"
-    else:
-        same = "not compared (sampling: answers differ by design)"
-    return (f"| | plain | speculative |\n|---|---|---|\n"
-            f"| tokens/s | {plain.tokens_per_s:.1f} | {spec.tokens_per_s:.1f} |\n"
-            f"| target forwards | {plain.target_forwards} | {spec.target_forwards} |\n"
-            f"| τ | {plain.tau:.2f} | {spec.tau:.2f} |\n\n"
-            f"**Speed-up: {speedup:.2f}×** · answers: {same}")
+    return pd.DataFrame({"step": [1] * 3, "tokens": [0] * 3, "kind": [DRAFT, BONUS, PLAIN]})

@@ -1,6 +1,6 @@
 """The model manager: which engine serves, downloading targets and heads with byte-level
-progress, and switching models (the old engine keeps serving until the new one is ready,
-then it is freed).
+progress, and switching models (after the answer being generated, one model in memory at a
+time).
 
 Loading itself is core's (`Engine.load` via the injected `loader`); this module only
 orchestrates and reports.
@@ -163,14 +163,18 @@ class Request:
 
 
 class ModelManager:
-    """Owns the serving engine. `loader` is `Engine.load` (injected so tests can count loads)."""
+    """Owns the serving engine. `loader` is `Engine.load` (injected so tests can count loads).
+
+    `lane` is the one generation lane: answers hold it while they generate, and a switch takes
+    it, so one model at a time is in memory and no answer runs on a model being replaced.
+    """
 
     def __init__(self, loader, choice: ModelChoice, engine=None, *, endpoint: str | None = None):
         self.loader = loader
         self.endpoint = endpoint if endpoint is not None else os.environ.get("HF_ENDPOINT")
         self.choice = choice
         self.engine = engine if engine is not None else self._load(choice)
-        self._switch_lock = threading.Lock()
+        self.lane = threading.Lock()
 
     def _load(self, choice: ModelChoice):
         return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype,
@@ -187,23 +191,40 @@ class ModelManager:
         return paths
 
     def switch(self, request: Request):
-        """Load the requested model, then swap it in and free the old one.
+        """Wait for the lane, free the current model, load the requested one.
 
-        If loading fails the old engine stays in place and serving; the error propagates.
+        If loading fails, the previous model is loaded again (from its local copy) and the error
+        propagates; answers waiting in the queue then run on the previous model.
         """
-        with self._switch_lock:
-            new = self._load(request.choice)
-            old, self.engine, self.choice = self.engine, new, request.choice
-            del old  # the last reference unless an answer is still streaming from it
+        with self.lane:
+            previous, self.engine = self.engine, None
+            del previous  # the last reference: no answer is running while we hold the lane
             free_memory()
+            try:
+                self.engine = self._load(request.choice)
+            except BaseException:
+                self.engine = self._load(self.choice)
+                raise
+            self.choice = request.choice
             remember(self.choice)
-            return new
+            return self.engine
 
     def status_markdown(self) -> str:
         e = self.engine
+        if e is None:
+            return f"**Switching models**: loading {self.choice.describe()} …"
         head = ("EAGLE head loaded: speculation available" if e.has_head
                 else "no EAGLE head: plain decoding only")
         return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens")
+
+    def tree_markdown(self) -> str:
+        """The default draft tree and where it came from (tuned here, shipped, built in)."""
+        e = self.engine
+        if e is None or not e.has_head:
+            return ""
+        t, origin = e.default_tree, getattr(e, "tree_origin", "")
+        shape = f"Default tree: depth {t.depth}, top-k {t.top_k}, {t.total_tokens} nodes"
+        return f"{shape} · {origin}" if origin else shape
 
 
 def free_memory() -> None:

@@ -1,69 +1,155 @@
-"""Event handlers behind the UI: chat, regenerate, stop, side by side, and the model manager.
+"""Event handlers behind the UI: chat, regenerate, stop, clear, side by side, page load and
+session end. The model manager's handlers are in app.models_tab.
 
 Each handler parses the controls, asks the engine for a stream of step events and renders
-them with app.chat; errors become gr.Error messages and never lose the conversation.
+them with app.chat. A problem never blanks the page: it is shown as a message (a toast plus
+the notice under the chat) while every component keeps its content, and it is logged as one
+line; only a real fault (a bug) logs its traceback.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 
 import gradio as gr
 
-from app.chat import AnswerView, compare_markdown, empty_frame, engine_messages, trim_to_context
-from app.manager import ModelManager, Request, catalogue_frame, progress_text
+from app.chat import AnswerView, empty_frame, engine_messages, trim_to_context
+from app.compare import compare_outputs, race
+from app.errors import UserError, fault, refuse, user_error
+from app.lane import Ticket, Tickets
+from app.manager import ModelManager
+from app.models_tab import ModelHandlers
 from app.state import Access, generation_config
 from core.config import ConfigError
 from core.engine import EngineError
 from core.head import HeadLoadError
 from core.models import ModelLoadError
 
-USER_ERRORS = (ConfigError, EngineError, ModelLoadError, HeadLoadError)
-# loading can also fail deeper (CUDA out of memory, a missing bitsandbytes, a corrupt file)
-LOAD_ERRORS = (*USER_ERRORS, RuntimeError, OSError, ValueError, ImportError)
+USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError)
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
+CHAT_OUTPUTS = 8  # chatbot, history, box, chart, stats, stats json, token view, notice
 
 
-class StopFlag(threading.Event):
-    """Set by Stop or Clear (from outside the queue); read by the streaming handler each step."""
-
-    clear_chat = False
-
-    def reset(self) -> None:
-        self.clear_chat = False
-        self.clear()
+def chart(view: AnswerView, y_max: int) -> gr.BarPlot:
+    """The chart's update: this answer's steps, and a legend of the kinds this mode can show."""
+    return gr.BarPlot(value=view.frame() if view.rows else empty_frame(), y_lim=[0, y_max],
+                      colors_in_legend=view.kinds(), x_lim=view.x_range())
 
 
-def _session(request: gr.Request | None) -> str:
-    return getattr(request, "session_hash", None) or "local"
-
-
-class Handlers:
+class Handlers(ModelHandlers):
     def __init__(self, manager: ModelManager, access: Access):
         self.manager = manager
         self.access = access
-        self._stops: dict[str, StopFlag] = {}
+        self.tickets = Tickets()
 
-    # ---- stop -------------------------------------------------------------------------
-    def _stop_flag(self, request) -> StopFlag:
-        return self._stops.setdefault(_session(request), StopFlag())
+    # ---- the queue: validators run when a request joins it --------------------------------
+    def check_chat(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
+                   highlight, request: gr.Request = None):
+        return self._check_text(message, 11, request, "Type a message first.")
 
-    def stop(self, request: gr.Request):
-        """Runs outside the queue; the streaming handler sees the flag after the current step
-        and closes the engine's generator, which stops decoding at once."""
-        self._stop_flag(request).set()
+    def check_regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
+                         highlight, request: gr.Request = None):
+        self.tickets.join(request)
+        return [gr.validate(True, "")] * 10
+
+    def check_compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
+                      request: gr.Request = None):
+        return self._check_text(prompt, 8, request, "Type a prompt to compare.")
+
+    def _check_text(self, text, n_inputs: int, request, problem: str):
+        """An empty text is refused inline, on its box, before the request joins the queue.
+        (Gradio passes the request only to named positional parameters, hence the long lists.)"""
+        ok = bool((text or "").strip())
+        if ok:
+            self.tickets.join(request)
+        return [gr.validate(ok, problem)] + [gr.validate(True, "")] * (n_inputs - 1)
+
+    def stop(self, request: gr.Request = None):
+        """Runs outside the queue: stops this session's answer after its current step, and its
+        requests still waiting in the queue before they start."""
+        self.tickets.cancel(request)
+
+    def clear(self, request: gr.Request = None):
+        """Empty the chat; an answer still streaming stops and ends by showing the empty chat."""
+        self.tickets.cancel(request, clear_chat=True)
+        return self.cleared()
+
+    def session_end(self, request: gr.Request = None):
+        """The visitor's tab closed: free what this session held."""
+        self.tickets.forget(request)
+
+    @staticmethod
+    def cleared():
+        return [], [], "", empty_frame(), "", {}, "", ""
 
     # ---- chat -------------------------------------------------------------------------
-    @staticmethod
-    def _config(settings: tuple):
+    def respond(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k,
+                tree_size, highlight, request: gr.Request = None):
+        message = (message or "").strip()
+        history = list(history or [])
+        turns = history + [{"role": "user", "content": message}]
+        settings = (temperature, top_p, max_new, spec, depth, top_k, tree_size)
+        work = self._chat(history, turns, system, settings, highlight, request, restore=message)
+        yield from self._run(work, request, CHAT_OUTPUTS, 7, empty_first=not message)
+
+    def regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
+                   tree_size, highlight, request: gr.Request = None):
+        history = list(history or [])
+        users = [i for i, m in enumerate(history) if m["role"] == "user"]
+        settings = (temperature, top_p, max_new, spec, depth, top_k, tree_size)
+        work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, highlight,
+                          request, restore=None)
+        yield from self._run(work, request, CHAT_OUTPUTS, 7,
+                             empty_first=not users, empty_message="Nothing to regenerate yet: send a message first.")
+
+    def _run(self, work, request, n_outputs: int, notice_at: int, *, empty_first=False,
+             empty_message="Type a message first."):
+        """Drive one queued request: its ticket, and every problem turned into a message."""
+        ticket = self.tickets.ticket(request)
+        try:
+            if empty_first:
+                raise UserError(empty_message)
+            if ticket.stop.is_set():
+                yield self._cancelled(ticket, n_outputs, notice_at)
+                return
+            yield from work(ticket)
+        except USER_ERRORS as e:
+            yield refuse(user_error(str(e)), n_outputs, notice_at)
+        except Exception as e:  # a bug: keep the page usable, keep the traceback for the console
+            yield refuse(fault(e), n_outputs, notice_at)
+        finally:
+            self.tickets.done(request, ticket)
+
+    def _cancelled(self, ticket: Ticket, n_outputs: int, notice_at: int):
+        """Stop (or Clear) was pressed while this request waited in the queue."""
+        if ticket.clear_chat and n_outputs == CHAT_OUTPUTS:
+            return self.cleared()
+        return refuse("Stopped before it started.", n_outputs, notice_at)
+
+    def _engine(self):
+        if self.manager.engine is None:
+            raise UserError("No model is loaded: a switch failed and the previous model could not be loaded "
+                            "again. Load one in the Models tab.")
+        return self.manager.engine
+
+    def _settings(self, settings: tuple, request, notices: list[str]):
+        """The controls -> (GenerationConfig, deadline in seconds or None), with the caps for
+        visitors through the public link applied and said."""
         temperature, top_p, max_new, spec, depth, top_k, tree_size = settings
         try:
-            return generation_config(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                                     speculative=spec, depth=depth, top_k=top_k, tree_size=tree_size)
+            cfg = generation_config(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                                    speculative=spec, depth=depth, top_k=top_k, tree_size=tree_size)
         except ConfigError as e:
-            raise gr.Error(f"Invalid setting: {e}") from e
+            raise UserError(f"Invalid setting: {e}") from e
+        if not self.access.limited(request):
+            return cfg, None
+        cap = self.access.remote_max_new_tokens
+        if cfg.max_new_tokens > cap:
+            notices.append(f"Limit for visitors through the public link: at most {cap} new tokens per answer "
+                           f"(you asked for {cfg.max_new_tokens}).")
+            cfg = replace(cfg, max_new_tokens=cap)
+        return cfg, self.access.remote_max_seconds
 
     @staticmethod
     def _prompt(engine, turns, system, cfg, notices: list[str]) -> list[dict]:
@@ -72,184 +158,120 @@ class Handlers:
             msgs, dropped = trim_to_context(engine_messages(turns, system), engine.count_tokens,
                                             engine.max_context, cfg.max_new_tokens)
             too_long = engine.count_tokens(msgs) >= engine.max_context
-        except (*USER_ERRORS, ValueError) as e:  # e.g. a tokenizer without a chat template
-            raise gr.Error(f"Cannot build the prompt: {e}") from e
+        except ValueError as e:  # e.g. a tokenizer without a chat template
+            raise UserError(f"Cannot build the prompt: {e}") from e
+        if too_long:
+            raise UserError(f"This message is longer than the model's whole context ({engine.max_context} "
+                            "tokens); shorten it.")
         if dropped:
             notices.append(f"Note: the conversation no longer fits the model's context ({engine.max_context} "
                            f"tokens): the oldest {dropped} exchange(s) were left out of the prompt.")
             gr.Warning(notices[-1])
-        if too_long:
-            raise gr.Error(f"This message is longer than the model's whole context ({engine.max_context} "
-                           "tokens); shorten it.")
         return msgs
 
-    def respond(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k,
-                tree_size, highlight, request: gr.Request):
-        message = (message or "").strip()
-        if not message:
-            raise gr.Error("Type a message first.")
-        cfg = self._config((temperature, top_p, max_new, spec, depth, top_k, tree_size))
-        turns = list(history or []) + [{"role": "user", "content": message}]
-        yield from self._answer(list(history or []), turns, system, cfg, highlight, request)
+    def _chat(self, before, turns, system, settings, highlight, request, restore):
+        """The work of one answer to `turns`; on a failure before the first token, `before` is
+        shown again and the message goes back into the box."""
+        def work(ticket: Ticket):
+            notices: list[str] = []
+            cfg, seconds = self._settings(settings, request, notices)
+            with self.manager.lane:  # a model switch waits for this answer, and this for a switch
+                engine = self._engine()
+                if cfg.speculative and not engine.has_head:
+                    cfg = replace(cfg, speculative=False)
+                    notices.append(NO_HEAD)
+                msgs = self._prompt(engine, turns, system, cfg, notices)
+                yield from self._answer(engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices,
+                                        restore)
+        return work
 
-    def regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
-                   tree_size, highlight, request: gr.Request):
-        history = list(history or [])
-        users = [i for i, m in enumerate(history) if m["role"] == "user"]
-        if not users:
-            raise gr.Error("Nothing to regenerate yet: send a message first.")
-        cfg = self._config((temperature, top_p, max_new, spec, depth, top_k, tree_size))
-        yield from self._answer(history, history[:users[-1] + 1], system, cfg, highlight, request)
-
-    def clear(self, request: gr.Request):
-        """Empty the chat; an answer still streaming stops and ends by showing the empty chat."""
-        stop = self._stop_flag(request)
-        stop.clear_chat = True
-        stop.set()
-        return self.cleared()
-
-    @staticmethod
-    def cleared():
-        return [], [], "", empty_frame(), "", {}, "", ""
-
-    def _answer(self, before, turns, system, cfg, highlight, request):
-        """Stream one answer to `turns`; on a failure before the first token, restore `before`.
-
-        Yields (chatbot, history, textbox, chart, stats, stats json, token view, notice).
-        """
-        engine = self.manager.engine
-        notices = []
-        if cfg.speculative and not engine.has_head:
-            cfg = replace(cfg, speculative=False)
-            notices.append(NO_HEAD)
-        msgs = self._prompt(engine, turns, system, cfg, notices)
+    def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore):
         view = AnswerView("speculative" if cfg.speculative else "plain")
-        stop = self._stop_flag(request)
-        stop.reset()
         shown = turns + [{"role": "assistant", "content": ""}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
-        yield self._render(shown, view, highlight, notices, y_max, clear_box=True)
+        yield self._render(shown, view, highlight, notices, y_max, box="")
+        deadline = time.monotonic() + seconds if seconds else None
         gen = engine.generate(msgs, cfg)
         try:
             for ev in gen:
                 view.add(ev)
                 shown[-1] = {"role": "assistant", "content": view.text}
-                if stop.is_set():
-                    view.stopped = True
+                if ticket.stop.is_set() or (deadline and time.monotonic() > deadline and not ev.finished):
+                    view.stopped = ticket.stop.is_set()
                     break
                 yield self._render(shown, view, highlight, notices, y_max)
-        except USER_ERRORS as e:
-            if not view.rows:
-                yield self._render(before, view, highlight, notices, y_max)
-                raise gr.Error(str(e)) from e
-            notices.append(f"Note: the answer was cut short: {e}")
+        except Exception as e:
+            message = user_error(str(e)) if isinstance(e, USER_ERRORS) else fault(e)
+            if not view.rows:  # nothing answered: back to the conversation as it was
+                yield (before, before, gr.skip() if restore is None else restore, *refuse(message, 5, 4))
+                return
+            notices.append(f"Note: the answer was cut short: {message}")
         finally:
             gen.close()
-        if stop.clear_chat:
+        if ticket.clear_chat:
             yield self.cleared()
             return
-        if view.stopped:
-            notices.append("Stopped.")
-        elif view.finish_reason == "context":
-            notices.append("Note: the context window is full: the answer was cut. Clear the chat to continue.")
+        notices.extend(self._endings(view, deadline, seconds))
         yield self._render(shown, view, highlight, notices, y_max)
 
     @staticmethod
-    def _render(history, view: AnswerView, highlight, notices, y_max, clear_box=False):
-        chart = gr.BarPlot(value=view.frame() if view.rows else empty_frame(), y_lim=[0, y_max],
-                           sort=view.step_labels() or None)
-        return (history, history, "" if clear_box else gr.skip(), chart, view.stats_markdown(),
+    def _endings(view: AnswerView, deadline, seconds) -> list[str]:
+        if view.stopped:
+            return ["Stopped."]
+        if view.finish_reason is None and deadline:
+            return [f"Limit for visitors through the public link: the answer was cut after {seconds:g} s."]
+        if view.finish_reason == "context":
+            return ["Note: the context window is full: the answer was cut. Clear the chat to continue."]
+        return []
+
+    @staticmethod
+    def _render(history, view: AnswerView, highlight, notices, y_max, box=None):
+        return (history, history, gr.skip() if box is None else box, chart(view, y_max), view.stats_markdown(),
                 view.summary(), view.highlight_html() if highlight else "", "\n\n".join(notices))
 
     # ---- side by side -----------------------------------------------------------------
     def compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
-                request: gr.Request):
+                request: gr.Request = None):
         prompt = (prompt or "").strip()
-        if not prompt:
-            raise gr.Error("Type a prompt to compare.")
-        engine = self.manager.engine
-        if not engine.has_head:
-            raise gr.Error("Side by side needs an EAGLE head: load a model with a head in the Models tab.")
         settings = (temperature, top_p, max_new, True, depth, top_k, tree_size)
-        spec_cfg = self._config(settings)
-        plain_cfg = replace(spec_cfg, speculative=False)
-        msgs = engine_messages([{"role": "user", "content": prompt}], system)
-        stop = self._stop_flag(request)
-        stop.reset()
-        plain, spec = AnswerView("plain"), AnswerView("speculative")
-        for view, cfg in ((plain, plain_cfg), (spec, spec_cfg)):
-            gen = engine.generate(msgs, cfg)
-            try:
-                for ev in gen:
-                    view.add(ev)
-                    if stop.is_set():
-                        view.stopped = True
-                        break
-                    yield self._compare_outputs(plain, spec, "running…")
-            except USER_ERRORS as e:
-                raise gr.Error(str(e)) from e
-            finally:
-                gen.close()
-            if view.stopped:
-                yield self._compare_outputs(plain, spec, "Stopped.")
-                return
-        summary = compare_markdown(plain, spec, greedy=spec_cfg.sampling.greedy)
-        yield self._compare_outputs(plain, spec, summary, greedy=spec_cfg.sampling.greedy)
+
+        def work(ticket: Ticket):
+            notices: list[str] = []
+            spec_cfg, seconds = self._settings(settings, request, notices)
+            with self.manager.lane:
+                engine = self._engine()
+                if not engine.has_head:
+                    raise UserError("Side by side needs an EAGLE head: load a model with a head in the Models tab.")
+                msgs = engine_messages([{"role": "user", "content": prompt}], system)
+                yield from self._race(engine, msgs, spec_cfg, seconds, ticket, notices)
+
+        yield from self._run(work, request, 4, 2, empty_first=not prompt,
+                             empty_message="Type a prompt to compare.")
 
     @staticmethod
-    def _compare_outputs(plain: AnswerView, spec: AnswerView, summary: str, greedy: bool | None = None):
-        data = {"plain": plain.summary(), "speculative": spec.summary()}
-        for key in ("plain", "speculative"):
-            data[key].pop("per_step")
-        if greedy is not None:
-            data["speedup"] = round(spec.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else 0.0
-            data["identical"] = plain.text == spec.text if greedy else None
-        return (f"**Plain** · {plain.tokens_per_s:.1f} tok/s\n\n{plain.text}",
-                f"**Speculative** · {spec.tokens_per_s:.1f} tok/s · τ {spec.tau:.2f}\n\n{spec.text}",
-                summary, data)
-
-    # ---- model manager ----------------------------------------------------------------
-    def _request(self, key, target, head, dtype, device, four_bit) -> Request:
-        if not self.access.can_manage_models:
-            raise gr.Error("Model downloads and switching are disabled on a public link without a "
-                           "password (restart with --auth USER:PASS to allow them).")
+    def _race(engine, msgs, spec_cfg, seconds, ticket: Ticket, notices: list[str]):
+        plain, spec = AnswerView("plain"), AnswerView("speculative")
+        greedy = spec_cfg.sampling.greedy
+        deadline = time.monotonic() + seconds if seconds else None
+        gens = engine.generate(msgs, replace(spec_cfg, speculative=False)), engine.generate(msgs, spec_cfg)
         try:
-            return Request.parse(key, target, head, dtype, device, four_bit)
-        except ModelLoadError as e:
-            raise gr.Error(str(e)) from e
+            for _ in race(plain, gens[0], spec, gens[1]):
+                if ticket.stop.is_set() or (deadline and time.monotonic() > deadline):
+                    plain.stopped = spec.stopped = True
+                    break
+                yield compare_outputs(plain, spec, greedy, notices, final=False)
+        finally:
+            for g in gens:
+                g.close()
+        if ticket.stop.is_set():
+            notices.append("Stopped.")
+        elif plain.stopped:
+            notices.append(f"Limit for visitors through the public link: the race was cut after {seconds:g} s.")
+        yield compare_outputs(plain, spec, greedy, notices, final=True)
 
-    def _download(self, request: Request, progress) -> None:
-        started = time.monotonic()
-
-        def report(repo, done, total):
-            if total:
-                progress((done, total), desc=progress_text(repo, done, total, started), unit="B")
-
-        try:
-            self.manager.download(request, report)
-        except ModelLoadError as e:
-            raise gr.Error(f"Download failed: {e}. The current model keeps serving.") from e
-
-    def download(self, key, target, head, dtype, device, four_bit, progress=gr.Progress()):
-        request = self._request(key, target, head, dtype, device, four_bit)
-        if not request.hub_ids():
-            return "Nothing to download: this model is built in or a local folder.", catalogue_frame()
-        self._download(request, progress)
-        return f"Downloaded {', '.join(f'`{r}`' for r in request.hub_ids())}.", catalogue_frame()
-
-    def load(self, key, target, head, dtype, device, four_bit, progress=gr.Progress()):
-        request = self._request(key, target, head, dtype, device, four_bit)
-        self._download(request, progress)
-        progress(None, desc=f"Loading {request.choice.model} …")
-        try:
-            engine = self.manager.switch(request)
-        except LOAD_ERRORS as e:
-            raise gr.Error(f"Loading failed ({type(e).__name__}): {e}. The previous model keeps serving.") from e
-        note = "" if engine.has_head else " This model has no EAGLE head: speculation is off."
-        return (f"Now serving {request.choice.describe()}.{note}", self.manager.status_markdown(),
-                gr.Checkbox(value=engine.has_head, interactive=engine.has_head), catalogue_frame())
-
-    def page_load(self, banner: str):
+    # ---- page ---------------------------------------------------------------------------
+    def page_load(self, banner: str, request: gr.Request = None):
         engine = self.manager.engine
-        return (self.manager.status_markdown(), banner,
-                gr.Checkbox(value=engine.has_head, interactive=engine.has_head))
+        has_head = engine is not None and engine.has_head
+        return (self.manager.status_markdown(), banner, gr.Checkbox(value=has_head, interactive=has_head),
+                self.manager.tree_markdown(), *self.models_access(request))

@@ -1,5 +1,5 @@
-"""Small pieces of app state that are not the model: who may do what, the last model used,
-and turning the UI's raw control values into a validated `GenerationConfig`.
+"""Small pieces of app state that are not the model: who may do what (decided per request),
+the last model used, and turning the UI's raw control values into a validated `GenerationConfig`.
 
 Parsing only: every range check lives in core.config, so a bad value is refused with the
 same message as in the CLI.
@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from app.lane import is_remote
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.models import EMBEDDED, cache_home
 
@@ -19,15 +20,20 @@ LAST_MODEL_FILE = "last_model.json"
 
 @dataclass(frozen=True)
 class Access:
-    """What visitors may do. A public link without a password must not let strangers make the
-    server read arbitrary local paths or fill its disk, so model switching is closed then."""
+    """What a visitor may do. Without a password, a visitor from another machine (through the
+    public share link) may chat within a per-answer cap on new tokens and seconds, so no one
+    holds the single generation lane for long, and may not switch models: that would let
+    strangers make the server read local paths or fill its disk. Local visitors are not limited."""
 
-    shared: bool = False
     authenticated: bool = False
+    remote_max_new_tokens: int = 256
+    remote_max_seconds: float = 60.0
 
-    @property
-    def can_manage_models(self) -> bool:
-        return not self.shared or self.authenticated
+    def limited(self, request) -> bool:
+        return not self.authenticated and is_remote(request)
+
+    def can_manage_models(self, request) -> bool:
+        return not self.limited(request)
 
 
 @dataclass(frozen=True)

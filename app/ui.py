@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app.chat import empty_frame
+from app.chat import BONUS, DRAFT, PLAIN, empty_frame
 from app.manager import CUSTOM, ModelManager, catalogue_frame
+from app.models_tab import LOCKED
 from app.session import Handlers
 from app.state import Access
 from core.config import GenerationConfig
 from core.models import CATALOGUE
 
+# every column of the catalogue fits the page; long ids wrap inside their cell
+CATALOGUE_WIDTHS = ["17%", "19%", "20%", "8%", "9%", "9%", "9%", "9%"]
+COLORS = {DRAFT: "#16a34a", BONUS: "#f97316", PLAIN: "#6b7280"}
 CSS = """
 .tok-view { max-height: 320px; overflow-y: auto; white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 0.9em; line-height: 1.6; }
 .tok-draft { background: #bbf7d0; color: #14532d; border-radius: 3px; }
@@ -18,6 +22,33 @@ CSS = """
 .tok-plain { background: #e5e7eb; color: #111827; border-radius: 3px; }
 .tok-legend span { padding: 1px 6px; margin-right: 6px; font-size: 0.85em; }
 #notice p { color: #b45309; }
+/* long messages (a refused pickle's reason, a path) wrap instead of running off or being cut */
+#notice, #model-result, #compare-summary, [data-testid="toast-text"] { overflow-wrap: anywhere; }
+/* an unchecked box that can be checked looks clickable; a disabled one looks disabled */
+input[type=checkbox]:not(:checked):not(:disabled) { background-color: #ffffff; border: 2px solid #6366f1; }
+input[type=checkbox]:disabled { opacity: 0.45; cursor: not-allowed; }
+label:has(> input[type=checkbox]:disabled) { cursor: not-allowed; }
+/* a number outside its slider's range is marked while typed; see RANGE_NOTE_JS for the note */
+input[type=number]:invalid { outline: 2px solid #dc2626; }
+.range-note { color: #b45309; font-size: 0.85em; margin-top: 2px; }
+"""
+# Gradio clamps a typed number to its slider's range when the box loses focus, silently. This
+# says what was changed, under the slider (capture phase: before Gradio's own blur handler).
+RANGE_NOTE_JS = """
+() => {
+  document.addEventListener("blur", (event) => {
+    const box = event.target;
+    if (!(box instanceof HTMLInputElement) || box.type !== "number" || box.value === "") return;
+    const value = Number(box.value), lo = Number(box.min), hi = Number(box.max);
+    const used = box.min !== "" && value < lo ? lo : box.max !== "" && value > hi ? hi : null;
+    const wrap = box.closest(".wrap") || box.parentElement;
+    let note = wrap.querySelector(":scope > .range-note");
+    if (used === null) { if (note) note.remove(); return; }
+    if (!note) { note = document.createElement("div"); note.className = "range-note"; wrap.appendChild(note); }
+    const name = (box.getAttribute("aria-label") || "").replace("number input for ", "");
+    note.textContent = `${name}: ${value} is outside ${lo}–${hi}, so ${used} is used.`;
+  }, true);
+}
 """
 HEADER = ("# eagle-chat\nLocal chat with lossless EAGLE speculative decoding: a small draft head "
           "guesses a tree of tokens, the model checks them all in one pass, and the answer is exactly "
@@ -51,7 +82,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                              placeholder="Ask anything. Speculation settings are on the right.")
                         notice = gr.Markdown(elem_id="notice")
                         with gr.Row():
-                            box = gr.Textbox(placeholder="Message (Enter to send)", show_label=False,
+                            box = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False,
                                              scale=6, elem_id="message", autofocus=True)
                             send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
                         with gr.Row():
@@ -64,15 +95,15 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                            elem_id="speculative",
                                            info="Greyed out when the model has no EAGLE head.")
                         depth = gr.Slider(1, 16, tree.depth, step=1, label="Tree depth", elem_id="depth")
+                        tree_origin = gr.Markdown(manager.tree_markdown(), elem_id="tree-origin")
                         with gr.Accordion("Advanced speculation", open=False):
                             top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k")
                             tree_size = gr.Slider(2, 96, tree.total_tokens, step=1, label="Tree size (nodes verified)",
                                                   elem_id="tree-size")
                         chart = gr.BarPlot(empty_frame(), x="step", y="tokens", color="kind",
                                            title="Tokens committed per verification step",
-                                           y_lim=[0, tree.depth + 1], height=230, elem_id="chart",
-                                           color_map={"accepted draft": "#16a34a", "bonus (target)": "#f97316",
-                                                      "plain (target)": "#6b7280"})
+                                           y_lim=[0, tree.depth + 1], x_lim=[0.5, 1.5], height=230, elem_id="chart",
+                                           color_map=COLORS, colors_in_legend=list(COLORS), x_axis_format="d")
                         stats = gr.Markdown(elem_id="stats")
                         highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts")
                         tokens = gr.HTML(elem_id="tokens")
@@ -80,15 +111,18 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                             temperature = gr.Slider(0, 2, gen.sampling.temperature, step=0.05,
                                                     label="Temperature (0 = greedy)", elem_id="temperature")
                             top_p = gr.Slider(0.05, 1, gen.sampling.top_p, step=0.05, label="Top-p", elem_id="top-p")
-                            max_new = gr.Slider(1, 2048, gen.max_new_tokens, step=1, label="Max new tokens", elem_id="max-new")
+                            max_new = gr.Slider(1, 2048, gen.max_new_tokens, step=1, label="Max new tokens",
+                                                elem_id="max-new")
                         with gr.Accordion("Raw numbers", open=False):
                             stats_json = gr.JSON(label="This answer", elem_id="stats-json")
             with gr.Tab("Side by side"):
-                gr.Markdown("One prompt, answered plain and then with speculation on the same model, "
-                            "with the sampling and tree settings of the Chat tab.")
+                gr.Markdown("One prompt answered plain and with speculation on the same model, as a race: the "
+                            "two runs take turns step by step and each column's clock counts only its own "
+                            "steps. Sampling and tree settings come from the Chat tab.")
                 with gr.Row():
-                    prompt = gr.Textbox(show_label=False, placeholder="Prompt", scale=6, elem_id="compare-prompt")
-                    run = gr.Button("Compare", variant="primary", scale=1)
+                    prompt = gr.Textbox(label="Prompt", show_label=False, placeholder="Prompt", scale=6,
+                                        elem_id="compare-prompt")
+                    run = gr.Button("Compare", variant="primary", scale=1, elem_id="compare")
                     stop2 = gr.Button("Stop", scale=1)
                 with gr.Row():
                     plain_out = gr.Markdown(elem_id="plain-answer")
@@ -97,54 +131,60 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                 with gr.Accordion("Raw numbers", open=False):
                     compare_json = gr.JSON(label="Numbers")
             with gr.Tab("Models"):
-                models_tab(h, manager, access, status, spec)
+                models = models_tab(h, manager, status, spec, tree_origin)
 
         settings = [temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight]
         history = gr.State([])
         outs = [chatbot, history, box, chart, stats, stats_json, tokens, notice]
-        # one generation at a time on the shared engine, whichever button started it
+        # one generation at a time on the shared engine, whichever button started it; the
+        # validators run when a request joins the queue (see app.lane)
         lane = dict(concurrency_id="engine", concurrency_limit=1)
-        chat_args = dict(fn=h.respond, inputs=[box, history, system] + settings, outputs=outs, **lane)
+        chat_args = dict(fn=h.respond, inputs=[box, history, system] + settings, outputs=outs,
+                         validator=h.check_chat, **lane)
         send.click(api_name="chat", **chat_args)
         box.submit(api_visibility="private", **chat_args)
-        regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate", **lane)
+        regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
+                    validator=h.check_regenerate, **lane)
         stop.click(h.stop, None, None, queue=False, api_name="stop")
         clear.click(h.clear, None, outs, api_name="clear", queue=False)
         run.click(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
-                               [plain_out, spec_out, summary, compare_json], api_name="compare", **lane)
+                  [plain_out, spec_out, summary, compare_json], api_name="compare",
+                  validator=h.check_compare, **lane)
         stop2.click(h.stop, None, None, queue=False, api_visibility="private")
-        demo.load(lambda: h.page_load(app.banner), None, [status, banner, spec], api_visibility="private")
+        def page_load(request: gr.Request):
+            return h.page_load(app.banner, request)
+
+        demo.load(page_load, None, [status, banner, spec, tree_origin, *models], api_visibility="private")
+        demo.unload(h.session_end)
     return app
 
 
-def models_tab(h: Handlers, manager: ModelManager, access: Access, status, spec) -> None:
-    allowed = access.can_manage_models
+def models_tab(h: Handlers, manager: ModelManager, status, spec, tree_origin) -> list:
+    """The Models tab; returns the lock notice and the controls that page load enables or not."""
     gr.Markdown("Targets with their EAGLE heads. One click downloads (resumable, with progress) and "
-                "switches; the current model keeps answering until the new one is ready.")
-    if not allowed:
-        gr.Markdown("Locked: this app is shared by a public link without a password: downloads, local "
-                    "folders and model switching are disabled.", elem_id="locked")
-    table = gr.Dataframe(catalogue_frame(), interactive=False, label="Catalogue", wrap=True)
+                "switches; the switch waits for the answer being generated, and answers wait for it.")
+    locked = gr.Markdown(f"Locked: {LOCKED}", elem_id="locked", visible=False)
+    table = gr.Dataframe(catalogue_frame(), interactive=False, label="Catalogue", wrap=True, elem_id="catalogue",
+                         column_widths=CATALOGUE_WIDTHS)
     keys = [e.key for e in CATALOGUE] + [CUSTOM]
     with gr.Row():
-        key = gr.Dropdown(keys, value=keys[0], label="Model", interactive=allowed, scale=2)
-        dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=manager.choice.dtype, label="dtype",
-                            interactive=allowed)
-        device = gr.Dropdown(devices(), value=manager.choice.device, label="Device", interactive=allowed)
-        four_bit = gr.Checkbox(manager.choice.load_in_4bit, label="4-bit (nf4)", interactive=allowed,
-                               info="Default for 7B+ models on CUDA")
+        key = gr.Dropdown(keys, value=keys[0], label="Model", scale=2, elem_id="model-key")
+        dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=manager.choice.dtype, label="dtype")
+        device = gr.Dropdown(devices(), value=manager.choice.device, label="Device")
+        four_bit = gr.Checkbox(manager.choice.load_in_4bit, label="4-bit (nf4)", info="Default for 7B+ models on CUDA")
     with gr.Row():
-        target = gr.Textbox(label="Custom target: hub id (owner/name) or local folder", interactive=allowed)
-        head = gr.Textbox(label="Custom EAGLE head: hub id or local folder (optional)", interactive=allowed)
+        target = gr.Textbox(label="Custom target: hub id (owner/name) or local folder", elem_id="custom-target")
+        head = gr.Textbox(label="Custom EAGLE head: hub id or local folder (optional)")
     with gr.Row():
-        dl = gr.Button("Download", interactive=allowed)
-        load = gr.Button("Download & switch", variant="primary", interactive=allowed)
+        dl = gr.Button("Download", elem_id="download")
+        load = gr.Button("Download & switch", variant="primary")
     result = gr.Markdown(elem_id="model-result")
     inputs = [key, target, head, dtype, device, four_bit]
     dl.click(h.download, inputs, [result, table], api_name="download")
-    load.click(h.load, inputs, [result, status, spec, table], api_name="load_model")
+    load.click(h.load, inputs, [result, status, spec, table, tree_origin], api_name="load_model")
     key.change(lambda k, d: gr.Checkbox(value=d == "cuda" and k != keys[0]), [key, device], four_bit,
                api_visibility="private")
+    return [locked, key, dtype, device, four_bit, target, head, dl, load]
 
 
 def devices() -> list[str]:
@@ -157,6 +197,6 @@ def launch(app: App, *, port: int | None, share: bool, auth: tuple[str, str] | N
     """Start serving without blocking; returns (local_url, share_url or None)."""
     app.demo.queue(default_concurrency_limit=1)
     app.demo.launch(server_name="127.0.0.1", server_port=port, share=share, auth=auth, inbrowser=inbrowser,
-                    prevent_thread_lock=True, css=CSS, theme=gr.themes.Soft(), quiet=True,
+                    prevent_thread_lock=True, css=CSS, js=RANGE_NOTE_JS, theme=gr.themes.Soft(), quiet=True,
                     footer_links=["api", "settings"])
     return app.demo.local_url, app.demo.share_url

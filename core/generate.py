@@ -1,6 +1,8 @@
 """Headless generation: `python -m core.generate "PROMPT" [--plain] [--max-new-tokens N] ...`.
 
-Streams the answer to stdout and ends with one summary line.
+Streams the answer to stdout and ends with one summary line (tokens, tau, tokens/s and the
+numerics that ran). A long prompt can come from a file (`--prompt-file F`) or standard
+input (`-` as the prompt), which avoids the OS limit on argument length.
 """
 
 from __future__ import annotations
@@ -8,16 +10,26 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
+
+from core.threads import set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
-from core.engine import Engine, EngineError
-from core.head import HeadLoadError
-from core.models import EMBEDDED, ModelLoadError
+
+# torch and transformers load only after the arguments are checked (that takes seconds)
+ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # core.engine.ATTENTIONS
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
+EMBEDDED = "smollm2"
+
+
+class ArgumentError(ValueError):
+    """A command-line value is refused before the model loads."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m core.generate", description=__doc__.splitlines()[0])
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", help="the user message; '-' reads it from standard input")
+    p.add_argument("--prompt-file", type=Path, help="read the user message from this file")
     p.add_argument("--plain", action="store_true", help="plain decoding, no speculation")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -27,27 +39,70 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. root")
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = shipped head")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto (CPU: bf16 with exact kernels where the probe "
+                   "passes, else fp32), float32, bfloat16, float16")
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this "
+                   "process may use; on a busy machine fewer threads can be faster)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--load-in-4bit", action="store_true")
     p.add_argument("--seed", type=int, default=None)
     return p.parse_args(argv)
 
 
+def read_prompt(a) -> str:
+    if a.prompt_file is not None and a.prompt is not None:
+        raise ArgumentError("give the prompt as an argument or with --prompt-file, not both")
+    if a.prompt_file is not None:
+        try:
+            return a.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ArgumentError(f"cannot read --prompt-file {a.prompt_file}: {e}") from e
+    if a.prompt == "-":
+        return sys.stdin.read()
+    if a.prompt is None:
+        raise ArgumentError("no prompt: give it as an argument, '-' for standard input, or --prompt-file FILE")
+    return a.prompt
+
+
+def check_args(a) -> tuple[str, dict, GenerationConfig]:
+    """Everything that can be refused without the model, refused before it loads (seconds)."""
+    prompt = read_prompt(a)
+    if not prompt.strip():
+        raise ArgumentError("the prompt is empty")
+    if a.threads is not None and a.threads < 1:
+        raise ArgumentError(f"--threads must be >= 1, got {a.threads}")
+    if a.dtype not in DTYPES:
+        raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPES)}")
+    given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
+             if v is not None}
+    TreeConfig(**given)
+    config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
+                              sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p))
+    return prompt, given, config
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
-        given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
-                 if v is not None}
-        TreeConfig(**given)  # refuse bad values before the model loads
-        engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, device=a.device,
-                             load_in_4bit=a.load_in_4bit)
-        tree = replace(engine.default_tree, **given)
-        config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
-                                  tree=tree, sampling=sampling)
+        prompt, given, config = check_args(a)
+    except (ArgumentError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    set_threads(a.threads)
+    import torch
+
+    from core.engine import Engine, EngineError
+    from core.head import HeadLoadError
+    from core.models import ModelLoadError
+
+    try:
+        engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, attention=a.attention,
+                             device=a.device, load_in_4bit=a.load_in_4bit)
+        config = replace(config, tree=replace(engine.default_tree, **given))
         last = None
-        for last in engine.generate(a.prompt, config):
+        for last in engine.generate(prompt, config):
             sys.stdout.write(last.text)
             sys.stdout.flush()
     except (ConfigError, EngineError, ModelLoadError, HeadLoadError) as e:
@@ -56,7 +111,9 @@ def main(argv=None) -> int:
     tau = last.total_tokens / last.target_forwards
     print(f"\n[{'plain' if a.plain else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
-          f"finish={last.finish_reason}")
+          f"finish={last.finish_reason} threads={torch.get_num_threads()}")
+    print(f"[numerics] {engine.numerics.describe()}" + (f"; tree {config.tree} ({engine.tree_origin})"
+                                                        if config.speculative else ""))
     return 0
 
 

@@ -94,3 +94,37 @@ class Launched:
             self.proc.kill()
             self.proc.wait()
         self._reader.join(5)
+
+
+class Served:
+    """The app built on a given engine (tiny models in tests) and served by a real Gradio server in
+    this process, so tests reach it over HTTP like any client and can also inspect its state."""
+
+    def __init__(self, engine, access=None, loader=None):
+        from app.manager import ModelManager
+        from app.state import Access, ModelChoice
+        from app.ui import build, launch
+
+        self.manager = ModelManager(loader, ModelChoice("tiny", None), engine)
+        self.app = build(self.manager, access or Access())
+        self.url, _ = launch(self.app, port=free_port(), share=False, auth=None, inbrowser=False)
+
+    @property
+    def handlers(self):
+        return self.app.handlers
+
+    def close(self) -> None:
+        self.app.demo.close()
+
+
+class FakeRequest:
+    """What the app reads of a gr.Request: headers, the client address and the session."""
+
+    def __init__(self, host="127.0.0.1:7860", client="127.0.0.1", forwarded=None, session_hash="s1"):
+        self.headers = {"host": host, **({"x-forwarded-for": forwarded} if forwarded else {})}
+        self.client = type("Address", (), {"host": client})()
+        self.session_hash = session_hash
+
+
+LOCAL = FakeRequest()
+SHARE_LINK = FakeRequest(host="abcd1234.gradio.live", forwarded="203.0.113.7")  # through the share tunnel

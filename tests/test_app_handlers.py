@@ -4,23 +4,30 @@ errors keep the conversation, and a download that cannot fit is refused at once.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections import namedtuple
 
 import gradio as gr
 import pytest
+import torch
 
 from app.chat import PLAIN
-from app.manager import ModelManager
+from app.manager import ModelManager, Request
 from app.session import NO_HEAD, Handlers
 from app.state import Access, ModelChoice
+from core.config import TreeConfig
 from core.engine import Engine
+from core.treestore import TreeChoice
+from tests.app_server import LOCAL, SHARE_LINK
 from tests.tiny import oracle_head, tiny_target
 
 SYSTEM = "system w7"
 # message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight
 Settings = namedtuple("Settings", "temperature top_p max_new spec depth top_k tree_size highlight")
 GREEDY = Settings(0.0, 1.0, 12, True, 3, 2, 6, True)
+SKIP = gr.skip()  # an output left as it is
 
 
 def handlers_for(engine) -> Handlers:
@@ -63,8 +70,18 @@ def test_long_conversation_is_trimmed_with_a_notice(bigram):
     assert "oldest 1 exchange(s) were left out" in notice
     assert state[:4] == history and len(state) == 6, "trimming shortens the prompt, never the visible chat"
     assert stats["tokens"] >= 1
-    with pytest.raises(gr.Error, match="longer than the model's whole context"):
-        answer(h, " ".join(f"w{i}" for i in range(10, 95)) + " w5" * 20, [])
+
+
+def test_an_over_long_message_is_refused_saying_only_that(bigram, recwarn):
+    h = handlers_for(Engine(*bigram))
+    words = " ".join(f"w{i}" for i in range(10, 40))
+    history = [{"role": "user", "content": words}, {"role": "assistant", "content": words}]
+    outs = list(h.respond(" ".join(f"w{i}" for i in range(10, 95)) + " w5" * 20, history, SYSTEM, *GREEDY,
+                          request=None))
+    assert len(outs) == 1 and all(o == SKIP for o in outs[0][:7]), "the chat, box, chart and panel keep their content"
+    assert "longer than the model's whole context (96 tokens)" in outs[0][7]
+    toasts = [str(w.message) for w in recwarn]
+    assert len(toasts) == 1 and "longer than" in toasts[0], "no word about left-out exchanges: only the refusal"
 
 
 def test_stop_closes_the_stream_within_a_step(bigram):
@@ -88,8 +105,9 @@ def test_without_head_speculation_falls_back_to_plain_with_a_notice(bigram):
     _, _, stats, tokens, notice = answer(h, "w5", [])
     assert stats["mode"] == "plain" and NO_HEAD in notice
     assert 'title="id' in tokens and PLAIN in tokens
-    with pytest.raises(gr.Error, match="needs an EAGLE head"):
-        list(h.compare("w5", SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=None))
+    with pytest.warns(UserWarning, match="needs an EAGLE head"):
+        outs = list(h.compare("w5", SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=None))
+    assert outs == [(SKIP, SKIP, outs[0][2], SKIP)] and "needs an EAGLE head" in outs[0][2]
 
 
 def test_regenerate_and_empty_input(bigram):
@@ -97,10 +115,10 @@ def test_regenerate_and_empty_input(bigram):
     _, state, _, _, _ = answer(h, "w5 w9", [])
     again = list(h.regenerate(state, SYSTEM, *GREEDY, request=None))[-1]
     assert again[1] == state
-    with pytest.raises(gr.Error, match="Type a message"):
-        answer(h, "  ", state)
-    with pytest.raises(gr.Error, match="Nothing to regenerate"):
-        list(h.regenerate([], SYSTEM, *GREEDY, request=None))
+    with pytest.warns(UserWarning, match="Type a message"):
+        assert answer(h, "  ", state)[0] == [(*[SKIP] * 7, "Type a message first.")]
+    with pytest.warns(UserWarning, match="Nothing to regenerate"):
+        assert list(h.regenerate([], SYSTEM, *GREEDY, request=None))[0][7].startswith("Nothing to regenerate")
 
 
 def test_side_by_side_on_tiny_models(bigram):
@@ -119,6 +137,122 @@ def test_download_that_cannot_fit_is_refused_at_once(monkeypatch):
     h = Handlers(ModelManager(loader=None, choice=ModelChoice(), engine=object(),
                               endpoint="http://127.0.0.1:9"), Access())
     start = time.monotonic()
-    with pytest.raises(gr.Error, match="not enough disk space for lmsys/vicuna-7b-v1.3: about 13 GB needed"):
-        h.download("Vicuna-7B v1.3", "", "", "float16", "cpu", False, progress=lambda *a, **k: None)
+    with pytest.warns(UserWarning, match="not enough disk space for lmsys/vicuna-7b-v1.3: about 13 GB needed"):
+        message, table = h.download("Vicuna-7B v1.3", "", "", "float16", "cpu", False, progress=lambda *a, **k: None)
+    assert message.startswith("Download failed: not enough disk space") and table == SKIP, "the table keeps its content"
     assert time.monotonic() - start < 2
+
+
+def test_a_model_switch_waits_for_the_answer_being_generated(bigram, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))  # the switch remembers the model used
+    first = Engine(bigram[0])
+    old, order = weakref.ref(first), []
+
+    def loader(**kw):
+        order.append(("load", "old engine freed" if old() is None else "two models in memory"))
+        return Engine(*bigram)
+
+    manager = ModelManager(loader, ModelChoice("tiny", None), first)
+    del first
+    h = Handlers(manager, Access())
+    stream = h.respond("w5", [], SYSTEM, *GREEDY._replace(spec=False, max_new=40), request=None)
+    next(stream), next(stream)  # the answer is generating: it holds the lane
+    switching = threading.Thread(target=manager.switch, args=(Request(ModelChoice("tiny-2", None)),))
+    switching.start()
+    time.sleep(0.3)
+    assert order == [] and switching.is_alive(), "the switch waits for the answer"
+    list(stream)
+    order.append("answer done")
+    switching.join(10)
+    assert order == ["answer done", ("load", "old engine freed")]
+    assert manager.engine.has_head and manager.choice.model == "tiny-2"
+
+
+def test_visitors_through_the_public_link_are_cut_at_the_time_cap_and_told(bigram):
+    access = Access(remote_max_new_tokens=1000, remote_max_seconds=0.3)
+    h = Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=Engine(bigram[0])), access)
+    settings = GREEDY._replace(spec=False, max_new=80)
+    outs = []
+    for out in h.respond("w5", [], SYSTEM, *settings, request=SHARE_LINK):
+        outs.append(out)
+        time.sleep(0.02)  # a slow model: 80 steps take over a second
+    assert "cut after 0.3 s" in outs[-1][7] and 3 < outs[-1][5]["tokens"] < 80
+    local = list(h.respond("w5", [], SYSTEM, *settings, request=LOCAL))[-1]
+    assert local[5]["tokens"] == 80 and local[7] == "", "local visitors are not limited"
+
+
+def test_a_fault_keeps_the_conversation_and_logs_its_traceback(bigram, caplog, monkeypatch):
+    engine = Engine(*bigram)
+    h = handlers_for(engine)
+    _, state, _, _, _ = answer(h, "w5 w9", [])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+        yield
+
+    monkeypatch.setattr(engine, "generate", broken)
+    with pytest.warns(UserWarning, match=r"Internal error \(RuntimeError: boom\)"):
+        outs = list(h.respond("w6", state, SYSTEM, *GREEDY, request=None))
+    chat, history, box, *panel, notice = outs[-1]
+    assert chat == history == state and box == "w6", "the conversation as it was, the message back in its box"
+    assert panel == [SKIP] * 4 and "Internal error" in notice
+    faults = [r for r in caplog.records if r.name == "eagle_chat"]
+    assert len(faults) == 1 and faults[0].levelname == "ERROR" and faults[0].exc_info, "a bug keeps its traceback"
+
+
+class Unsafe:
+    """An object in a pickle: torch's safe loader refuses it, with a long explanation."""
+
+
+def test_a_refused_head_pickle_shows_torchs_whole_reason(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from app.manager import CUSTOM
+    from core.head import new_head, save_head
+    from tests.test_app_downloads import tiny_llama
+
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "home"))
+    target = tiny_llama(tmp_path / "tiny")
+    head = save_head(new_head(AutoConfig.from_pretrained(target), seed=0), tmp_path / "head")
+    (head / "model.safetensors").unlink()
+    torch.save({"fc.weight": Unsafe()}, head / "pytorch_model.bin")
+    with pytest.raises(Exception) as refused:
+        torch.load(head / "pytorch_model.bin", weights_only=True)
+    reason = str(refused.value)
+    assert len(reason) > 400
+    h = Handlers(ModelManager(Engine.load, ModelChoice(str(target), None)), Access())
+    with pytest.warns(UserWarning, match="Loading failed"):
+        message, *_ = h.load(CUSTOM, str(target), str(head), "float32", "cpu", False, progress=lambda *a, **k: None)
+    assert reason in message, "the whole reason, not its first 200 characters"
+
+
+def test_the_panel_says_where_the_default_tree_came_from(bigram):
+    from app.ui import build
+
+    engine = Engine(*bigram)
+    engine.tree_choice = TreeChoice(TreeConfig(depth=4, top_k=3, total_tokens=9),
+                                    "tuned on this machine at 2026-11-30 17:40")
+    h = handlers_for(engine)
+    shown = "Default tree: depth 4, top-k 3, 9 nodes · tuned on this machine at 2026-11-30 17:40"
+    assert h.page_load("", LOCAL)[3] == shown
+    panel = next(c for c in build(h.manager).demo.config["components"]
+                 if c.get("props", {}).get("elem_id") == "tree-origin")
+    assert panel["props"]["value"] == shown
+
+
+def test_side_by_side_is_a_race_with_both_columns_streaming(bigram):
+    h = handlers_for(Engine(*bigram))
+    outs = list(h.compare("w5 w9", SYSTEM, 0.0, 1.0, 24, 3, 2, 6, request=None))
+    live = [o for o in outs if not o[3]["final"]]
+    both = [o for o in live if all(0 < o[3][k]["tokens"] < 24 for k in ("plain", "speculative"))]
+    assert both, "both columns stream at once, neither waits for the other to finish"
+    assert all("speed-up so far" in o[2] for o in live)
+    assert all(abs(o[3]["plain"]["clock_s"] - o[3]["speculative"]["clock_s"]) < 0.5 for o in live), \
+        "each column advances by its own compute time"
+    final = outs[-1][3]
+    assert final["final"] and final["identical"] is True and "identical" in outs[-1][2]
+    for k in ("plain", "speculative"):
+        assert final[k]["tokens"] == 24
+        assert final[k]["tokens_per_s"] == pytest.approx(24 / final[k]["clock_s"], rel=0.02), "its own clock"
+    assert final["speedup"] == pytest.approx(final["speculative"]["tokens_per_s"] / final["plain"]["tokens_per_s"],
+                                             rel=0.02)

@@ -12,7 +12,7 @@ import pytest
 from tests.app_server import ROOT, Launched, free_port, isolated_home
 
 FLAGS = ("--model", "--head", "--port", "--no-browser", "--share", "--auth", "--load-in-4bit", "--device",
-         "--dtype", "--help")
+         "--dtype", "--remote-max-new-tokens", "--remote-max-seconds", "--help")
 
 
 def run_launcher(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -26,6 +26,17 @@ def test_help_lists_every_flag_quickly():
     for flag in FLAGS:
         assert flag in out.stdout, flag
     assert "USER:PASS" in out.stdout
+
+
+def test_readme_answers_a_new_users_first_questions():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.split("## Start the app", 1)[1].split("\n## ", 1)[0]
+    assert "Python 3.11 is required" in start
+    assert "`--no-browser`" in start and "without a display" in start
+    assert "first start" in start and "about 30 s" in start and "de-quantizing" in start, "how long, and why"
+    assert "--remote-max-new-tokens" in start and "--remote-max-seconds" in start
+    generate = readme.split("## Headless generation", 1)[1].split("\n## ", 1)[0]
+    assert "--prompt-file" in generate and "python -m core.generate - <" in generate, "long prompts: file or stdin"
 
 
 def test_bad_flags_are_refused_with_a_message():

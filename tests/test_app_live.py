@@ -94,7 +94,8 @@ def test_toggle_switches_mode_and_output_is_identical(client, app_url):
 
 
 def test_stop_regenerate_clear_and_bad_input(client):
-    from gradio_client.exceptions import AppError
+    from gradio_client.exceptions import ValidationError
+    from httpx import HTTPStatusError
 
     job = client.submit(*chat_args("Write a long story about a dragon.", spec=False, max_new=400), api_name="/chat")
     deadline = time.monotonic() + 60
@@ -110,9 +111,9 @@ def test_stop_regenerate_clear_and_bad_input(client):
     assert again[4]["finish_reason"] in ("eos", "length") and len(again[0]) == 4
     _, regen = stream(client, *chat_args("ignored", spec=True)[1:], api_name="/regenerate")
     assert regen[0] == again[0] and regen[4]["mode"] == "speculative", "regenerate replaces the last answer"
-    with pytest.raises(AppError, match="Type a message"):
+    with pytest.raises(ValidationError, match="Type a message"):  # refused before it joins the queue
         client.predict(*chat_args("   "), api_name="/chat")
-    with pytest.raises(AppError, match="less than minimum"):  # the slider's own range check
+    with pytest.raises(HTTPStatusError, match="400"):  # the slider's own range check, on joining the queue
         client.predict(*chat_args("hi", top_p=0.0), api_name="/chat")
     _, kept = stream(client, *chat_args("Thanks!", spec=False, max_new=4))
     assert len(kept[0]) == 6, "errors never lose the conversation"

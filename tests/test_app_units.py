@@ -7,10 +7,13 @@ import json
 
 import pytest
 
-from app.chat import BONUS, DRAFT, PLAIN, AnswerView, compare_markdown, engine_messages, flatten, trim_to_context
+from app.chat import BONUS, DRAFT, PLAIN, AnswerView, engine_messages, flatten, trim_to_context
+from app.compare import compare_markdown
+from app.lane import is_remote
 from app.state import Access, ModelChoice, generation_config, recall, remember
 from core.config import ConfigError
 from core.engine import StepEvent
+from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
 
 
 def event(ids, texts, draft, tree, *, total, forwards, elapsed, finished=False, reason=None,
@@ -38,9 +41,11 @@ def test_answer_view_classifies_tokens_by_id_and_position():
     assert (d, v, o) == pytest.approx((0.02 / 0.11, 0.09 / 0.11, 0.0))
     assert view.finish_reason == "eos" and view.tree_size == 8
     frame = view.frame()
-    assert frame.to_dict("records")[2:4] == [{"step": "2", "tokens": 2, "kind": DRAFT},
-                                             {"step": "2", "tokens": 1, "kind": BONUS}]
-    assert view.step_labels() == ["1", "2", "3"]
+    assert frame.to_dict("records")[2:4] == [{"step": 2, "tokens": 2, "kind": DRAFT},
+                                             {"step": 2, "tokens": 1, "kind": BONUS}]
+    assert view.x_range() == [0.5, 3.5], "steps are numbers: the axis labels only a few of them"
+    assert view.kinds() == [DRAFT, BONUS, PLAIN] and AnswerView("plain").kinds() == [PLAIN]
+    assert view.clock_s == pytest.approx(0.11) and view.token_ids() == [10, 11, 12, 13, 14]
     summary = view.summary()
     assert summary["per_step"][1] == {"step": 2, "tokens": 3, "draft": 2, "tree_size": 8,
                                       "draft_ms": 10.0, "verify_ms": 30.0}
@@ -57,8 +62,8 @@ def test_highlight_is_escaped_and_separate_from_the_markdown_answer():
 def test_compare_summary_flags_identity_only_for_greedy():
     a, b = spec_answer(), spec_answer()
     assert "identical" in compare_markdown(a, b, greedy=True)
-    b.text += "?"
-    assert "different" in compare_markdown(a, b, greedy=True)
+    b.pieces[-1] = (15, "!", BONUS)  # the same text from another token: not identical
+    assert b.text == a.text and "different" in compare_markdown(a, b, greedy=True)
     assert "not compared" in compare_markdown(a, b, greedy=False)
 
 
@@ -105,15 +110,32 @@ def test_last_model_round_trip(tmp_path, monkeypatch):
     assert recall() is None
 
 
-def test_public_link_without_password_closes_model_management():
-    from app.session import Handlers
-    import gradio as gr
 
-    assert Access().can_manage_models and Access(shared=True, authenticated=True).can_manage_models
-    locked = Handlers(manager=None, access=Access(shared=True))
+
+def test_remote_is_decided_per_request():
+    assert not is_remote(None) and not is_remote(LOCAL) and not is_remote(FakeRequest(host="localhost:7860"))
+    assert not is_remote(FakeRequest(host="[::1]:7860", client="::1"))
+    assert is_remote(SHARE_LINK), "the share tunnel connects from 127.0.0.1 but names the share host"
+    assert is_remote(FakeRequest(forwarded="198.51.100.2")) and is_remote(FakeRequest(client="192.168.1.9"))
+    open_access, locked = Access(authenticated=True), Access()
+    assert locked.can_manage_models(LOCAL) and not locked.can_manage_models(SHARE_LINK)
+    assert open_access.can_manage_models(SHARE_LINK) and not open_access.limited(SHARE_LINK)
+
+
+def test_public_link_without_password_closes_model_management():
+    from app.models_tab import LOCKED
+    from app.session import Handlers
+
+    locked = Handlers(manager=None, access=Access())
     for call in (locked.download, locked.load):
-        with pytest.raises(gr.Error, match="disabled on a public link"):
-            call("Custom (hub id or local folder)", "/etc", "", "float32", "cpu", False)
+        with pytest.warns(UserWarning, match="disabled for visitors through the public link"):
+            out = call("Custom (hub id or local folder)", "/etc", "", "float32", "cpu", False, request=SHARE_LINK)
+        assert out[0] == LOCKED and all(o == {"__type__": "update"} for o in out[1:]), "other outputs kept"
+    notice, *controls = locked.models_access(SHARE_LINK)
+    assert notice["visible"] is True and all(c["interactive"] is False for c in controls)
+    notice, *controls = locked.models_access(LOCAL)
+    assert notice["visible"] is False and all(c["interactive"] is True for c in controls), \
+        "a local visitor manages models even when a share link exists (or failed: item 11)"
 
 
 def test_launcher_arguments(tmp_path, monkeypatch):
@@ -122,8 +144,12 @@ def test_launcher_arguments(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
     args = launcher.parse_args(["--port", "7999", "--auth", "me:secret", "--no-browser", "--share"])
     assert (args.port, args.auth, args.no_browser, args.share) == (7999, ("me", "secret"), True, True)
+    assert launcher.access(args) == Access(authenticated=True)
+    capped = launcher.access(launcher.parse_args(["--remote-max-new-tokens", "32", "--remote-max-seconds", "7.5"]))
+    assert capped == Access(authenticated=False, remote_max_new_tokens=32, remote_max_seconds=7.5)
     assert launcher.choose(args) == ModelChoice()  # nothing remembered: the embedded model + our head
-    for bad in (["--auth", "nopassword"], ["--auth", ":x"], ["--port", "70000"]):
+    for bad in (["--auth", "nopassword"], ["--auth", ":x"], ["--port", "70000"], ["--remote-max-new-tokens", "0"],
+                ["--remote-max-seconds", "-1"]):
         with pytest.raises(SystemExit):
             launcher.parse_args(bad)
     (tmp_path / "last_model.json").write_text(json.dumps({"model": "/some/folder", "head": None,
@@ -133,3 +159,24 @@ def test_launcher_arguments(tmp_path, monkeypatch):
     assert explicit == ModelChoice("smollm2", None, "bf16", "cpu")
     vicuna = launcher.choose(launcher.parse_args(["--model", "lmsys/vicuna-7b-v1.3", "--load-in-4bit"]))
     assert vicuna == ModelChoice("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "float32", "cpu", True)
+
+
+def test_the_race_advances_the_column_whose_own_clock_is_behind():
+    from app.compare import race
+
+    def steps(n, tokens, seconds, first_id):
+        return iter([event(range(first_id + i * tokens, first_id + (i + 1) * tokens), ["x"] * tokens, tokens - 1,
+                           4, total=(i + 1) * tokens, forwards=i + 1, elapsed=99.0, finished=i == n - 1,
+                           reason="length" if i == n - 1 else None, draft_s=0.0, verify_s=seconds)
+                     for i in range(n)])
+
+    plain, spec = AnswerView("plain"), AnswerView("speculative")
+    seen = []
+    for _ in race(plain, steps(12, 1, 1.0, 0), spec, steps(4, 3, 2.0, 0)):
+        seen.append((plain.clock_s, spec.clock_s))
+        if not spec.finish_reason:
+            assert abs(plain.clock_s - spec.clock_s) <= 2.0, "neither column runs ahead of the other's time"
+    assert seen[:4] == [(1.0, 0.0), (1.0, 2.0), (2.0, 2.0), (3.0, 2.0)]
+    assert (plain.total_tokens, spec.total_tokens) == (12, 12) and plain.token_ids() == spec.token_ids()
+    assert plain.own_tokens_per_s == pytest.approx(1.0) and spec.own_tokens_per_s == pytest.approx(1.5), \
+        "each run's figures come from its own clock, not the wall time of the race"

@@ -99,3 +99,41 @@ def test_other_llama_family_targets_exact(tmp_path, family):
                                     eos_token_id=0)[0, len(prompt):].tolist()
         assert greedy(engine, prompt, False, 20) == ref
         assert greedy(engine, prompt, True, 20) == ref
+
+
+@pytest.mark.parametrize("numerics", ["float64-sdpa", "bf16-exact"])
+def test_sliding_window_models_stay_lossless(tmp_path, numerics):
+    """A Mistral with a sliding window of 8: verification must apply the window too
+    (a 4D tree mask is used as given, so the window is built into it), else speculative
+    output drifts from plain decoding and from generate() once the answer passes 8 tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from core.invariant import make_invariant
+
+    torch.manual_seed(1)
+    cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        tie_word_embeddings=False, eos_token_id=0, sliding_window=8)
+    model = MistralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    tiny_target().tokenizer.save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), dtype="float64" if numerics == "float64-sdpa" else "bfloat16")
+    if numerics == "bf16-exact":
+        make_invariant(target.model)
+    engine = Engine(target, random_head(target))
+    windowless = 0
+    for prompt in ([5, 9, 17, 33, 4, 8, 12, 60, 61, 62], [7, 8, 9]):
+        plain = greedy(engine, prompt, False, 24)
+        assert greedy(engine, prompt, True, 24) == plain
+        if numerics == "float64-sdpa":
+            ref = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                        eos_token_id=0)[0, len(prompt):].tolist()
+            assert plain == ref
+            target.model.config.sliding_window = None  # the same weights without the window
+            windowless += plain != target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                                         eos_token_id=0)[0, len(prompt):].tolist()
+            target.model.config.sliding_window = 8
+    assert numerics != "float64-sdpa" or windowless > 0  # the window really changes the answer

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -47,20 +48,29 @@ def test_headless_cli_both_modes_same_text(engine, tmp_path):
     if not DEFAULT_HEAD_DIR.is_dir():  # before a head is trained, use the fixture's random one
         save_head(engine.head, tmp_path / "head")
         head = ["--head", str(tmp_path / "head")]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "core.generate", "What is 2 + 2?",
-                                     "--max-new-tokens", "24", *a], capture_output=True, text=True, timeout=300)
-    plain, spec = run("--plain"), run(*head)
+    (tmp_path / "prompt.txt").write_text("What is 2 + 2?")
+    run = lambda *a, **kw: subprocess.run([sys.executable, "-m", "core.generate", "--max-new-tokens", "24", *a],
+                                          capture_output=True, text=True, timeout=300, **kw)
+    # a long prompt can come from standard input or a file (no OS argument-length limit)
+    plain = run("-", "--plain", input="What is 2 + 2?")
+    spec = run("--prompt-file", str(tmp_path / "prompt.txt"), *head)
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
-    body = lambda out: out.stdout.rsplit("\n[", 1)[0]
+    body = lambda out: out.stdout.rsplit("\n[", 2)[0]
     assert body(plain) == body(spec) and body(plain).strip()
     assert "[plain] tokens=" in plain.stdout and "tau=1.00" in plain.stdout
     assert "[eagle] tokens=" in spec.stdout and "tokens/s=" in spec.stdout
+    assert "[numerics] " in spec.stdout and "exact: " in spec.stdout
 
 
 def test_cli_bad_input_is_one_clear_line():
+    start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "core.generate", "hi", "--depth", "0", "--plain"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == "error: tree depth must be an integer in 1..32, got 0"
+    assert time.perf_counter() - start < 3  # refused before torch and the model load
+    out = subprocess.run([sys.executable, "-m", "core.generate", "--prompt-file", "/no/such/file"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "cannot read --prompt-file /no/such/file" in out.stderr
     out = subprocess.run([sys.executable, "-m", "core.generate", "  ", "--plain", "--max-new-tokens", "2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "the prompt is empty" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,142 @@
+"""The app in Debian's chromium (driven by pip's playwright), served in this process on tiny
+models: problems are shown as messages while every component keeps its content and stays
+usable, a typed number outside its slider's range is reported, and the chart, the legend,
+the checkbox and the catalogue stay readable."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from app.state import Access
+from core.engine import Engine
+from tests.app_server import CHROMIUM, Served, free_port
+from tests.tiny import oracle_head, tiny_target
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium is not installed")
+DONE = "/end of answer|max new tokens/.test(document.querySelector('#stats').innerText)"
+ERROR_PILLS = "() => [...document.querySelectorAll('*')].filter(e => e.childElementCount === 0 " \
+              "&& e.textContent.trim() === 'Error' && e.offsetParent !== null).length"
+
+
+@pytest.fixture(scope="module")
+def served():
+    target = tiny_target(mix=0.0, max_pos=512)  # a bigram model that its oracle head drafts exactly
+    server = Served(Engine(target, oracle_head(target)), Access())
+    server.manager.endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens: downloads fail at once
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(served.url)
+        page.locator("#chart .mark-rect path").first.wait_for(state="attached", timeout=30_000)
+        page.locator("#sampling").get_by_text("Sampling").first.click()
+        page.locator("#max-new input[type=number]").fill("60")  # short answers keep the test quick
+        page.locator("#max-new input[type=number]").press("Enter")
+        yield page
+        browser.close()
+
+
+def send(page, text: str, wait=True) -> None:
+    """Type and send a message; with `wait`, until its answer is complete."""
+    answers = page.locator('#chatbot [data-testid="bot"]').count()
+    page.locator("#message textarea").fill(text)
+    page.locator("#send").click()
+    if wait:
+        page.wait_for_function(f"document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > {answers}"
+                               f" && {DONE}", timeout=30_000)
+
+
+def snapshot(page) -> dict:
+    return {k: page.locator(k).inner_text() for k in ("#chatbot", "#stats", "#tokens")}
+
+
+def test_problems_are_messages_and_every_component_keeps_its_content(page):
+    send(page, "w5 w9")
+    before = snapshot(page)
+    assert "w" in before["#chatbot"] and "τ" in before["#stats"]
+    send(page, "   ", wait=False)
+    page.get_by_text("Type a message first.").first.wait_for(timeout=10_000)
+    assert snapshot(page) == before and page.evaluate(ERROR_PILLS) == 0
+    too_long = " ".join(f"w{4 + i % 90}" for i in range(600))
+    send(page, too_long, wait=False)
+    page.wait_for_function("document.querySelector('#notice').innerText.includes('longer than')", timeout=10_000)
+    assert snapshot(page) == before and page.evaluate(ERROR_PILLS) == 0
+    assert page.locator("#message textarea").input_value() == too_long, "the message stays, to be shortened"
+    assert "left out" not in page.locator("#notice").inner_text(), "only what happened"
+    send(page, "w6 w7")  # the box and the button still work
+    assert page.locator("#chatbot").inner_text() != before["#chatbot"]
+
+    page.get_by_role("tab", name="Models").click()
+    rows = page.locator("#catalogue tbody tr").count()
+    page.locator("#model-result").wait_for(state="attached")
+    models_tab_download(page, "org/nothing-here")
+    page.wait_for_function("document.querySelector('#model-result').innerText.includes('cannot reach')",
+                           timeout=30_000)
+    assert page.locator("#catalogue tbody tr").count() == rows and page.evaluate(ERROR_PILLS) == 0
+    page.get_by_role("tab", name="Chat").click()
+    send(page, "w8 w9")
+    page.get_by_role("tab", name="Models").click()
+    assert page.evaluate(ERROR_PILLS) == 0 and page.locator("#catalogue tbody tr").count() == rows
+    page.get_by_role("tab", name="Chat").click()
+
+
+def models_tab_download(page, repo: str) -> None:
+    page.locator("#model-key input").click()
+    page.get_by_role("option", name="Custom (hub id or local folder)").click()
+    page.locator("#custom-target textarea, #custom-target input").first.fill(repo)
+    page.locator("#download").click()
+
+
+def test_a_number_outside_its_range_is_reported_when_changed(page):
+    box = page.locator("#depth input[type=number]")
+    box.fill("100")
+    page.locator("#message textarea").click()  # the box loses focus: Gradio clamps it
+    assert box.input_value() == "16"
+    assert page.locator("#depth .range-note").inner_text() == "Tree depth: 100 is outside 1–16, so 16 is used."
+    box.fill("3")
+    page.locator("#message textarea").click()
+    assert page.locator("#depth .range-note").count() == 0
+
+
+def test_chart_legend_checkbox_and_catalogue_are_readable(page):
+    legend = "() => [...document.querySelectorAll('#chart g.role-legend-label text')].map(t => t.textContent)"
+    send(page, "w5 w9 w10")
+    assert page.evaluate(legend) == ["accepted draft", "bonus (target)", "plain (target)"]
+    toggle = page.locator("#speculative input[type=checkbox]")
+    toggle.uncheck()
+    send(page, "w6 w7")  # plain: 60 steps of one token
+    assert "plain" in page.locator("#stats").inner_text()
+    assert page.evaluate(legend) == ["plain (target)"], "a plain answer has no accepted drafts to list"
+    labels = page.evaluate("""() => {
+        const axis = [...document.querySelectorAll('#chart g.role-axis')]
+            .find(g => (g.getAttribute('aria-label') || '').startsWith('X-axis'));
+        return [...axis.querySelectorAll('g.role-axis-label text')].map(t => {
+            const r = t.getBoundingClientRect(); return [r.left, r.right]; });
+    }""")
+    assert len(labels) >= 3
+    assert all(a[1] <= b[0] for a, b in zip(labels, labels[1:])), "x-axis step labels do not overlap"
+    style = "(box) => { const s = getComputedStyle(box); return [s.backgroundColor, s.opacity]; }"
+    assert toggle.evaluate(style) == ["rgb(255, 255, 255)", "1"], "unchecked but clickable: not greyed out"
+    toggle.evaluate("(box) => { box.disabled = true; }")
+    assert float(toggle.evaluate(style)[1]) < 0.6, "a disabled box does look disabled"
+    toggle.evaluate("(box) => { box.disabled = false; }")
+    toggle.check()
+    page.get_by_role("tab", name="Models").click()
+    fits = page.evaluate("""() => {
+        const wrap = document.querySelector('#catalogue .table-wrap');
+        const view = wrap.querySelector('.virtual-table-viewport');
+        const last = [...wrap.querySelectorAll('thead th')].pop().getBoundingClientRect();
+        return view.scrollWidth <= view.clientWidth + 1 && last.right <= wrap.getBoundingClientRect().right + 1;
+    }""")
+    assert fits, "every column of the catalogue is visible"
+    page.get_by_role("tab", name="Chat").click()

@@ -1,0 +1,111 @@
+"""Streaming text: incremental UTF-8-safe detokenizing, stop strings across steps, and
+generators advanced from several threads (as Gradio does)."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from core.config import GenerationConfig, TreeConfig
+from core.engine import Engine
+from core.text import Detokenizer, TextStream
+from tests.tiny import oracle_head, tiny_target
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per UTF-8 byte, so a multi-byte character spans several tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+class CountingTokenizer:
+    def __init__(self, inner):
+        self.inner, self.longest = inner, 0
+
+    def decode(self, ids, **kw):
+        self.longest = max(self.longest, len(ids))
+        return self.inner.decode(ids, **kw)
+
+
+def test_detokenizer_is_utf8_safe_and_incremental():
+    tok = byte_tokenizer()
+    text = "héllo wörld 😀 " * 40
+    ids = tok(text)["input_ids"]
+    counting = CountingTokenizer(tok)
+    detok = Detokenizer(counting)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert counting.longest <= 8  # a small window, not the whole answer (quadratic before)
+
+
+def test_incomplete_final_sequence_is_still_emitted():
+    tok = byte_tokenizer()
+    ids = tok("ok 😀")["input_ids"][:-2]  # the emoji cut after 2 of its 4 bytes
+    stream = TextStream(tok)
+    shown = "".join(stream.push(i) for i in ids)
+    assert shown == "ok "
+    rest = stream.finish()
+    assert rest and rest.startswith("\ufffd")  # what was generated is shown, not dropped
+
+
+def test_stop_string_across_steps_never_leaks():
+    tok = byte_tokenizer()
+    stream = TextStream(tok, ("###", "\nUser:"))
+    shown = []
+    for i in tok("Answer: 42\n##")["input_ids"]:
+        shown.append(stream.push(i))
+    assert "".join(shown) == "Answer: 42\n"  # "##" could still begin "###": held back
+    assert not stream.stopped
+    shown.append(stream.push(tok("#")["input_ids"][0]))
+    assert stream.stopped and "".join(shown) == "Answer: 42\n"
+    assert stream.push(tok("x")["input_ids"][0]) == ""
+    other = TextStream(tok, ("###", "\nUser:"))
+    assert "".join(other.push(i) for i in tok("Hi\nUs")["input_ids"]) == "Hi"  # "\nUs" held
+    assert "".join(other.push(i) for i in tok("er: more")["input_ids"]) == "" and other.stopped
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop():
+    tok = byte_tokenizer()
+    stream = TextStream(tok, ("###",))
+    shown = "".join(stream.push(i) for i in tok("a ## b")["input_ids"])
+    assert shown == "a ## b" and not stream.stopped
+    stream2 = TextStream(tok, ("###",))
+    shown2 = "".join(stream2.push(i) for i in tok("ends ##")["input_ids"]) + stream2.finish()
+    assert shown2 == "ends ##"  # the answer ended another way: nothing is lost
+
+
+def test_generator_survives_thread_hops():
+    """Gradio advances a sync generator from any worker thread; each step enters inference
+    mode itself, so nothing leaks into the calling threads and the answer is unchanged."""
+    target = tiny_target(mix=0.5, seed=3)
+    engine = Engine(target, oracle_head(target))
+    cfg = GenerationConfig(max_new_tokens=30, tree=TreeConfig(3, 3, 8))
+    solo = [t for ev in engine.generate([5, 6, 7], cfg) for t in ev.token_ids]
+    gen = engine.generate([5, 6, 7], cfg)
+    hopped, seen_threads = [], set()
+    pools = [ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)]
+    for step in range(10_000):
+        pool = pools[step % 2]  # every step on another thread
+        if True:
+            def advance():
+                seen_threads.add(threading.get_ident())
+                ev = next(gen, None)
+                return ev, torch.is_inference_mode_enabled()
+            ev, leaked = pool.submit(advance).result()
+            assert not leaked
+            if ev is None:
+                break
+            hopped += ev.token_ids
+            # another user's work runs on the pool between our steps
+            pool.submit(lambda: [e.token_ids for e in engine.generate([9, 9], GenerationConfig(max_new_tokens=3))]).result()
+    for p in pools:
+        p.shutdown()
+    assert len(seen_threads) == 2 and hopped == solo
+    assert not torch.is_inference_mode_enabled()
