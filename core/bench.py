@@ -3,7 +3,9 @@
 Every mode answers the same prompts on the SAME model object, dtype and torch threads:
   plain      our decode loop without speculation (one target forward per token)
   eagle      our decode loop with the EAGLE draft head and tree verification
-  hf         transformers' `model.generate` (greedy or sampled), what a user runs instead
+  hf         transformers' `model.generate` (greedy or sampled), what a user runs instead, on
+             the same weights and dtype with transformers' stock kernels (sdpa attention)
+  hf-fp32    `generate` on an fp32 copy of the target: what a plain transformers user gets
   hf-lookup  transformers' prompt-lookup decoding, `generate(prompt_lookup_num_tokens=k)`
 Prompts are MT-bench style: later turns are asked after the mode's OWN answer to the
 earlier ones. Each mode gets one warm-up generation, then the modes are interleaved per
@@ -18,6 +20,7 @@ model calls (hf modes: counted with a forward hook); `tau` tokens per target for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -28,15 +31,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from core.threads import set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
+
 import torch
 
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
-from core.engine import Engine, EngineError
+from core.engine import Engine, EngineError, uses_exact_kernels
+from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
-from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError
+from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError, load_target
 
 BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
-MODE_NAMES = ("plain", "eagle", "hf", "hf-lookup")
+MODE_NAMES = ("plain", "eagle", "hf", "hf-fp32", "hf-lookup")
 ENGINE_MODES = ("plain", "eagle")
 WARMUP_TOKENS = 16
 
@@ -190,11 +196,34 @@ def _hf_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
                                 pad_token_id=eos[0], prompt_lookup_num_tokens=lookup, **sampled)
     x = torch.tensor([ids], device=target.device)
     torch.manual_seed(seed)
-    with torch.inference_mode(), _CountForwards(target.model) as counter:
+    with torch.inference_mode(), stock_kernels(target.model), _CountForwards(target.model) as counter:
         start = time.perf_counter()
         out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
         seconds = time.perf_counter() - start
     return Generation(_truncate(out[0, len(ids):].tolist(), eos, budget), seconds, counter.count)
+
+
+@contextlib.contextmanager
+def stock_kernels(model):
+    """transformers' own kernels for the duration (generate is not asked to be batch-invariant)."""
+    exact = uses_exact_kernels(model)
+    if exact:
+        undo_invariant(model, "sdpa")
+    try:
+        yield
+    finally:
+        if exact:
+            make_invariant(model)
+
+
+@functools.lru_cache(maxsize=1)
+def _fp32_engine(name: str, device: str) -> Engine:
+    """An fp32 copy of the target for the hf-fp32 mode (loaded once)."""
+    return Engine(load_target(name, dtype="float32", device=device))
+
+
+def _hf_fp32(engine: Engine, ids: list[int], s: BenchSettings, seed: int) -> Generation:
+    return _hf_generate(_fp32_engine(engine.target.name, str(engine.target.device)), ids, s, seed, None)
 
 
 Runner = Callable[[Engine, list[int], BenchSettings, int], Generation]
@@ -202,6 +231,7 @@ MODES: dict[str, Runner] = {
     "plain": functools.partial(_engine_generate, speculative=False),
     "eagle": functools.partial(_engine_generate, speculative=True),
     "hf": functools.partial(_hf_generate, lookup=None),
+    "hf-fp32": _hf_fp32,
     "hf-lookup": lambda engine, ids, s, seed: _hf_generate(engine, ids, s, seed, s.lookup_tokens),
 }
 
@@ -266,6 +296,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
         "head": head_name or ("loaded" if engine.has_head else None),
         "device": str(engine.target.device),
         "dtype": str(engine.target.dtype).removeprefix("torch."),
+        "numerics": engine.numerics.describe(),
         "threads": torch.get_num_threads(),
         "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
                      "top_p": s.sampling.top_p, "top_k": s.sampling.top_k, "seed": s.seed,
@@ -314,6 +345,7 @@ def _summaries(prompts: Sequence[Prompt], runs: dict[str, list[list[Generation]]
             same = [[g.output_ids for g in turns] == want for turns, want in zip(r, ref)]
             identical[m], agreement[m] = all(same), sum(same) / len(same)
     return {"modes": modes, "speedup_vs_plain": _ratios(modes, "plain"), "speedup_vs_hf": _ratios(modes, "hf"),
+            "speedup_vs_hf_fp32": _ratios(modes, "hf-fp32"),
             "identical_to_plain": identical, "prompts_identical_to_plain": agreement}
 
 
@@ -328,19 +360,23 @@ def write_results(result: dict, path: str | Path) -> Path:
 
 
 def format_table(result: dict) -> str:
-    rows = [("mode", "tokens", "seconds", "tok/s", "fwd", "tau", "vs plain", "vs hf", "= plain")]
+    rows = [("mode", "tokens", "seconds", "tok/s", "fwd", "tau", "vs plain", "vs hf", "vs hf-fp32", "= plain")]
     for m, v in result["modes"].items():
         ratio = lambda key: f"{result[key][m]:.2f}x" if m in result[key] else "-"  # noqa: E731
         same = result["identical_to_plain"].get(m)
         rows.append((m, str(v["tokens"]), f"{v['seconds']:.1f}", f"{v['tokens_per_s']:.1f}",
                      str(v["target_forwards"]), f"{v['tau']:.2f}", ratio("speedup_vs_plain"),
-                     ratio("speedup_vs_hf"), "-" if same is None else ("yes" if same else "NO")))
+                     ratio("speedup_vs_hf"), ratio("speedup_vs_hf_fp32"),
+                     "-" if same is None else ("yes" if same else "NO")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     if "eagle" in result["modes"]:
         split = result["modes"]["eagle"]["time_split"]
+        eagle = result["modes"]["eagle"]
         lines.append("eagle time: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in split.items()) +
-                     f"; accepted lengths {result['modes']['eagle']['accepted_length_histogram']}")
+                     f" (draft share {split['draft_s'] / eagle['seconds']:.0%}); tree {result['settings']['tree']}; "
+                     f"accepted lengths {eagle['accepted_length_histogram']}")
+    lines.append(f"numerics: {result.get('numerics', '?')}")
     return "\n".join(lines)
 
 
@@ -411,7 +447,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default",
                    help="folder or hub id; 'default' = shipped head; 'random' = untrained head (exact, slow)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 with exact kernels on CPU where the probe "
+                   "passes, else fp32")
+    p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--no-warmup", action="store_true")
@@ -431,12 +469,12 @@ def _tree_choice(a: argparse.Namespace) -> TreeConfig | None:
 
 def load_engine(a: argparse.Namespace, need_head: bool) -> tuple[Engine, str | None]:
     if not need_head:
-        return Engine.load(a.model, None, dtype=a.dtype, device=a.device), None
+        return Engine.load(a.model, None, dtype=a.dtype, attention=a.attention, device=a.device), None
     if a.head == "random":
-        engine = Engine.load(a.model, None, dtype=a.dtype, device=a.device)
+        engine = Engine.load(a.model, None, dtype=a.dtype, attention=a.attention, device=a.device)
         head = new_head(engine.target.model.config, seed=0).to(engine.target.device, engine.target.dtype)
         return Engine(engine.target, head.eval().requires_grad_(False)), "random (new_head seed 0)"
-    engine = Engine.load(a.model, a.head, dtype=a.dtype, device=a.device)
+    engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
     if not engine.has_head:
         raise BenchError(f"mode 'eagle' needs a head and none is shipped at {DEFAULT_HEAD_DIR}; pass "
                          "--head FOLDER, or --head random (exact output, low acceptance)")
@@ -459,7 +497,7 @@ def main(argv=None) -> int:
         if a.threads is not None:
             if a.threads < 1:
                 raise BenchError(f"--threads must be >= 1, got {a.threads}")
-            torch.set_num_threads(a.threads)
+        set_threads(a.threads)
         engine, head_name = load_engine(a, "eagle" in modes)
         if manual is not None:
             tree, source = manual, "manual"

@@ -173,7 +173,8 @@ def new_head3(target_config, draft_vocab_ids: torch.Tensor, *, layer_ids: tuple[
               seed: int | None = None, lm_rows: torch.Tensor | None = None) -> Eagle3Head:
     """A randomly initialised head (Llama's 0.02 init) over `draft_vocab_ids` (Vd,) target ids.
 
-    `lm_rows` (Vd, H), e.g. the target's LM-head rows of the draft vocabulary, start lm_head there."""
+    `lm_rows` (Vd, H), rows in ascending target-id order (e.g. the target's LM-head rows of the
+    draft vocabulary), start lm_head there instead of at random."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     config = Head3Config.from_target3(target_config, int(draft_vocab_ids.shape[0]), layer_ids)
     head = Eagle3Head(config)

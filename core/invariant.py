@@ -40,11 +40,16 @@ BLOCK = 64  # positions per block; a tree deeper than this is refused
 
 @dataclass(frozen=True)
 class TreeLayout:
-    """Which keys each of the n new rows sees: the committed context plus its own path."""
+    """Which keys each of the n new rows sees, in plain decoding's layout; built once per
+    forward and shared by every layer. Row i sits at position L + depths[i] and sees
+    positions 0 .. L + depths[i]: the context, then its ancestors, then itself."""
 
-    committed: int          # L: keys already in the cache before this call
-    ancestors: torch.Tensor  # (n, D + 1) int64: tree index of the row's ancestor at each depth, -1 past its own
-    depths: torch.Tensor     # (n,) int64: depth of each row (root = 0); its position is L + depth
+    committed: int           # L: keys already in the cache before this call
+    depths: torch.Tensor     # (n,) int64, root = 0
+    shared_blocks: int       # c: blocks [0, c) hold only context, shared by every row
+    row_blocks: int          # r: blocks [c, c + r) are gathered per row (1, or 2 if a row spills over)
+    row_keys: torch.Tensor   # (n, r*B) int64: index into (cache + new keys) of each position there
+    bias: torch.Tensor       # (n, (c + r)*B) float32: 0 where the row attends, -inf elsewhere
 
     @classmethod
     def from_tree(cls, parents: torch.Tensor, depths: torch.Tensor, ancestor_mask: torch.Tensor,
@@ -54,30 +59,28 @@ class TreeLayout:
         assert max_depth < BLOCK, f"trees deeper than {BLOCK - 1} are not supported"
         anc = torch.full((n, max_depth + 1), -1, dtype=torch.long, device=depths.device)
         rows, cols = ancestor_mask.nonzero(as_tuple=True)
-        anc[rows, depths[cols]] = cols
-        return cls(committed=committed, ancestors=anc, depths=depths)
+        anc[rows, depths[cols]] = cols  # (n, D + 1): the row's ancestor at each depth, -1 past its own
+        return cls._build(committed, anc, depths, max_depth)
 
     @classmethod
     def single(cls, committed: int, device) -> "TreeLayout":
         """A plain decoding step: one new token at position `committed`."""
         zero = torch.zeros(1, dtype=torch.long, device=device)
-        return cls(committed=committed, ancestors=zero[:, None], depths=zero)
+        return cls._build(committed, zero[:, None], zero, 0)
 
-
-def _row_block_index(layout: TreeLayout, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the key index (into cache + new keys) of positions [first_block*B, +2B).
-
-    Returns idx (n, 2B) int64 and valid (n, 2B) bool (False past the row's own position).
-    """
-    L, n = layout.committed, layout.depths.shape[0]
-    pos = first_block * BLOCK + torch.arange(2 * BLOCK, device=layout.depths.device)  # (2B,)
-    own = (pos - L)[None].expand(n, -1)  # depth of the ancestor at that position
-    in_tree = own >= 0
-    depth_idx = own.clamp(0, layout.ancestors.shape[1] - 1)
-    anc = layout.ancestors.gather(1, depth_idx)  # (n, 2B)
-    valid = pos[None] <= (L + layout.depths)[:, None]
-    idx = torch.where(in_tree, L + anc.clamp(min=0), pos[None].clamp(max=max(L - 1, 0)))
-    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+    @classmethod
+    def _build(cls, L: int, anc: torch.Tensor, depths: torch.Tensor, max_depth: int) -> "TreeLayout":
+        c = L // BLOCK
+        r = (L + max_depth) // BLOCK - c + 1
+        n = depths.shape[0]
+        pos = c * BLOCK + torch.arange(r * BLOCK, device=depths.device)  # (rB,) absolute positions
+        own = (pos - L)[None].expand(n, -1)  # depth of the ancestor at that position (< 0: context)
+        ancestor = anc.gather(1, own.clamp(0, anc.shape[1] - 1))  # (n, rB)
+        valid = pos[None] <= (L + depths)[:, None]
+        keys = torch.where(own >= 0, L + ancestor.clamp(min=0), pos[None].clamp(max=max(L - 1, 0)))
+        bias = torch.zeros(n, (c + r) * BLOCK, device=depths.device)
+        bias[:, c * BLOCK:].masked_fill_(~valid, float("-inf"))
+        return cls(L, depths, c, r, torch.where(valid, keys, torch.zeros_like(keys)), bias)
 
 
 def _pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -100,41 +103,39 @@ def exact_attention(module, query, key, value, attention_mask, scaling: float, d
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     _, nh, n, hd = query.shape
-    kvh, L = key.shape[1], tree_layout.committed
+    lay = tree_layout
+    kvh, L, c, r = key.shape[1], lay.committed, lay.shared_blocks, lay.row_blocks
     g = nh // kvh
-    assert query.shape[0] == 1 and key.shape[2] == L + n and tree_layout.depths.shape[0] == n
-    c = L // BLOCK  # blocks of pure context, shared by every row
+    assert query.shape[0] == 1 and key.shape[2] == L + n and lay.depths.shape[0] == n
     q = query[0].view(kvh, g, n, hd)
     k, v = key[0], value[0]  # (kvh, L + n, hd)
 
     # shared context blocks: (kvh, c, g*n, hd) @ (kvh, c, hd, B) -> (kvh, c, g*n, B)
     kc = k[:, :c * BLOCK].view(kvh, c, BLOCK, hd)
     vc = v[:, :c * BLOCK].view(kvh, c, BLOCK, hd)
-    q_shared = q.reshape(kvh, 1, g * n, hd).expand(kvh, c, g * n, hd)
-    s_shared = torch.matmul(q_shared, kc.transpose(-1, -2))
-    # the row's own blocks c, c+1 (context tail + its ancestors + itself), gathered per row
-    idx, valid = _row_block_index(tree_layout, c)  # (n, 2B)
-    kr = k[:, idx].view(kvh, n, 2, BLOCK, hd)
-    vr = v[:, idx].view(kvh, n, 2, BLOCK, hd)
-    q_rows = q.permute(0, 2, 1, 3)[:, :, None].expand(kvh, n, 2, g, hd)
-    s_rows = torch.matmul(q_rows, kr.transpose(-1, -2))  # (kvh, n, 2, g, B)
+    s_shared = torch.matmul(q.reshape(kvh, 1, g * n, hd).expand(kvh, c, g * n, hd), kc.transpose(-1, -2))
+    # the row's own blocks (context tail + its ancestors + itself), gathered per row
+    flat = lay.row_keys.flatten()
+    kr = k.index_select(1, flat).view(kvh, n, r, BLOCK, hd)
+    vr = v.index_select(1, flat).view(kvh, n, r, BLOCK, hd)
+    q_rows = q.permute(0, 2, 1, 3)[:, :, None].expand(kvh, n, r, g, hd)
+    s_rows = torch.matmul(q_rows, kr.transpose(-1, -2))  # (kvh, n, r, g, B)
 
-    # canonical score rows: positions 0 .. (c+2)B - 1, masked past the row's position
+    # canonical score rows: positions 0 .. (c+r)B - 1, -inf past the row's own position
     scores = torch.cat([s_shared.view(kvh, c, g, n, BLOCK).permute(0, 3, 2, 1, 4).reshape(kvh, n, g, c * BLOCK),
-                        s_rows.permute(0, 1, 3, 2, 4).reshape(kvh, n, g, 2 * BLOCK)], dim=-1) * scaling
-    allowed = torch.cat([torch.ones(n, c * BLOCK, dtype=torch.bool, device=q.device), valid], dim=1)
+                        s_rows.permute(0, 1, 3, 2, 4).reshape(kvh, n, g, r * BLOCK)], dim=-1) * scaling
+    bias = lay.bias
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if window:
-        pos = torch.arange(allowed.shape[1], device=q.device)
-        allowed = allowed & (pos[None] > (L + tree_layout.depths)[:, None] - window)
-    scores = scores.masked_fill(~allowed[None, :, None], float("-inf"))
-    p = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (kvh, n, g, (c+2)B)
+        pos = torch.arange(bias.shape[1], device=bias.device)
+        bias = bias.masked_fill(pos[None] <= (L + lay.depths)[:, None] - window, float("-inf"))
+    p = F.softmax(scores.float() + bias[None, :, None], dim=-1).to(query.dtype)  # (kvh, n, g, (c+r)B)
 
     # p @ V per block, bf16 partials, then a fixed-order fp32 sum over blocks
     p_shared = p[..., :c * BLOCK].reshape(kvh, n, g, c, BLOCK).permute(0, 3, 2, 1, 4).reshape(kvh, c, g * n, BLOCK)
     o_shared = torch.matmul(p_shared, vc).view(kvh, c, g, n, hd).permute(0, 3, 2, 1, 4)  # (kvh, n, g, c, hd)
-    p_rows = p[..., c * BLOCK:].reshape(kvh, n, g, 2, BLOCK).permute(0, 1, 3, 2, 4)  # (kvh, n, 2, g, B)
-    o_rows = torch.matmul(p_rows, vr).permute(0, 1, 3, 2, 4)  # (kvh, n, g, 2, hd)
+    p_rows = p[..., c * BLOCK:].reshape(kvh, n, g, r, BLOCK).permute(0, 1, 3, 2, 4)  # (kvh, n, r, g, B)
+    o_rows = torch.matmul(p_rows, vr).permute(0, 1, 3, 2, 4)  # (kvh, n, g, r, hd)
     out = _pairwise_sum(torch.cat([o_shared, o_rows], dim=3).float(), dim=3).to(query.dtype)  # (kvh, n, g, hd)
     return out.permute(1, 0, 2, 3).reshape(1, n, nh, hd), None
 

@@ -4,6 +4,11 @@ prompts: the prompt set and the held-out split; fixed: conversations from text o
 machine; distill: the target answers the prompts; features: one target forward per
 conversation, cached; train: the head; eval: the real engine on held-out prompts.
 
+--head-kind eagle3 trains the EAGLE-3 head (core.head3): its features are three fused target
+layers (kept apart from EAGLE-1 features, in features_eagle3/), its training unrolls the
+head `--unroll` steps on its own states (training-time test, default 7), and it is written
+to assets/smollm2-135m-eagle3 unless --out says otherwise.
+
 Every stage is resumable: rerun the same command after an interruption and it continues
 where it stopped (distill skips answered prompts, features skips written shards, train
 resumes from its last checkpoint).
@@ -24,10 +29,14 @@ WORK = ROOT / "runs" / "train"
 HELDOUT = ROOT / "assets" / "heldout_prompts.jsonl"
 CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-distill.jsonl.gz"
 HELDOUT_CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-heldout-distill.jsonl.gz"
+EAGLE3_DIR = ROOT / "assets" / "smollm2-135m-eagle3"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    eagle3 = args.head_kind == "eagle3"
+    args.out = args.out or (EAGLE3_DIR if eagle3 else DEFAULT_HEAD_DIR)
+    args.unroll = args.unroll or (7 if eagle3 else 1)
     if args.threads:
         import torch
 
@@ -67,21 +76,32 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("distill")
     g.add_argument("--batch-size", type=int, default=24)
     g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--distill-dtype", default="float32",
+                   help="target dtype for self-distillation (bfloat16: ~1.3x faster batched on AMX CPUs)")
     g.add_argument("--until", default=None, help="stop distilling at this UTC time, HH:MM")
     g.add_argument("--max-prompts", type=int, default=None)
     g.add_argument("--split", choices=["train", "heldout"], default="train",
                    help="answer the training prompts, or the held-out ones (for held-out accuracy)")
     g = p.add_argument_group("features / train")
+    g.add_argument("--head-kind", choices=["eagle1", "eagle3"], default="eagle1",
+                   help="EAGLE-1/2 head (last hidden state) or EAGLE-3 (fused layers, training-time test)")
+    g.add_argument("--layer-ids", default=None,
+                   help="EAGLE-3: target hidden states to fuse, e.g. 2,15,27 (default: 2, L//2, L-3)")
     g.add_argument("--draft-vocab-size", type=int, default=8192)
     g.add_argument("--shard-tokens", type=int, default=50_000)
     g.add_argument("--feature-dtype", default="bfloat16",
                    help="target dtype for the feature pass (bf16 is ~1.7x cheaper on a CPU with "
                         "avx512_bf16; features are stored as fp16 either way)")
-    g.add_argument("--out", type=Path, default=DEFAULT_HEAD_DIR, help="where the trained head is written")
+    g.add_argument("--out", type=Path, default=None,
+                   help=f"where the trained head is written (default {DEFAULT_HEAD_DIR.name}; "
+                        f"eagle3: {EAGLE3_DIR.name})")
     g.add_argument("--epochs", type=float, default=10.0)
     g.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--unroll", type=int, default=1, help="training-time unroll steps (1 = EAGLE-1)")
+    g.add_argument("--unroll", type=int, default=None,
+                   help="training-time unroll steps (default 1 = EAGLE-1 recipe; eagle3: 7)")
+    g.add_argument("--greedy-targets", action="store_true",
+                   help="eagle3: CE against the target's greedy token instead of its distribution")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--bf16", action="store_true", help="bf16 autocast for the head's matmuls")
     g = p.add_argument_group("eval")
@@ -115,7 +135,7 @@ def stage_distill(args) -> None:
         deadline = datetime.now(timezone.utc).replace(hour=hh, minute=mm, second=0, microsecond=0)
     cfg = DistillConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, deadline=deadline,
                         max_prompts=args.max_prompts)
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.distill_dtype)
     if args.split == "heldout":
         n = distill(target, read_prompts(args.heldout), args.work / "heldout_distill.jsonl", cfg)
     else:
@@ -152,8 +172,9 @@ def stage_features(args) -> None:
     from core.train.features import FeatureConfig, build_features
 
     target = load_target(args.target, dtype=args.feature_dtype)
-    train = [(p, args.work / "features" / source_name(p)) for p in conversation_files(args)]
-    held = [(p, args.work / "features_heldout") for p in conversation_files(args, "heldout")]
+    train = [(p, feature_dir(args) / source_name(p)) for p in conversation_files(args)]
+    held = [(p, feature_dir(args, "heldout")) for p in conversation_files(args, "heldout")]
+    fcfg = FeatureConfig(shard_tokens=args.shard_tokens, layer_ids=layer_ids(args, target.model.config))
     jobs = train[:1] + held + train[1:]  # held-out early: it is small and training reports on it
     for path, folder in jobs:
         if not Path(path).is_file():
@@ -161,11 +182,27 @@ def stage_features(args) -> None:
         convs, report = read_conversations(path, strict=args.strict)
         print(report.summary(), flush=True)
         if convs:
-            man = build_features(target, convs, folder, FeatureConfig(shard_tokens=args.shard_tokens))
+            man = build_features(target, convs, folder, fcfg)
             tokens = sum(s["tokens"] for s in man["shards"])
             answer = sum(s["assistant_tokens"] for s in man["shards"])
             print(f"features[{folder.name}]: {man['conversations']} conversations, {tokens} tokens "
                   f"({answer} assistant), {man['skipped_no_assistant']} without assistant tokens")
+
+
+def feature_dir(args, split: str = "train") -> Path:
+    """EAGLE-1 and EAGLE-3 features live apart (different widths)."""
+    name = "features" if args.head_kind == "eagle1" else "features_eagle3"
+    return args.work / (name if split == "train" else name + "_heldout")
+
+
+def layer_ids(args, target_config) -> tuple[int, ...] | None:
+    from core.head3 import default_layer_ids
+
+    if args.head_kind == "eagle1":
+        return None
+    if args.layer_ids:
+        return tuple(int(i) for i in args.layer_ids.split(","))
+    return default_layer_ids(target_config.num_hidden_layers)
 
 
 def source_name(path: Path) -> str:
@@ -177,38 +214,57 @@ def source_name(path: Path) -> str:
 def stage_train(args) -> None:
     import json
 
-    from core.head import new_head, save_head
     from core.models import load_target
     from core.train.data import DataError
-    from core.train.features import load_sequences
-    from core.train.trainer import (Frozen, TrainConfig, evaluate_features, format_accuracy,
-                                    frequent_tokens, train)
+    from core.train.features import load_sequences, read_manifest
+    from core.train.trainer import Frozen, TrainConfig, format_accuracy, frequent_tokens, train
 
     target = load_target(args.target)
-    folders = sorted(p.parent for p in (args.work / "features").glob("*/manifest.json"))
+    folders = sorted(p.parent for p in feature_dir(args).glob("*/manifest.json"))
     if not folders:
-        raise DataError(f"no feature shards under {args.work / 'features'}: run the features stage first")
+        raise DataError(f"no feature shards under {feature_dir(args)}: run the features stage first")
     seqs = [s for f in folders for s in load_sequences(f)]
-    held = args.work / "features_heldout"
+    held = feature_dir(args, "heldout")
     heldout = load_sequences(held) if (held / "manifest.json").is_file() else []
     val = heldout[::4] or None  # a quarter of them for the periodic check (it costs training time)
     vocab = frequent_tokens(seqs, args.draft_vocab_size, target.model.config.vocab_size)
     fz = Frozen.from_target(target.model, vocab)
-    head = new_head(target.model.config, seed=args.seed)
+    head, recipe = new_trainee(args, target.model.config, vocab, read_manifest(folders[0]).get("layer_ids"))
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
-                      autocast_bf16=args.bf16)
+                      autocast_bf16=args.bf16, noise=0.1 if args.head_kind == "eagle1" else 0.0,
+                      soft_targets=not args.greedy_targets)
     n_tok = sum(int(s.loss_mask.sum()) for s in seqs)
-    print(f"train: {len(seqs)} sequences, {n_tok} assistant tokens, draft vocab {len(vocab)}, {cfg}", flush=True)
-    res = train(head, fz, seqs, cfg, args.work / "ckpt", target.model.config, val=val)
-    save_head(head, args.out, draft_vocab=vocab)
+    print(f"train: {args.head_kind}, {len(seqs)} sequences, {n_tok} assistant tokens, draft vocab {len(vocab)}, "
+          f"{cfg}", flush=True)
+    ckpt = args.work / ("ckpt" if args.head_kind == "eagle1" else "ckpt_eagle3")
+    res = train(head, fz, seqs, cfg, ckpt, target.model.config, val=val, recipe=recipe)
+    recipe.save(head, args.out, vocab)
     report = {"steps": res.step, "elapsed_s": round(res.elapsed_s), "finished": res.finished,
               "last_train": res.history[-1].__dict__ if res.history else None}
     if val:
-        m = evaluate_features(head, fz, val, depth=4)
+        m = recipe.evaluate(head, fz, val, max(4, args.unroll))
         print(f"held-out: {format_accuracy(m)}")
         report["heldout"] = m.__dict__
-    (args.work / "train_report.json").write_text(json.dumps(report, indent=1))
+    (args.work / f"train_report{'' if args.head_kind == 'eagle1' else '_eagle3'}.json").write_text(
+        json.dumps(report, indent=1))
     print(f"train: head written to {args.out} ({res.step} steps, {res.elapsed_s:.0f} s)")
+
+
+def new_trainee(args, target_config, vocab, feature_layers):
+    """A fresh head of the chosen kind and its training recipe."""
+    if args.head_kind == "eagle1":
+        from core.head import new_head
+        from core.train.trainer import EAGLE1
+
+        return new_head(target_config, seed=args.seed), EAGLE1
+    from core.head3 import new_head3
+    from core.train.data import DataError
+    from core.train.trainer3 import EAGLE3
+
+    if feature_layers is None:
+        raise DataError("these features hold only the last hidden state: build EAGLE-3 features first "
+                        "(`features --head-kind eagle3`)")
+    return new_head3(target_config, vocab, layer_ids=tuple(feature_layers), seed=args.seed), EAGLE3
 
 
 def stage_eval(args) -> None:
@@ -217,11 +273,18 @@ def stage_eval(args) -> None:
     from core.config import GenerationConfig
     from core.engine import Engine
     from core.head import load_head
+    from core.head3 import head_kind, load_head3
     from core.models import load_target
     from core.train.data import read_prompts
     from core.train.evaluate import evaluate_engine, format_table, pick_prompts, summarize
 
     target = load_target(args.target)
+    args.head_kind = head_kind(args.head or args.out)  # the checkpoint says which kind it is
+    if args.head_kind == "eagle3":
+        head = load_head3(args.head or args.out, target.model.config)
+        heldout_feature_accuracy(args, head, target, head.target_ids(), depth=max(4, args.unroll))
+        print("eval: the engine run of EAGLE-3 heads comes with the engine's EAGLE-3 support")
+        return
     head, vocab = load_head(args.head or args.out, target.model.config)
     feature_report = heldout_feature_accuracy(args, head, target, vocab)
     engine = Engine(target, head, vocab)
@@ -246,15 +309,20 @@ def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict 
     import torch
 
     from core.train.features import load_sequences
-    from core.train.trainer import Frozen, evaluate_features, format_accuracy
+    from core.train.trainer import EAGLE1, Frozen, format_accuracy
 
-    folder = args.work / "features_heldout"
+    folder = feature_dir(args, "heldout")
     if not (folder / "manifest.json").is_file():
-        print("no held-out features (run distill --split heldout, then features): skipping per-depth accuracy")
+        print(f"no held-out features in {folder} (run distill --split heldout, then features): "
+              "skipping per-depth accuracy")
         return None
     vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
     seqs = load_sequences(folder)[::2]  # every other conversation: the engine run below is the slow part
-    m = evaluate_features(head, Frozen.from_target(target.model, vocab), seqs, depth)
+    if args.head_kind == "eagle3":
+        from core.train.trainer3 import EAGLE3 as recipe
+    else:
+        recipe = EAGLE1
+    m = recipe.evaluate(head, Frozen.from_target(target.model, vocab), seqs, depth)
     print(f"held-out draft accuracy (teacher-forced tokens, own features): {format_accuracy(m)}", flush=True)
     return m.__dict__
 

@@ -3,9 +3,12 @@
 
 Shard k (`shard_00000.safetensors`) holds a run of consecutive conversations:
   input_ids (N,) int32, loss_mask (N,) bool (assistant tokens), hidden (N, H) fp16,
-  offsets (M + 1,) int64 (conversation i spans offsets[i]:offsets[i+1]).
+  argmax (N,) int32, offsets (M + 1,) int64 (conversation i spans offsets[i]:offsets[i+1]).
+EAGLE-3 features (`FeatureConfig.layer_ids`, see core.head3): hidden is (N, 3H), the
+hidden states of those layers concatenated, and final (N, H) fp16 holds the last one.
 `manifest.json` lists the shards in order with how many source conversations each
-covers; a rerun continues after the last complete shard (a shard is written atomically).
+covers, and the layer ids; a rerun continues after the last complete shard (a shard is
+written atomically).
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ class FeatureConfig:
     shard_tokens: int = 50_000
     batch_tokens: int = 0  # > 0: consecutive conversations run together, right-padded (0: one at a
     # time, which measured fastest on a CPU: 415 vs 345 tok/s of CPU time in bf16, batch 1 vs 4)
+    layer_ids: tuple[int, ...] | None = None  # EAGLE-3: fuse these `output_hidden_states` entries
 
 
 @dataclass(frozen=True)
 class Sequence:
     input_ids: torch.Tensor  # (n,) long
     loss_mask: torch.Tensor  # (n,) bool: token is written by the assistant
-    hidden: torch.Tensor  # (n, H) fp16 target features
+    hidden: torch.Tensor  # (n, H) fp16 target features; EAGLE-3: (n, 3H) fused layers
     argmax: torch.Tensor  # (n,) long: the target's greedy next token at each position
+    final: torch.Tensor | None = None  # EAGLE-3 only: (n, H) fp16 last hidden state
 
 
 def read_manifest(folder: Path) -> dict:
@@ -45,18 +50,24 @@ def read_manifest(folder: Path) -> dict:
 
 
 @torch.inference_mode()
-def target_features(model, seqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Last hidden states and greedy next tokens per id sequence (one batched forward,
-    right padding) -> [((n_i, H) fp16, (n_i,) long)]."""
+def target_features(model, seqs: list[torch.Tensor], layer_ids: tuple[int, ...] | None = None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Features, greedy next tokens and (EAGLE-3) last hidden states per id sequence (one
+    batched forward, right padding) -> [(hidden (n_i, H or 3H) fp16, (n_i,) long, final)]."""
+    from core.head3 import target_features as pick
+
     n = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), n, dtype=torch.long)
     att = torch.zeros(len(seqs), n, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)], att[i, :len(s)] = s, 1
-    out = model.model(input_ids=ids, attention_mask=att, use_cache=False)  # the final norm is applied
-    h = out.last_hidden_state  # (B, n, H)
-    top = model.lm_head(h).argmax(-1)  # (B, n)
-    return [(h[i, :len(s)].to(torch.float16), top[i, :len(s)]) for i, s in enumerate(seqs)]
+    out = model.model(input_ids=ids, attention_mask=att, use_cache=False,  # the final norm is applied
+                      output_hidden_states=layer_ids is not None)
+    last = out.last_hidden_state  # (B, n, H)
+    h = pick(out, layer_ids)  # (B, n, H) or (B, n, 3H)
+    top = model.lm_head(last).argmax(-1)  # (B, n)
+    return [(h[i, :len(s)].to(torch.float16), top[i, :len(s)],
+             None if layer_ids is None else last[i, :len(s)].to(torch.float16)) for i, s in enumerate(seqs)]
 
 
 def tokenize_all(tokenizer, convs: list[list[dict]], max_len: int) -> tuple[list, int]:
@@ -81,6 +92,11 @@ def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureCo
     if start > len(convs) or man.get("digest", conversation_digest([])) != conversation_digest(convs[:start]):
         raise DataError(f"{folder} caches features of other conversations than these (the first {start} "
                         "differ); delete the folder or point --work elsewhere to start afresh")
+    layers = list(cfg.layer_ids) if cfg.layer_ids is not None else None
+    if man["shards"] and man.get("layer_ids") != layers:
+        raise DataError(f"{folder} caches features of layers {man.get('layer_ids')}, not {layers} (another head "
+                        "kind); use another folder")
+    man["layer_ids"] = layers
     todo = convs[start:]
     if not todo:
         print(f"features: all {start} conversations already cached in {folder}")
@@ -94,9 +110,9 @@ def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureCo
     bar = tqdm(total=sum(len(t[0]) for t in tokenized if t), unit="tok", desc="features")
     order = _length_batches(tokenized, cfg.batch_tokens)
     for batch in order:
-        feats = target_features(target.model, [tokenized[i][0] for i in batch])
-        for i, (h, top) in zip(batch, feats):
-            pending.append((i, Sequence(tokenized[i][0], tokenized[i][1], h, top)))
+        feats = target_features(target.model, [tokenized[i][0] for i in batch], cfg.layer_ids)
+        for i, (h, top, final) in zip(batch, feats):
+            pending.append((i, Sequence(tokenized[i][0], tokenized[i][1], h, top, final)))
         bar.update(sum(len(tokenized[i][0]) for i in batch))
         # flush a shard once enough tokens of a *contiguous* prefix of conversations are done
         done = {i for i, _ in pending}
@@ -147,6 +163,8 @@ def _write_shard(folder: Path, man: dict, seqs: list[Sequence], n_convs: int, di
                    "hidden": torch.cat([s.hidden for s in seqs]).contiguous(),
                    "argmax": torch.cat([s.argmax for s in seqs]).to(torch.int32),
                    "offsets": lens.cumsum(0)}
+        if seqs[0].final is not None:
+            tensors["final"] = torch.cat([s.final for s in seqs]).contiguous()
         tmp = folder / (name + ".partial")
         save_file(tensors, str(tmp))
         tmp.rename(folder / name)
@@ -175,5 +193,5 @@ def load_sequences(folder: Path) -> list[Sequence]:
         off = t["offsets"].tolist()
         for a, b in zip(off[:-1], off[1:]):
             out.append(Sequence(t["input_ids"][a:b].long(), t["loss_mask"][a:b], t["hidden"][a:b],
-                                t["argmax"][a:b].long()))
+                                t["argmax"][a:b].long(), t["final"][a:b] if "final" in t else None))
     return out

@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ class TrainConfig:
     seed: int = 0
     autocast_bf16: bool = False  # bf16 matmuls (fp32 weights and optimizer); ~1.5x faster on avx512_bf16 CPUs
     max_steps: int | None = None  # stop after this step (tests; simulating an interruption)
+    soft_targets: bool = True  # EAGLE-3: CE against the target's distribution (False: its greedy token)
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.unroll < 1 or self.epochs <= 0:
@@ -243,18 +245,29 @@ class TrainResult:
     finished: bool
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What differs between head kinds; train() runs the same loop, checkpoints and resume for all."""
+
+    loss: Callable  # (head, fz, list[Sequence], cfg, noise) -> (loss tensor, StepMetrics)
+    save: Callable  # (head, folder, draft_vocab) -> None, the published layout
+    load: Callable  # (folder, target_config) -> head, strictly
+    evaluate: Callable  # (head, fz, list[Sequence], depth) -> StepMetrics, held-out per depth
+
+
 def save_checkpoint(folder: Path, head: EagleHead, draft_vocab: torch.Tensor, opt, step: int,
-                    elapsed: float, cfg: TrainConfig, samples: int) -> None:
+                    elapsed: float, cfg: TrainConfig, samples: int, recipe: Recipe | None = None) -> None:
     """Head in the published layout + trainer state; the state file is replaced atomically
     last, so a crash mid-save leaves the previous (head, state) pair or a newer head."""
-    save_head(head, folder, draft_vocab=draft_vocab)
+    (recipe or EAGLE1).save(head, folder, draft_vocab)
     tmp = folder / (STATE_FILE + ".partial")
     torch.save({"step": step, "elapsed": elapsed, "samples": samples, "optimizer": opt.state_dict(),
                 "rng": torch.get_rng_state(), "config": {k: str(v) for k, v in asdict(cfg).items()}}, tmp)
     tmp.rename(folder / STATE_FILE)
 
 
-def resume(folder: Path, head: EagleHead, opt, target_config, samples: int) -> tuple[int, float]:
+def resume(folder: Path, head: EagleHead, opt, target_config, samples: int,
+           recipe: Recipe | None = None) -> tuple[int, float]:
     """Load (head weights, optimizer, RNG) from `folder` if it holds a checkpoint -> (step, elapsed)."""
     if not (folder / STATE_FILE).is_file():
         return 0, 0.0
@@ -263,7 +276,7 @@ def resume(folder: Path, head: EagleHead, opt, target_config, samples: int) -> t
         raise DataError(f"the checkpoint in {folder} was trained on {state.get('samples')} sequences, "
                         f"this data has {samples}: resuming would repeat or skip samples. "
                         "Delete the checkpoint folder to start afresh")
-    loaded, _ = load_head(folder, target_config)
+    loaded = (recipe or EAGLE1).load(folder, target_config)
     head.load_state_dict(loaded.state_dict(), strict=True)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
@@ -301,11 +314,13 @@ def optimizer_step(head: EagleHead, opt, loss: torch.Tensor, lr: float, clip: fl
 
 
 def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, ckpt: Path,
-          target_config, val: list[Sequence] | None = None) -> TrainResult:
-    """Train `head` in place on `seqs`, checkpointing to `ckpt` (resumed from there if present)."""
+          target_config, val: list[Sequence] | None = None, recipe: Recipe | None = None) -> TrainResult:
+    """Train `head` in place on `seqs`, checkpointing to `ckpt` (resumed from there if present).
+    `recipe`: the head kind's loss and checkpoint format (default EAGLE-1)."""
+    recipe = recipe or EAGLE1
     head.train().requires_grad_(True)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    step, elapsed0 = resume(ckpt, head, opt, target_config, len(seqs))
+    step, elapsed0 = resume(ckpt, head, opt, target_config, len(seqs), recipe)
     order = EpochOrder(seqs, cfg.batch_size, cfg.seed)
     total = math.ceil(cfg.epochs * order.per_epoch)
     stop_at = total if cfg.max_steps is None else min(total, cfg.max_steps)
@@ -315,7 +330,7 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
     while step < stop_at and not (cfg.minutes and time.time() - t0 > cfg.minutes * 60):
         idx = order.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            loss, metrics = step_loss(head, fz, collate([seqs[i] for i in idx]), cfg, cfg.noise)
+            loss, metrics = recipe.loss(head, fz, [seqs[i] for i in idx], cfg, cfg.noise)
         optimizer_step(head, opt, loss, cfg.lr * lr_factor(cfg, step, total, time.time() - t0), cfg.grad_clip)
         step += 1
         seen.append(tuple(idx))
@@ -327,14 +342,14 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
                             lr=f"{opt.param_groups[0]['lr']:.1e}")
             window = []
         if time.time() - last_ckpt > cfg.ckpt_every_s:
-            save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs))
+            save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs), recipe)
             last_ckpt = time.time()
             if val:  # held-out accuracy one depth beyond the trained ones
-                print(f"\nstep {step}: {format_accuracy(evaluate_features(head, fz, val, cfg.unroll + 1))}",
+                print(f"\nstep {step}: {format_accuracy(recipe.evaluate(head, fz, val, cfg.unroll + 1))}",
                       flush=True)
                 head.train()
     bar.close()
-    save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs))
+    save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs), recipe)
     head.eval().requires_grad_(False)
     return TrainResult(step, time.time() - t0, tuple(history), tuple(seen), step >= total)
 
@@ -362,3 +377,9 @@ def format_accuracy(m: StepMetrics) -> str:
     parts = [f"depth {d + 1}: top-1 {m.top1[d]:.3f} top-3 {m.top3[d]:.3f} (n={m.count[d]})"
              for d in range(len(m.top1))]
     return f"loss {m.loss:.3f}; " + "; ".join(parts)
+
+
+EAGLE1 = Recipe(loss=lambda head, fz, seqs, cfg, noise: step_loss(head, fz, collate(seqs), cfg, noise),
+                save=lambda head, folder, vocab: save_head(head, folder, draft_vocab=vocab),
+                load=lambda folder, target_config: load_head(folder, target_config)[0],
+                evaluate=evaluate_features)
