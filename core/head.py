@@ -95,10 +95,12 @@ class HeadCache:
     def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: (1, kvh, n, hd) -> all keys/values so far, (1, kvh, length, hd)
         n = k.shape[2]
-        if self.length + n > self.keys.shape[2]:
-            grow = max(self.keys.shape[2], n)
-            self.keys = torch.cat([self.keys, torch.zeros_like(self.keys[:, :, :grow])], dim=2)
-            self.values = torch.cat([self.values, torch.zeros_like(self.values[:, :, :grow])], dim=2)
+        capacity = self.keys.shape[2]
+        if self.length + n > capacity:
+            grow = max(capacity, self.length + n - capacity)  # at least double
+            extra = self.keys.new_zeros((1, self.keys.shape[1], grow, self.keys.shape[3]))
+            self.keys = torch.cat([self.keys, extra], dim=2)
+            self.values = torch.cat([self.values, torch.zeros_like(extra)], dim=2)
         self.keys[:, :, self.length:self.length + n] = k
         self.values[:, :, self.length:self.length + n] = v
         self.length += n

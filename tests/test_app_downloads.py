@@ -113,17 +113,18 @@ def test_one_click_download_and_switch_frees_the_old_engine(hub_cache, tmp_path,
             return loader(**kw)
 
         manager.loader = offline_loader
-        message, status, spec_box, _table, _tree = handlers.load(CUSTOM, "org/tiny-llama", "org/tiny-head", "float32",
-                                                          "cpu", False, progress=lambda *a, **k: calls.append((a, k)))
+        message, status, _table, _tree, spec_box, *_controls = handlers.load(
+            CUSTOM, "org/tiny-llama", "org/tiny-head", "float32", "cpu", False,
+            progress=lambda *a, **k: calls.append((a, k)))
     byte_calls = [(a[0], k["desc"]) for a, k in calls if a and isinstance(a[0], tuple)]
     assert {d.split(":")[0] for _, d in byte_calls} == {"org/tiny-llama", "org/tiny-head"}
     assert all(k.get("unit") == "B" for a, k in calls if a and isinstance(a[0], tuple))
     assert byte_calls[-1][0][0] == byte_calls[-1][0][1] == sum(map(len, repos["org/tiny-head"].values()))
     assert "Now serving `org/tiny-llama`" in message and "speculation available" in status
-    assert spec_box.interactive is True
+    assert spec_box["interactive"] is True and "Numerics: fp32" in message
     new = manager.engine
     assert new.has_head and old() is None, "the old engine is freed after the switch"
-    assert recall() == ModelChoice("org/tiny-llama", "org/tiny-head")
+    assert recall() == ModelChoice("org/tiny-llama", "org/tiny-head", "float32")
     events = list(new.generate("w5 w6", GenerationConfig(max_new_tokens=3, tree=TreeConfig(depth=2, top_k=2,
                                                                                         total_tokens=4))))
     assert sum(len(e.token_ids) for e in events) == 3
@@ -132,7 +133,7 @@ def test_one_click_download_and_switch_frees_the_old_engine(hub_cache, tmp_path,
     with pytest.warns(UserWarning, match="Loading failed .ModelLoadError.: .*previous model is serving again"):
         message, *kept = handlers.load(CUSTOM, str(tmp_path / "missing"), "", "float32", "cpu", False,
                                        progress=lambda *a, **k: None)
-    assert message.startswith("Loading failed") and kept == [gr.skip()] * 4
+    assert message.startswith("Loading failed") and kept == [gr.skip()] * 11
     assert new() is None, "one model in memory at a time: the old one is freed before loading the next"
-    assert manager.engine.has_head and recall() == ModelChoice("org/tiny-llama", "org/tiny-head"), \
+    assert manager.engine.has_head and recall() == ModelChoice("org/tiny-llama", "org/tiny-head", "float32"), \
         "after a failed load the previous model is loaded again"

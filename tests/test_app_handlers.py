@@ -234,7 +234,7 @@ def test_the_panel_says_where_the_default_tree_came_from(bigram):
                                     "tuned on this machine at 2026-11-30 17:40")
     h = handlers_for(engine)
     shown = "Default tree: depth 4, top-k 3, 9 nodes · tuned on this machine at 2026-11-30 17:40"
-    assert h.page_load("", LOCAL)[3] == shown
+    assert h.page_load("", LOCAL)[2] == shown
     panel = next(c for c in build(h.manager).demo.config["components"]
                  if c.get("props", {}).get("elem_id") == "tree-origin")
     assert panel["props"]["value"] == shown

@@ -12,7 +12,8 @@ import pytest
 from tests.app_server import ROOT, Launched, free_port, isolated_home
 
 FLAGS = ("--model", "--head", "--port", "--no-browser", "--share", "--auth", "--load-in-4bit", "--device",
-         "--dtype", "--remote-max-new-tokens", "--remote-max-seconds", "--help")
+         "--dtype", "--attention", "--threads", "--backend", "--api-key", "--api", "--api-port",
+         "--remote-max-new-tokens", "--remote-max-seconds", "--help")
 
 
 def run_launcher(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

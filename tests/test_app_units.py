@@ -158,7 +158,7 @@ def test_launcher_arguments(tmp_path, monkeypatch):
     explicit = launcher.choose(launcher.parse_args(["--model", "smollm2", "--head", "none", "--dtype", "bf16"]))
     assert explicit == ModelChoice("smollm2", None, "bf16", "cpu")
     vicuna = launcher.choose(launcher.parse_args(["--model", "lmsys/vicuna-7b-v1.3", "--load-in-4bit"]))
-    assert vicuna == ModelChoice("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "float32", "cpu", True)
+    assert vicuna == ModelChoice("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "auto", "cpu", True)
 
 
 def test_the_race_advances_the_column_whose_own_clock_is_behind():

@@ -136,3 +136,16 @@ def test_head_cache_forward_equals_full_causal(target):
     a = head(x[:, :5], f[:, :5], torch.arange(5), cache=cache)
     b = head(x[:, 5:], f[:, 5:], torch.arange(5, 9), mask=causal_mask(4, 5, torch.float32, "cpu"), cache=cache)
     assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)
+
+
+def test_head_cache_grows_for_a_write_longer_than_twice_its_capacity():
+    """A long prompt's catch-up writes thousands of entries at once (it crashed past 2x)."""
+    from core.head import HeadCache, HeadConfig
+
+    cfg = HeadConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
+    cache = HeadCache(cfg, torch.float32, torch.device("cpu"), capacity=4)
+    k = torch.randn(1, 1, 21, 4)
+    keys, values = cache.write(k, k + 1)
+    assert cache.length == 21 and torch.equal(keys, k) and torch.equal(values, k + 1)
+    keys, _ = cache.write(k[:, :, :3], k[:, :, :3])
+    assert cache.length == 24 and torch.equal(keys[:, :, 21:], k[:, :, :3])

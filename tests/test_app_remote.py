@@ -1,0 +1,222 @@
+"""The chat through a remote backend: the app's handlers against `python -m core.serve` started as
+a separate process on a tiny model (real HTTP, nothing of ours mocked), the launcher's --backend
+and --api, and the disabled controls in Debian's chromium."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gradio as gr
+import httpx
+import pytest
+
+from app.chat import engine_messages
+from app.controls import LOCAL_INFO, REMOTE_COMPARE, REMOTE_HIGHLIGHT, REMOTE_SPEC, REMOTE_TREE, SPEC_INFO
+from app.manager import ModelManager
+from app.session import Handlers
+from app.state import Access, ModelChoice
+from core.engine import Engine
+from tests.app_server import CHROMIUM, ROOT, Launched, Served, free_port, isolated_home
+from tests.test_serve import ServeProcess, engine_text, saved_tiny
+from tests.tiny import oracle_head, tiny_target
+
+SYSTEM = "w3"
+# temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight
+GREEDY = (0.0, 1.0, 24, True, 3, 2, 6, True)
+LONG = (0.0, 1.0, 4000, True, 3, 2, 6, True)
+SKIP = gr.skip()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("remote")
+    model, head = saved_tiny(tmp, max_pos=4096)
+    proc = ServeProcess(model, head, tmp)
+    proc.model, proc.head = model, head
+    yield proc
+    if proc.proc.poll() is None:
+        proc.kill()
+
+
+def local_handlers() -> Handlers:
+    target = tiny_target(mix=0.0, max_pos=96)
+    return Handlers(ModelManager(None, ModelChoice("tiny", None), Engine(target, oracle_head(target))), Access())
+
+
+def answer(h: Handlers, message, history, settings=GREEDY):
+    return list(h.respond(message, history, SYSTEM, *settings, request=None))
+
+
+def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
+    h = local_handlers()
+    result, status, _tree, spec, depth, top_k, size, highlight, chart, compare, note = h.connect(server.url, "")
+    assert status == f"**Chatting through** {server.url} — eagle-chat server, model `tiny-remote`"
+    assert "Connected" in result and h.manager.engine is not None, "the local engine stays loaded"
+    assert spec == gr.update(value=False, interactive=False, info=REMOTE_SPEC)
+    assert all(c == gr.update(interactive=False, info=REMOTE_TREE) for c in (depth, top_k, size))
+    assert highlight == gr.update(interactive=False, info=REMOTE_HIGHLIGHT)
+    assert "local engine only" in chart["title"] and compare["interactive"] is False
+    assert note == gr.update(value=REMOTE_COMPARE, visible=True)
+
+    outs = answer(h, "w5 w6", [])
+    assert len(outs) > 3, "the answer streams"
+    chat, history, box, _chart, stats_md, stats, tokens, notice = outs[-1]
+    assert stats_md.startswith(f"**remote** · eagle-chat server at {server.url} · model `tiny-remote`")
+    assert "**τ " in stats_md and "end of answer" not in stats_md and "max new tokens reached" in stats_md
+    assert stats["backend"] == "remote" and stats["stats"]["tokens"] == 24 and stats["stats"]["tau"] > 1.5
+    assert notice == "" and chat == history and history[0] == {"role": "user", "content": "w5 w6"}
+    local = Engine.load(str(server.model), str(server.head), dtype="float64")
+    msgs = engine_messages([{"role": "user", "content": "w5 w6"}], SYSTEM)
+    assert history[1]["content"] == engine_text(local, msgs, 24), "greedy: the server's text is the model's"
+    with pytest.warns(UserWarning, match="Side by side needs the local engine"):
+        assert list(h.compare("w5", SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=None))[0][:2] == (SKIP, SKIP)
+
+    stream = h.respond("w7", history, SYSTEM, *LONG, request=None)
+    next(stream), next(stream), next(stream)
+    h.stop(None)
+    rest = list(stream)
+    assert rest[-1][5]["stopped"] and "Stopped." in rest[-1][7] and "stopped by you" in rest[-1][4]
+    assert len(rest[-1][1][-1]["content"].split()) < 4000
+    again = answer(h, "w8", rest[-1][1])[-1]  # Stop closed the stream: the server serves the next answer
+    assert again[7] == "" and again[5]["stats"]["tokens"] == 24
+
+    result, status, _tree, spec, depth, *_ = h.use_local()
+    assert status.startswith("**Serving** `tiny`") and "**Numerics:**" in status and "Numerics:" in result
+    assert spec == gr.update(value=True, interactive=True, info=SPEC_INFO)
+    assert depth == gr.update(interactive=True, info=LOCAL_INFO["depth"])
+    assert answer(h, "w5 w9", [])[-1][5]["mode"] == "speculative", "back on the local engine"
+
+
+def test_server_killed_mid_answer_keeps_the_history_with_a_clear_notice(tmp_path):
+    model, head = saved_tiny(tmp_path, max_pos=4096)
+    server = ServeProcess(model, head, tmp_path)
+    h = local_handlers()
+    try:
+        h.connect(server.url, "")
+        before = answer(h, "w5", [])[-1][1]
+        stream = h.respond("w6 w7", before, SYSTEM, *LONG, request=None)
+        shown = next(stream)
+        while not shown[1][-1]["content"]:
+            shown = next(stream)
+        server.kill()
+        with pytest.warns(UserWarning, match="stopped responding mid-answer"):
+            rest = list(stream)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    chat, history, _box, _chart, _stats_md, stats, _tokens, notice = rest[-1]
+    assert history[:3] == before + [{"role": "user", "content": "w6 w7"}] and history[3]["content"], "text kept"
+    assert (f"Note: the answer was cut short: the server at {server.url} stopped responding mid-answer; "
+            "the text so far is kept") in notice
+    with pytest.warns(UserWarning, match="cannot reach the server"):
+        refused = answer(h, "w8", history)
+    assert len(refused) == 2, "the message was shown, then taken back"
+    chat, history_after, box, *panel, notice = refused[-1]
+    assert chat == history_after == history and box == "w8", "the conversation as it was, the message in its box"
+    assert panel == [SKIP] * 4 and "cannot reach the server" in notice
+
+
+def test_a_server_that_is_not_there_is_refused_and_nothing_changes():
+    h = local_handlers()
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.warns(UserWarning, match="Could not connect: cannot reach an OpenAI-compatible server"):
+        out = h.connect(url, "")
+    assert out[0].startswith("Could not connect") and all(o == SKIP for o in out[1:])
+    assert h.manager.backend is None and h.manager.status_markdown().startswith("**Serving**")
+
+
+def run_launcher(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launcher.py"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_launcher_backend_flag(server, tmp_path):
+    from gradio_client import Client
+
+    dead = run_launcher("--backend", f"http://127.0.0.1:{free_port()}", "--no-browser")
+    assert dead.returncode == 2 and "error: cannot reach an OpenAI-compatible server" in dead.stderr
+    assert "Traceback" not in dead.stderr
+    mixed = run_launcher("--backend", server.url, "--model", "smollm2")
+    assert mixed.returncode == 2 and "loads no local model: drop --model" in mixed.stderr
+    app = Launched(["--backend", server.url, "--no-browser", "--port", str(free_port())],
+                   env={**isolated_home(tmp_path), "OMP_NUM_THREADS": "1"})
+    try:
+        assert f"Chatting through {server.url} — eagle-chat server, model `tiny-remote`" in app.output
+        assert "Loading" not in app.output, "no local model is loaded"
+        chat, _box, _chart, stats_md, _stats, _tokens, notice = Client(app.url, verbose=False).predict(
+            "w5 w6", SYSTEM, *GREEDY, api_name="/chat")
+        assert len(chat) == 2 and "**remote**" in stats_md and "τ" in stats_md and notice == ""
+    finally:
+        app.stop()
+
+
+def test_launcher_api_flag_serves_the_model(server, tmp_path):
+    import openai
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launcher.py"), "--api", "--api-port", str(port),
+                             "--model", str(server.model), "--head", str(server.head), "--dtype", "float64"],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **isolated_home(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "API at" in line or "error" in line:
+                break
+        assert f"eagle-chat API at http://127.0.0.1:{port}/v1" in line, line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=str(server.model), messages=[{"role": "user", "content": "w5"}],
+                                               max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens == 8 and reply.choices[0].message.content
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    refused = run_launcher("--api", "--share")
+    assert refused.returncode == 2 and "--api serves the API instead of the UI: drop --share" in refused.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium is not installed")
+def test_browser_connect_disables_local_controls_with_a_reason(server):
+    from playwright.sync_api import sync_playwright
+
+    target = tiny_target(mix=0.0, max_pos=512)
+    served = Served(Engine(target, oracle_head(target)))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM,
+                                        args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(served.url)
+            page.get_by_role("tab", name="Models").click()
+            page.locator("#backend-url textarea, #backend-url input").first.fill(server.url)
+            page.locator("#connect").click()
+            page.wait_for_function("document.querySelector('#status').innerText.includes('Chatting through')",
+                                   timeout=30_000)
+            page.get_by_role("tab", name="Chat").click()
+            assert page.locator("#speculative input[type=checkbox]").is_disabled()
+            assert page.locator("#depth input[type=range]").is_disabled()
+            assert REMOTE_SPEC in page.locator("#speculative").inner_text()
+            assert REMOTE_TREE in page.locator("#depth").inner_text()
+            assert REMOTE_HIGHLIGHT in page.locator("#highlight").inner_text()
+            page.locator("#message textarea").fill("w5 w6")
+            page.locator("#send").click()
+            page.wait_for_function("/max new tokens|end of answer/.test(document.querySelector('#stats').innerText)",
+                                   timeout=60_000)
+            assert "remote" in page.locator("#stats").inner_text() and "τ" in page.locator("#stats").inner_text()
+            page.get_by_role("tab", name="Side by side").click()
+            assert page.locator("#compare").is_disabled() and "needs the local engine" in page.locator(
+                "#compare-note").inner_text()
+            page.get_by_role("tab", name="Models").click()
+            page.locator("#use-local").click()
+            page.wait_for_function("document.querySelector('#status').innerText.includes('Numerics')",
+                                   timeout=30_000)
+            page.get_by_role("tab", name="Chat").click()
+            assert page.locator("#speculative input[type=checkbox]").is_enabled()
+            assert page.locator("#depth input[type=range]").is_enabled()
+            assert LOCAL_INFO["depth"] in page.locator("#depth").inner_text()
+            assert REMOTE_TREE not in page.locator("#depth").inner_text()
+            browser.close()
+    finally:
+        served.close()
