@@ -4,6 +4,8 @@ Loads the embedded SmolLM2 with its EAGLE head (or the model used last time), se
 Gradio app on 127.0.0.1 and opens the browser. A public share link is created only with
 --share; with --share and no --auth, visitors through the link cannot download or switch models
 and each of their answers is capped (--remote-max-new-tokens, --remote-max-seconds).
+--backend URL chats through an OpenAI-compatible server instead of a local model; --api serves
+the loaded model as an OpenAI-compatible API (core.serve) instead of the UI.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
+
+import core.threads  # noqa: F401,I001 (sets OpenMP's passive wait policy before anything imports torch)
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -37,7 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "public link")
     p.add_argument("--load-in-4bit", action="store_true", help="load the target in 4-bit nf4 (bitsandbytes)")
     p.add_argument("--device", default=None, help="cpu or cuda [default: cpu, or the last one used]")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 [default: float32]")
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16; auto = bf16 with exact "
+                   "(batch-invariant) kernels on a CPU where the load-time check passes, else float32 "
+                   "[default: auto, or the last one used]")
+    p.add_argument("--attention", default=None, choices=["auto", "exact", "sdpa", "eager"],
+                   help="attention kernels of the target; exact = batch-invariant (speculation bit-identical "
+                   "to plain decoding in bf16) [default: auto, or the last one used]")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads [default: the cores this process may use, or OMP_NUM_THREADS if set; on "
+                   "a busy machine fewer threads can be faster]")
+    p.add_argument("--backend", metavar="URL", help="chat through this OpenAI-compatible server (our "
+                   "`python -m core.serve`, vLLM, SGLang, ...) instead of loading a local model")
+    p.add_argument("--api-key", metavar="KEY", help="bearer token for --backend, if the server wants one")
+    p.add_argument("--api", action="store_true", help="serve the model as an OpenAI-compatible API "
+                   "(/v1/chat/completions, /v1/completions, /v1/models, /metrics) instead of the UI")
+    p.add_argument("--api-port", type=int, default=None, metavar="N", help="port of --api [default: 8000]")
     args = p.parse_args(argv)
     if args.auth is not None:
         user, sep, password = args.auth.partition(":")
@@ -50,7 +69,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--remote-max-new-tokens must be at least 1, got {args.remote_max_new_tokens}")
     if not args.remote_max_seconds > 0:
         p.error(f"--remote-max-seconds must be positive, got {args.remote_max_seconds}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    refuse_combinations(p, args)
     return args
+
+
+def refuse_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--backend loads no local model; --api serves no UI."""
+    if args.backend is not None:
+        local = [f for f, v in (("--model", args.model), ("--head", args.head), ("--load-in-4bit", args.load_in_4bit),
+                                ("--api", args.api)) if v]
+        if local:
+            p.error(f"--backend chats through a remote server and loads no local model: drop {', '.join(local)}")
+    elif args.api_key is not None:
+        p.error("--api-key goes with --backend URL")
+    if args.api:
+        ui = [f for f, v in (("--port", args.port is not None), ("--share", args.share), ("--auth", args.auth))
+              if v]
+        if ui:
+            p.error(f"--api serves the API instead of the UI: drop {', '.join(ui)} (the API's port is --api-port)")
+    elif args.api_port is not None:
+        p.error("--api-port goes with --api")
+    if args.api_port is not None and not 1 <= args.api_port <= 65535:
+        p.error(f"--api-port must be in 1..65535, got {args.api_port}")
 
 
 def choose(args):
@@ -67,7 +109,8 @@ def choose(args):
         head = entry.head  # a catalogue target comes with its published EAGLE head
     return ModelChoice(model=args.model or base.model, head=None if head == "none" else head,
                        dtype=args.dtype or base.dtype, device=args.device or base.device,
-                       load_in_4bit=args.load_in_4bit or (base.load_in_4bit and args.model is None))
+                       load_in_4bit=args.load_in_4bit or (base.load_in_4bit and args.model is None),
+                       attention=args.attention or base.attention)
 
 
 def start_manager(args):
@@ -77,6 +120,8 @@ def start_manager(args):
     from core.engine import Engine
 
     choice = choose(args)
+    if args.backend is not None:
+        return remote_manager(args, choice)
     if choice.device.startswith("cuda"):
         import torch
 
@@ -94,7 +139,44 @@ def start_manager(args):
         except LOAD_ERRORS as e2:
             sys.exit(f"error: {e2}")
     remember(manager.choice)
+    print(f"Numerics: {manager.engine.numerics.describe()}", flush=True)
     return manager
+
+
+def remote_manager(args, choice):
+    """A manager that chats through --backend; the local model (`choice`) loads only on demand."""
+    from app.manager import ModelManager
+    from app.remote import RemoteBackend, RemoteError
+    from core.engine import Engine
+
+    backend = RemoteBackend(args.backend, api_key=args.api_key)
+    try:
+        info = backend.connect()
+    except RemoteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f"Chatting through {info.url} — {info.kind} server, model `{info.model}`", flush=True)
+    return ModelManager(Engine.load, choice, backend=backend)
+
+
+def serve_api(args, manager) -> None:
+    """The loaded engine as an OpenAI-compatible API (core.serve), in place of the UI: the API
+    then owns the engine and queues its answers itself, so no lane is shared with a UI."""
+    import uvicorn
+
+    from core.serve import build_app
+
+    port = 8000 if args.api_port is None else args.api_port
+    try:  # uvicorn would only log a failed bind; say it as the UI does
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    except OSError as e:
+        sys.exit(f"error: cannot serve the API on port {port}: {e}")
+    model_id = manager.choice.model
+    print(f"eagle-chat API at http://127.0.0.1:{port}/v1 (model {model_id!r}, "
+          f"{'EAGLE head' if manager.engine.has_head else 'plain decoding'})", flush=True)
+    uvicorn.run(build_app(manager.engine, model_id), host="127.0.0.1", port=port, log_level="warning")
 
 
 def access(args):
@@ -106,10 +188,15 @@ def access(args):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from app.ui import build, launch
-
+    if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
+        core.threads.set_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     manager = start_manager(args)
+    if args.api:
+        serve_api(args, manager)
+        return
+    from app.ui import build, launch
+
     app = build(manager, access(args))
     try:
         local_url, share_url = launch(app, port=args.port, share=args.share, auth=args.auth,

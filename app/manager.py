@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm as base_tqdm
 
+from app.remote import RemoteBackend, ServerInfo
 from app.state import ModelChoice, remember
 from core.models import (CATALOGUE, EMBEDDED, EMBEDDED_HUB_ID, CatalogueEntry, ModelLoadError, catalogue_entry,
                          download)
@@ -169,16 +170,36 @@ class ModelManager:
     it, so one model at a time is in memory and no answer runs on a model being replaced.
     """
 
-    def __init__(self, loader, choice: ModelChoice, engine=None, *, endpoint: str | None = None):
+    def __init__(self, loader, choice: ModelChoice, engine=None, *, endpoint: str | None = None,
+                 backend: RemoteBackend | None = None):
         self.loader = loader
         self.endpoint = endpoint if endpoint is not None else os.environ.get("HF_ENDPOINT")
         self.choice = choice
-        self.engine = engine if engine is not None else self._load(choice)
+        self.backend = backend  # chat through this server instead of the engine; no model is loaded for it
+        self.engine = engine if engine is not None or backend is not None else self._load(choice)
         self.lane = threading.Lock()
 
     def _load(self, choice: ModelChoice):
-        return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype,
+        return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype, attention=choice.attention,
                            device=choice.device, load_in_4bit=choice.load_in_4bit)
+
+    def connect(self, url: str, api_key: str | None = None) -> ServerInfo:
+        """Chat through the OpenAI-compatible server at `url` from now on (raises RemoteError).
+        A local engine stays loaded, so going back to it is instant; an answer already streaming
+        from a previous server finishes on it (its client is left to the garbage collector)."""
+        backend = RemoteBackend(url, api_key=api_key)
+        info = backend.connect()
+        self.backend = backend
+        return info
+
+    def use_local(self):
+        """Chat with the local engine again, loading `choice` first if none is loaded (raises
+        what the loader raises, and then the remote backend stays in use)."""
+        with self.lane:
+            if self.engine is None:
+                self.engine = self._load(self.choice)
+            self.backend = None
+            return self.engine
 
     def download(self, request: Request, on_progress) -> list[Path]:
         """Fetch (or resume) every hub repo of the request; on_progress(repo, done, total)."""
@@ -198,29 +219,36 @@ class ModelManager:
         """
         with self.lane:
             previous, self.engine = self.engine, None
+            had_engine = previous is not None  # False when started with only a remote backend
             del previous  # the last reference: no answer is running while we hold the lane
             free_memory()
             try:
                 self.engine = self._load(request.choice)
             except BaseException:
-                self.engine = self._load(self.choice)
+                if had_engine:
+                    self.engine = self._load(self.choice)
                 raise
             self.choice = request.choice
+            self.backend = None  # loading a model means chatting with it
             remember(self.choice)
             return self.engine
 
     def status_markdown(self) -> str:
+        if self.backend is not None:
+            info = self.backend.info
+            return f"**Chatting through** {info.url} — {info.kind} server, model `{info.model}`"
         e = self.engine
         if e is None:
             return f"**Switching models**: loading {self.choice.describe()} …"
         head = ("EAGLE head loaded: speculation available" if e.has_head
                 else "no EAGLE head: plain decoding only")
-        return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens")
+        return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens\n\n"
+                f"**Numerics:** {e.numerics.describe()}")
 
     def tree_markdown(self) -> str:
         """The default draft tree and where it came from (tuned here, shipped, built in)."""
         e = self.engine
-        if e is None or not e.has_head:
+        if self.backend is not None or e is None or not e.has_head:
             return ""
         t, origin = e.default_tree, getattr(e, "tree_origin", "")
         shape = f"Default tree: depth {t.depth}, top-k {t.top_k}, {t.total_tokens} nodes"

@@ -10,6 +10,7 @@ import time
 
 import gradio as gr
 
+from app.controls import CONTROLS, control_updates
 from app.errors import UserError, fault, refuse, user_error
 from app.manager import Request, catalogue_frame, progress_text
 from core.config import ConfigError
@@ -20,7 +21,9 @@ from core.models import ModelLoadError
 LOAD_ERRORS = (ConfigError, ModelLoadError, HeadLoadError, RuntimeError, OSError, ValueError, ImportError)
 LOCKED = ("Model downloads and switching are disabled for visitors through the public link while the app "
           "has no password (restart it with --auth USER:PASS to allow them).")
-MANAGED_CONTROLS = 8  # model, dtype, device, 4-bit, custom target, custom head, Download, Download & switch
+# model, dtype, device, 4-bit, custom target, custom head, Download, Download & switch,
+# remote backend URL, API key, Connect, Use local engine
+MANAGED_CONTROLS = 12
 
 
 class ModelHandlers:
@@ -51,6 +54,12 @@ class ModelHandlers:
         except ModelLoadError as e:
             raise UserError(f"Download failed: {e}. The current model keeps serving.") from e
 
+    def _after_failed_load(self) -> str:
+        backend = self.manager.backend
+        if backend is not None:
+            return f"The chat still goes to {backend.url}."
+        return "The previous model is serving again."
+
     @staticmethod
     def _guarded(work, n_outputs: int):
         """work() -> its outputs, or, on a problem, the message first and every other output kept."""
@@ -74,6 +83,7 @@ class ModelHandlers:
 
     def load(self, key, target, head, dtype, device, four_bit, progress=gr.Progress(),
              request: gr.Request = None):
+        """Download & switch; outputs: result, status, catalogue, tree origin, app.controls.CONTROLS."""
         def work():
             model = self._request(key, target, head, dtype, device, four_bit, request)
             self._download(model, progress)
@@ -81,11 +91,10 @@ class ModelHandlers:
             try:
                 engine = self.manager.switch(model)
             except LOAD_ERRORS as e:
-                raise UserError(f"Loading failed ({type(e).__name__}): {e}. The previous model is "
-                                "serving again.") from e
+                raise UserError(f"Loading failed ({type(e).__name__}): {e}. {self._after_failed_load()}") from e
             note = "" if engine.has_head else " This model has no EAGLE head: speculation is off."
-            return (f"Now serving {model.choice.describe()}.{note}", self.manager.status_markdown(),
-                    gr.Checkbox(value=engine.has_head, interactive=engine.has_head), catalogue_frame(),
-                    self.manager.tree_markdown())
+            return (f"Now serving {model.choice.describe()}. Numerics: {engine.numerics.describe()}.{note}",
+                    self.manager.status_markdown(), catalogue_frame(), self.manager.tree_markdown(),
+                    *control_updates(self.manager))
 
-        return self._guarded(work, 5)
+        return self._guarded(work, 4 + len(CONTROLS))

@@ -126,7 +126,7 @@ class RemoteBackend:
 
     def connect(self) -> ServerInfo:
         try:
-            r = self.client.get(f"{self.url}/v1/models")
+            r = self.client.get(f"{self.url}/v1/models", timeout=10.0)  # a listing, not an answer: fail fast
         except httpx.HTTPError as e:
             raise RemoteError(f"cannot reach an OpenAI-compatible server at {self.url} ({e}); is it "
                               "running, and is the address right?") from e

@@ -14,19 +14,22 @@ from dataclasses import replace
 
 import gradio as gr
 
+from app.backend import BackendHandlers
 from app.chat import AnswerView, empty_frame, engine_messages, trim_to_context
 from app.compare import compare_outputs, race
+from app.controls import control_updates
 from app.errors import UserError, fault, refuse, user_error
 from app.lane import Ticket, Tickets
 from app.manager import ModelManager
 from app.models_tab import ModelHandlers
-from app.state import Access, generation_config
+from app.remote import RemoteError
+from app.state import Access, generation_config, tree_limit
 from core.config import ConfigError
 from core.engine import EngineError
 from core.head import HeadLoadError
 from core.models import ModelLoadError
 
-USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError)
+USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
 CHAT_OUTPUTS = 8  # chatbot, history, box, chart, stats, stats json, token view, notice
 
@@ -37,7 +40,7 @@ def chart(view: AnswerView, y_max: int) -> gr.BarPlot:
                       colors_in_legend=view.kinds(), x_lim=view.x_range())
 
 
-class Handlers(ModelHandlers):
+class Handlers(ModelHandlers, BackendHandlers):
     def __init__(self, manager: ModelManager, access: Access):
         self.manager = manager
         self.access = access
@@ -175,11 +178,18 @@ class Handlers(ModelHandlers):
         def work(ticket: Ticket):
             notices: list[str] = []
             cfg, seconds = self._settings(settings, request, notices)
+            backend = self.manager.backend
+            if backend is not None:  # the server queues its own requests: no local lane to hold
+                yield from self._remote_answer(backend, engine_messages(turns, system), cfg, seconds, before,
+                                               turns, ticket, notices, restore)
+                return
             with self.manager.lane:  # a model switch waits for this answer, and this for a switch
                 engine = self._engine()
                 if cfg.speculative and not engine.has_head:
                     cfg = replace(cfg, speculative=False)
                     notices.append(NO_HEAD)
+                if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
+                    notices.append(f"Note: {limit}")
                 msgs = self._prompt(engine, turns, system, cfg, notices)
                 yield from self._answer(engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices,
                                         restore)
@@ -237,7 +247,12 @@ class Handlers(ModelHandlers):
 
         def work(ticket: Ticket):
             notices: list[str] = []
+            if self.manager.backend is not None:
+                raise UserError("Side by side needs the local engine: the chat goes to a remote server now. "
+                                "Press “Use local engine” in the Models tab.")
             spec_cfg, seconds = self._settings(settings, request, notices)
+            if limit := tree_limit(spec_cfg.tree.depth, spec_cfg.tree.total_tokens):
+                notices.append(f"Note: {limit}")
             with self.manager.lane:
                 engine = self._engine()
                 if not engine.has_head:
@@ -271,7 +286,6 @@ class Handlers(ModelHandlers):
 
     # ---- page ---------------------------------------------------------------------------
     def page_load(self, banner: str, request: gr.Request = None):
-        engine = self.manager.engine
-        has_head = engine is not None and engine.has_head
-        return (self.manager.status_markdown(), banner, gr.Checkbox(value=has_head, interactive=has_head),
-                self.manager.tree_markdown(), *self.models_access(request))
+        """(status, banner, tree origin, the backend-dependent controls, the Models tab's access)."""
+        return (self.manager.status_markdown(), banner, self.manager.tree_markdown(),
+                *control_updates(self.manager), *self.models_access(request))

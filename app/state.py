@@ -42,15 +42,18 @@ class ModelChoice:
 
     model: str = EMBEDDED
     head: str | None = "default"
-    dtype: str = "float32"
+    dtype: str = "auto"       # "auto": the engine picks (bf16 + exact kernels on CPU where its probe passes)
     device: str = "cpu"
     load_in_4bit: bool = False
+    attention: str = "auto"   # "auto" | "exact" | "sdpa" | "eager" (core.engine.Engine.load)
 
     def describe(self) -> str:
         head = ("no head" if self.head is None else "its default head" if self.head == "default"
                 else f"head `{self.head}`")
+        numerics = "auto numerics" if self.dtype == "auto" else self.dtype
+        attention = "" if self.attention == "auto" else f", {self.attention} attention"
         quant = ", 4-bit" if self.load_in_4bit else ""
-        return f"`{self.model}` with {head} ({self.dtype}, {self.device}{quant})"
+        return f"`{self.model}` with {head} ({numerics}{attention}, {self.device}{quant})"
 
 
 def last_model_path() -> Path:
@@ -68,14 +71,34 @@ def remember(choice: ModelChoice) -> None:
 
 
 def recall() -> ModelChoice | None:
-    """The last model that loaded successfully, or None when unknown or unreadable."""
+    """The last model that loaded successfully, or None when unknown or unreadable. Files from
+    before the numerics choice have no "attention" and keep their dtype (often "float32")."""
     try:
         data = json.loads(last_model_path().read_text())
         return ModelChoice(model=str(data["model"]), head=data.get("head"),
-                           dtype=str(data.get("dtype", "float32")), device=str(data.get("device", "cpu")),
-                           load_in_4bit=bool(data.get("load_in_4bit", False)))
+                           dtype=str(data.get("dtype", "auto")), device=str(data.get("device", "cpu")),
+                           load_in_4bit=bool(data.get("load_in_4bit", False)),
+                           attention=str(data.get("attention", "auto")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def tree_limit(depth, tree_size) -> str:
+    """What caps a tree of `depth` levels and `tree_size` nodes, or "" when the depth is reachable.
+
+    The tree verifies the root plus the best tree_size - 1 drafted nodes, and a drafted token at
+    depth d needs its d - 1 drafted ancestors in the tree too, so no chain is longer than
+    tree_size - 1: drafting deeper only costs time."""
+    depth, size = int(round(float(depth))), int(round(float(tree_size)))
+    if depth <= size - 1:
+        return ""
+    return (f"Tree size {size} caps the tree at {size - 1} drafted token{'s' if size > 2 else ''} in a row, "
+            f"so depth {depth} drafts {depth - size + 1} level{'s' if depth - size > 0 else ''} that cannot be used.")
+
+
+def size_for_depth(depth, tree_size) -> int:
+    """The smallest tree size that lets a chain reach `depth` (the size only ever grows here)."""
+    return max(int(round(float(tree_size))), int(round(float(depth))) + 1)
 
 
 def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth, top_k,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import gradio as gr
 
 from app.chat import BONUS, DRAFT, PLAIN, empty_frame
+from app.controls import control_props
 from app.manager import CUSTOM, ModelManager, catalogue_frame
 from app.models_tab import LOCKED
 from app.session import Handlers
-from app.state import Access
-from core.config import GenerationConfig
+from app.state import Access, size_for_depth, tree_limit
+from core.config import GenerationConfig, TreeConfig
 from core.models import CATALOGUE
 
 # every column of the catalogue fits the page; long ids wrap inside their cell
@@ -21,7 +22,7 @@ CSS = """
 .tok-bonus { background: #fed7aa; color: #7c2d12; border-radius: 3px; }
 .tok-plain { background: #e5e7eb; color: #111827; border-radius: 3px; }
 .tok-legend span { padding: 1px 6px; margin-right: 6px; font-size: 0.85em; }
-#notice p { color: #b45309; }
+#notice p, #tree-limit p { color: #b45309; }
 /* long messages (a refused pickle's reason, a path) wrap instead of running off or being cut */
 #notice, #model-result, #compare-summary, [data-testid="toast-text"] { overflow-wrap: anywhere; }
 /* an unchecked box that can be checked looks clickable; a disabled one looks disabled */
@@ -66,8 +67,9 @@ class App:
 
 def build(manager: ModelManager, access: Access = Access()) -> App:
     h = Handlers(manager, access)
-    tree, gen = manager.engine.default_tree, GenerationConfig()  # the tuned tree when cached
-    has_head = manager.engine.has_head
+    engine, gen = manager.engine, GenerationConfig()
+    tree = engine.default_tree if engine is not None else TreeConfig()  # the tuned tree when cached
+    props = control_props(manager)  # disabled, with a reason, while a remote backend answers
     with gr.Blocks(title="eagle-chat", analytics_enabled=False) as demo:
         app = App(demo, h)
         gr.Markdown(HEADER)
@@ -91,21 +93,23 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                             clear = gr.Button("Clear", elem_id="clear")
                         system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2)
                     with gr.Column(scale=2):
-                        spec = gr.Checkbox(has_head, label="Speculative decoding (EAGLE)", interactive=has_head,
-                                           elem_id="speculative",
-                                           info="Greyed out when the model has no EAGLE head.")
-                        depth = gr.Slider(1, 16, tree.depth, step=1, label="Tree depth", elem_id="depth")
+                        spec = gr.Checkbox(label="Speculative decoding (EAGLE)", elem_id="speculative",
+                                           **props["spec"])
+                        depth = gr.Slider(1, 16, tree.depth, step=1, label="Tree depth", elem_id="depth",
+                                          **props["depth"])
+                        tree_note = gr.Markdown(tree_limit(tree.depth, tree.total_tokens), elem_id="tree-limit")
                         tree_origin = gr.Markdown(manager.tree_markdown(), elem_id="tree-origin")
                         with gr.Accordion("Advanced speculation", open=False):
-                            top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k")
+                            top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k",
+                                              **props["top_k"])
                             tree_size = gr.Slider(2, 96, tree.total_tokens, step=1, label="Tree size (nodes verified)",
-                                                  elem_id="tree-size")
-                        chart = gr.BarPlot(empty_frame(), x="step", y="tokens", color="kind",
-                                           title="Tokens committed per verification step",
+                                                  elem_id="tree-size", **props["tree_size"])
+                        chart = gr.BarPlot(empty_frame(), x="step", y="tokens", color="kind", **props["chart"],
                                            y_lim=[0, tree.depth + 1], x_lim=[0.5, 1.5], height=230, elem_id="chart",
                                            color_map=COLORS, colors_in_legend=list(COLORS), x_axis_format="d")
                         stats = gr.Markdown(elem_id="stats")
-                        highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts")
+                        highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts",
+                                                elem_id="highlight", **props["highlight"])
                         tokens = gr.HTML(elem_id="tokens")
                         with gr.Accordion("Sampling", open=False, elem_id="sampling"):
                             temperature = gr.Slider(0, 2, gen.sampling.temperature, step=0.05,
@@ -122,16 +126,18 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                 with gr.Row():
                     prompt = gr.Textbox(label="Prompt", show_label=False, placeholder="Prompt", scale=6,
                                         elem_id="compare-prompt")
-                    run = gr.Button("Compare", variant="primary", scale=1, elem_id="compare")
+                    run = gr.Button("Compare", variant="primary", scale=1, elem_id="compare", **props["compare"])
                     stop2 = gr.Button("Stop", scale=1)
+                compare_note = gr.Markdown(elem_id="compare-note", **props["compare_note"])
                 with gr.Row():
                     plain_out = gr.Markdown(elem_id="plain-answer")
                     spec_out = gr.Markdown(elem_id="spec-answer")
                 summary = gr.Markdown(elem_id="compare-summary")
                 with gr.Accordion("Raw numbers", open=False):
                     compare_json = gr.JSON(label="Numbers")
+            controls = [spec, depth, top_k, tree_size, highlight, chart, run, compare_note]  # app.controls.CONTROLS
             with gr.Tab("Models"):
-                models = models_tab(h, manager, status, spec, tree_origin)
+                models = models_tab(h, manager, status, tree_origin, controls)
 
         settings = [temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight]
         history = gr.State([])
@@ -151,16 +157,27 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                   [plain_out, spec_out, summary, compare_json], api_name="compare",
                   validator=h.check_compare, **lane)
         stop2.click(h.stop, None, None, queue=False, api_visibility="private")
+        # a deeper tree needs room: the size follows the depth up, and a smaller size says what it caps
+        depth.input(follow_depth, [depth, tree_size], [tree_size, tree_note], api_visibility="private", queue=False)
+        tree_size.input(tree_limit, [depth, tree_size], tree_note, api_visibility="private", queue=False)
+
         def page_load(request: gr.Request):
             return h.page_load(app.banner, request)
 
-        demo.load(page_load, None, [status, banner, spec, tree_origin, *models], api_visibility="private")
+        demo.load(page_load, None, [status, banner, tree_origin, *controls, *models], api_visibility="private")
         demo.unload(h.session_end)
     return app
 
 
-def models_tab(h: Handlers, manager: ModelManager, status, spec, tree_origin) -> list:
-    """The Models tab; returns the lock notice and the controls that page load enables or not."""
+def follow_depth(depth, tree_size):
+    """Depth changed by the visitor: grow the tree size so the new depth can be reached."""
+    size = size_for_depth(depth, tree_size)
+    return gr.update(value=size), tree_limit(depth, size)
+
+
+def models_tab(h: Handlers, manager: ModelManager, status, tree_origin, controls: list) -> list:
+    """The Models tab; returns the lock notice and the controls that page load enables or not.
+    `controls` are the backend-dependent ones of the other tabs (app.controls.CONTROLS)."""
     gr.Markdown("Targets with their EAGLE heads. One click downloads (resumable, with progress) and "
                 "switches; the switch waits for the answer being generated, and answers wait for it.")
     locked = gr.Markdown(f"Locked: {LOCKED}", elem_id="locked", visible=False)
@@ -169,7 +186,9 @@ def models_tab(h: Handlers, manager: ModelManager, status, spec, tree_origin) ->
     keys = [e.key for e in CATALOGUE] + [CUSTOM]
     with gr.Row():
         key = gr.Dropdown(keys, value=keys[0], label="Model", scale=2, elem_id="model-key")
-        dtype = gr.Dropdown(["float32", "bfloat16", "float16"], value=manager.choice.dtype, label="dtype")
+        dtypes = ["auto", "float32", "bfloat16", "float16"]
+        dtype = gr.Dropdown(dtypes + [d for d in [manager.choice.dtype] if d not in dtypes], value=manager.choice.dtype,
+                            label="dtype", info="auto: bf16 with exact kernels where this CPU passes the check")
         device = gr.Dropdown(devices(), value=manager.choice.device, label="Device")
         four_bit = gr.Checkbox(manager.choice.load_in_4bit, label="4-bit (nf4)", info="Default for 7B+ models on CUDA")
     with gr.Row():
@@ -178,13 +197,23 @@ def models_tab(h: Handlers, manager: ModelManager, status, spec, tree_origin) ->
     with gr.Row():
         dl = gr.Button("Download", elem_id="download")
         load = gr.Button("Download & switch", variant="primary")
+    gr.Markdown("Or chat through a server: our `python -m core.serve`, vLLM, SGLang or any other "
+                "OpenAI-compatible one. The local model stays loaded; features that need it are disabled meanwhile.")
+    with gr.Row():
+        url = gr.Textbox(manager.backend.url if manager.backend else "", label="Remote backend (OpenAI-compatible URL)",
+                         placeholder="http://127.0.0.1:8000", scale=3, elem_id="backend-url")
+        api_key = gr.Textbox(label="API key (optional)", type="password", scale=1, elem_id="api-key")
+        connect = gr.Button("Connect", scale=1, elem_id="connect")
+        use_local = gr.Button("Use local engine", scale=1, elem_id="use-local")
     result = gr.Markdown(elem_id="model-result")
     inputs = [key, target, head, dtype, device, four_bit]
     dl.click(h.download, inputs, [result, table], api_name="download")
-    load.click(h.load, inputs, [result, status, spec, table, tree_origin], api_name="load_model")
+    load.click(h.load, inputs, [result, status, table, tree_origin, *controls], api_name="load_model")
+    connect.click(h.connect, [url, api_key], [result, status, tree_origin, *controls], api_name="connect")
+    use_local.click(h.use_local, None, [result, status, tree_origin, *controls], api_name="use_local")
     key.change(lambda k, d: gr.Checkbox(value=d == "cuda" and k != keys[0]), [key, device], four_bit,
                api_visibility="private")
-    return [locked, key, dtype, device, four_bit, target, head, dl, load]
+    return [locked, key, dtype, device, four_bit, target, head, dl, load, url, api_key, connect, use_local]
 
 
 def devices() -> list[str]:

@@ -65,6 +65,8 @@ CATALOGUE: tuple[CatalogueEntry, ...] = (
                    6.7, gated=True),
     CatalogueEntry("LLaMA3-Instruct-8B", "meta-llama/Meta-Llama-3-8B-Instruct",
                    "yuhuili/EAGLE-LLaMA3-Instruct-8B", 8.0, gated=True),
+    CatalogueEntry("Llama-3.1-8B-Instruct (EAGLE-3 head)", "meta-llama/Llama-3.1-8B-Instruct",
+                   "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 8.0, gated=True),
 )
 
 

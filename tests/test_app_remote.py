@@ -57,7 +57,7 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert spec == gr.update(value=False, interactive=False, info=REMOTE_SPEC)
     assert all(c == gr.update(interactive=False, info=REMOTE_TREE) for c in (depth, top_k, size))
     assert highlight == gr.update(interactive=False, info=REMOTE_HIGHLIGHT)
-    assert "local engine only" in chart["title"] and compare["interactive"] is False
+    assert chart["title"] == "Per-step chart: local engine only" and compare["interactive"] is False
     assert note == gr.update(value=REMOTE_COMPARE, visible=True)
 
     outs = answer(h, "w5 w6", [])

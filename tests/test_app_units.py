@@ -10,7 +10,7 @@ import pytest
 from app.chat import BONUS, DRAFT, PLAIN, AnswerView, engine_messages, flatten, trim_to_context
 from app.compare import compare_markdown
 from app.lane import is_remote
-from app.state import Access, ModelChoice, generation_config, recall, remember
+from app.state import Access, ModelChoice, generation_config, recall, remember, size_for_depth, tree_limit
 from core.config import ConfigError
 from core.engine import StepEvent
 from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
@@ -108,6 +108,19 @@ def test_last_model_round_trip(tmp_path, monkeypatch):
     assert recall() == choice
     (tmp_path / "home" / "last_model.json").write_text("{not json")
     assert recall() is None
+    old = {"model": "smollm2", "head": "default", "dtype": "float32", "device": "cpu", "load_in_4bit": False}
+    (tmp_path / "home" / "last_model.json").write_text(json.dumps(old))  # written before the numerics choice
+    assert recall() == ModelChoice("smollm2", "default", "float32", "cpu", False, "auto")
+    assert ModelChoice().dtype == ModelChoice().attention == "auto"
+    assert ModelChoice().describe() == "`smollm2` with its default head (auto numerics, cpu)"
+
+
+def test_what_limits_the_tree():
+    assert tree_limit(3, 4) == "" and tree_limit(16, 17) == ""
+    assert tree_limit(16, 4) == ("Tree size 4 caps the tree at 3 drafted tokens in a row, so depth 16 drafts "
+                                 "13 levels that cannot be used.")
+    assert tree_limit(2, 2).startswith("Tree size 2 caps the tree at 1 drafted token in a row")
+    assert size_for_depth(16.0, 4.0) == 17 and size_for_depth(2, 24) == 24, "the size only grows"
 
 
 
@@ -159,6 +172,15 @@ def test_launcher_arguments(tmp_path, monkeypatch):
     assert explicit == ModelChoice("smollm2", None, "bf16", "cpu")
     vicuna = launcher.choose(launcher.parse_args(["--model", "lmsys/vicuna-7b-v1.3", "--load-in-4bit"]))
     assert vicuna == ModelChoice("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "auto", "cpu", True)
+    numerics = launcher.parse_args(["--dtype", "bfloat16", "--attention", "eager", "--threads", "1"])
+    assert launcher.choose(numerics).attention == "eager" and numerics.threads == 1
+    api = launcher.parse_args(["--api", "--api-port", "8123"])
+    assert api.api and api.api_port == 8123
+    for bad in (["--backend", "http://x", "--head", "none"], ["--backend", "http://x", "--load-in-4bit"],
+                ["--backend", "http://x", "--api"], ["--api-key", "k"], ["--api", "--port", "7000"],
+                ["--api-port", "8000"], ["--api", "--api-port", "0"], ["--threads", "0"], ["--attention", "flash"]):
+        with pytest.raises(SystemExit):
+            launcher.parse_args(bad)
 
 
 def test_the_race_advances_the_column_whose_own_clock_is_behind():

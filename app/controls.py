@@ -1,0 +1,43 @@
+"""The controls that only the local engine understands, enabled or disabled for the backend in use.
+
+With a remote backend (app.backend) speculation, the draft tree, token highlighting, the per-step
+chart and Side by side stay visible but disabled, each with a one-line reason; they come back
+when the chat returns to the local engine.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+SPEC_INFO = "Greyed out when the model has no EAGLE head."
+LOCAL_INFO = {"depth": "How many tokens ahead the head drafts; the tree size grows with it.",
+              "top_k": "How many children each drafted token may get.",
+              "tree_size": "Tokens verified per step, the root included.",
+              "highlight": "Colours the answer below by where each token came from."}
+CHART_TITLE = "Tokens committed per verification step"
+REMOTE_SPEC = "Off here: the remote server decides whether and how it speculates."
+REMOTE_TREE = "Not used: the remote server drafts with its own settings."
+REMOTE_HIGHLIGHT = "Needs the local engine: a remote server does not say which tokens were drafted."
+REMOTE_CHART = "Per-step chart: local engine only"  # a remote server reports totals
+REMOTE_COMPARE = ("Side by side needs the local engine (it races plain and speculative decoding step by "
+                  "step); press “Use local engine” in the Models tab.")
+# the Chat and Side-by-side controls that depend on the backend, in this order
+CONTROLS = ("spec", "depth", "top_k", "tree_size", "highlight", "chart", "compare", "compare_note")
+
+
+def control_props(manager) -> dict[str, dict]:
+    """Each backend-dependent control's interactive state and reason, for build and updates."""
+    remote = manager.backend is not None
+    has_head = not remote and manager.engine is not None and manager.engine.has_head
+    tree = {k: dict(interactive=not remote, info=REMOTE_TREE if remote else LOCAL_INFO[k])
+            for k in ("depth", "top_k", "tree_size")}
+    return {"spec": dict(value=has_head, interactive=has_head, info=REMOTE_SPEC if remote else SPEC_INFO), **tree,
+            "highlight": dict(interactive=not remote, info=REMOTE_HIGHLIGHT if remote else LOCAL_INFO["highlight"]),
+            "chart": dict(title=REMOTE_CHART if remote else CHART_TITLE),
+            "compare": dict(interactive=not remote),
+            "compare_note": dict(value=REMOTE_COMPARE if remote else "", visible=remote)}
+
+
+def control_updates(manager) -> tuple:
+    props = control_props(manager)
+    return tuple(gr.update(**props[name]) for name in CONTROLS)
