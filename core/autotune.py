@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from core import cache as kv
 from core.clock import median_time
+from core.threads import set_threads
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
@@ -175,15 +176,16 @@ def main(argv=None) -> None:
                                 description="Measure this machine and choose the fastest draft tree.")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--head", default="default")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 with exact kernels on CPU where the probe passes")
+    p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
     p.add_argument("--device", default="cpu")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ship", action="store_true", help=f"also write the choice to {TREE_FILE} beside the head")
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    engine = Engine.load(a.model, a.head, dtype=a.dtype, device=a.device)
+    set_threads(a.threads)
+    engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
+    print(f"numerics: {engine.numerics.describe()}")
     tree = choose_tree(engine, top_k=a.top_k, refresh=True)
     report = json.loads(tuned_path(engine).read_text())
     print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} "
