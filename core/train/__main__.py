@@ -95,6 +95,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=None,
                    help=f"where the trained head is written (default {DEFAULT_HEAD_DIR.name}; "
                         f"eagle3: {EAGLE3_DIR.name})")
+    g.add_argument("--init", type=Path, default=None,
+                   help="EAGLE-1 head folder to continue training from (keeps its draft vocabulary)")
     g.add_argument("--epochs", type=float, default=10.0)
     g.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -214,6 +216,8 @@ def source_name(path: Path) -> str:
 def stage_train(args) -> None:
     import json
 
+    import torch
+
     from core.models import load_target
     from core.train.data import DataError
     from core.train.features import load_sequences, read_manifest
@@ -227,9 +231,17 @@ def stage_train(args) -> None:
     held = feature_dir(args, "heldout")
     heldout = load_sequences(held) if (held / "manifest.json").is_file() else []
     val = heldout[::4] or None  # a quarter of them for the periodic check (it costs training time)
-    vocab = frequent_tokens(seqs, args.draft_vocab_size, target.model.config.vocab_size)
+    if args.init is not None:  # warm start: continue from an existing EAGLE-1 head and its vocabulary
+        from core.head import load_head
+
+        head, vocab = load_head(args.init, target.model.config)
+        head = head.train().requires_grad_(True)
+        vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
+        _, recipe = new_trainee(args, target.model.config, vocab, read_manifest(folders[0]).get("layer_ids"))
+    else:
+        vocab = frequent_tokens(seqs, args.draft_vocab_size, target.model.config.vocab_size)
+        head, recipe = new_trainee(args, target.model.config, vocab, read_manifest(folders[0]).get("layer_ids"))
     fz = Frozen.from_target(target.model, vocab)
-    head, recipe = new_trainee(args, target.model.config, vocab, read_manifest(folders[0]).get("layer_ids"))
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
                       autocast_bf16=args.bf16, noise=0.1 if args.head_kind == "eagle1" else 0.0,
                       soft_targets=not args.greedy_targets)
