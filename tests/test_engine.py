@@ -195,9 +195,11 @@ def test_speculative_sampling_matches_target_distribution(monkeypatch, numerics)
         return counts
 
     keys = sorted(exact, key=str)
-    n = 2000
+    n = 2000 if numerics == "float64" else 1200
     good = sample_counts(n, 0)
     assert chi2_pvalue([good[k] for k in keys], [exact[k] for k in keys]) > 1e-3
+    if numerics != "float64":
+        return  # that a wrong rule is caught is shown once, in float64
     monkeypatch.setattr(engine_mod, "verify_sampled", _wrong_rule)
     bad = sample_counts(n, 0)
     assert chi2_pvalue([bad[k] for k in keys], [exact[k] for k in keys]) < 1e-4

@@ -75,22 +75,27 @@ def test_unreachable_hub_fails_fast_with_clear_message():
     assert time.perf_counter() - start < 30
 
 
+def save_family_model(folder, cls, cfg_cls, seed: int, **extra) -> None:
+    """A tiny random model of another Llama-family architecture, saved with the tiny tokenizer."""
+    torch.manual_seed(seed)
+    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, eos_token_id=0, **extra)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    tiny_target().tokenizer.save_pretrained(folder)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_other_llama_family_targets_exact(tmp_path, family):
     """Qwen2 (attention biases) and Mistral load through the same loader and stay exact."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     cls, cfg_cls = {"qwen2": (Qwen2ForCausalLM, Qwen2Config), "mistral": (MistralForCausalLM, MistralConfig)}[family]
-    torch.manual_seed(0)
-    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=False, eos_token_id=0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path)
-    tiny_target().tokenizer.save_pretrained(tmp_path)
+    save_family_model(tmp_path, cls, cfg_cls, seed=0)
     target = load_target(str(tmp_path), dtype="float64")
     assert target.model.config.model_type == family
     engine = Engine(target, random_head(target))
@@ -110,16 +115,7 @@ def test_sliding_window_models_stay_lossless(tmp_path, numerics):
 
     from core.invariant import make_invariant
 
-    torch.manual_seed(1)
-    cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        tie_word_embeddings=False, eos_token_id=0, sliding_window=8)
-    model = MistralForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path)
-    tiny_target().tokenizer.save_pretrained(tmp_path)
+    save_family_model(tmp_path, MistralForCausalLM, MistralConfig, seed=1, sliding_window=8)
     target = load_target(str(tmp_path), dtype="float64" if numerics == "float64-sdpa" else "bfloat16")
     if numerics == "bf16-exact":
         make_invariant(target.model)
