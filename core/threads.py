@@ -4,8 +4,7 @@ Why: torch's CPU kernels run on an OpenMP team whose idle threads spin-wait (the
 "active" policy). On a machine where another process holds a core, the team's threads
 spin against each other and every parallel region waits for a descheduled thread: here a
 generation with 2 threads fell to 0.4 tok/s, against 7.7 tok/s with OMP_WAIT_POLICY=PASSIVE
-and 4.6 tok/s with 1 thread (SmolLM2, bf16, a busy 2-core machine; `runs`-style measurement
-in the README). So the passive policy is the default (an explicit environment setting wins),
+and 4.6 tok/s with 1 thread (SmolLM2, bf16, a busy 2-core machine; README "Threads on a busy machine"). So the passive policy is the default (an explicit environment setting wins),
 and `--threads` lets the user choose the team size.
 
 Import this module before torch (the CLIs and the launcher do); OpenMP reads the policy once.
