@@ -26,7 +26,6 @@ from core.threads import set_threads
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
-from core.models import cache_home
 from core.tree import catch_up, draft, tree_from_parents
 from core.treestore import TREE_FILE, save_tuned, shipped_tree, tuned_path, tuned_tree  # noqa: F401 (re-exported)
 
@@ -101,7 +100,7 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
     ids = torch.arange(100, 100 + context, device=device) % model.config.vocab_size
     cache = kv.new_cache(model)
     # the fastest of several calls: machine noise only ever adds time
-    _median_time = lambda fn, reps: min(median_time(fn, device, reps=1, warmup=0) for _ in range(reps))
+    _fastest = lambda fn, reps: min(median_time(fn, device, reps=1, warmup=0) for _ in range(reps))
     with torch.inference_mode():
         features, _ = prefill(model, ids, cache, engine.drafter.feature_layers)
         verify = {}
@@ -118,15 +117,15 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
                 kv.keep(cache, context, [])
 
             call()  # warm-up
-            verify[n] = _median_time(call, reps)
+            verify[n] = _fastest(call, reps)
         head_cache = HeadCache(engine.head.config, engine.target.dtype, device)
         root_hidden = catch_up(engine.drafter, head_cache, ids[1:], features[:-1])
-        catch = _median_time(lambda: (catch_up(engine.drafter, head_cache, ids[:3], features[:3]),
+        catch = _fastest(lambda: (catch_up(engine.drafter, head_cache, ids[:3], features[:3]),
                                       head_cache.truncate(context - 1)), reps)
         drafts = {}
         for d in tqdm(DEPTHS, desc="draft cost per depth", leave=False):
             cfg = TreeConfig(depth=d, top_k=top_k, total_tokens=min(512, 1 + top_k + (d - 1) * top_k))
-            drafts[d] = catch + _median_time(lambda: draft(engine.drafter, head_cache, int(ids[-1]),
+            drafts[d] = catch + _fastest(lambda: draft(engine.drafter, head_cache, int(ids[-1]),
                                                            root_hidden, cfg), reps)
     return verify, drafts
 

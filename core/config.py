@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # "exact" = core.invariant's batch-invariant kernels
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
+
+
 class ConfigError(ValueError):
     """A setting is out of range; the message names the setting and the allowed range."""
 

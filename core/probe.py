@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -21,7 +20,7 @@ from datetime import datetime, timezone
 import torch
 
 from core import cache as kv
-from core.models import cache_home
+from core.models import cache_home, write_atomic
 
 
 @dataclass(frozen=True)
@@ -112,10 +111,7 @@ def probe(model, dtype: torch.dtype, attention: str, device, refresh: bool = Fal
             pass  # unreadable: probe again
     result = run_probe(model)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(result) | {"cached": False}))
-        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+        write_atomic(path, json.dumps(asdict(result) | {"cached": False}))
     except OSError:
         pass  # a read-only cache only costs the probe again next time
     return result

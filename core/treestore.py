@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from core.config import TreeConfig
 from core.head import HeadLoadError
-from core.models import cache_home
+from core.models import cache_home, write_atomic
 
 TREE_FILE = "tree.json"  # beside a head: the tree tuned on the machine that trained it
 
@@ -52,14 +51,6 @@ def profile_key(engine) -> str:
 
 def tuned_path(engine) -> Path:
     return cache_home() / "autotune" / f"{profile_key(engine)}.json"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a concurrent reader sees old or new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def save_tuned(engine, tree: TreeConfig, report: dict) -> Path:

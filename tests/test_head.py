@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from core.head import HeadCache, HeadLoadError, load_head, new_head, save_head
-from tests.tiny import tiny_target
+from tests.tiny import tiny_target, write_checkpoint
 
 PUBLISHED_KEYS = {
     "fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
@@ -42,12 +41,7 @@ def published_checkpoint(folder, target, *, bias=True, extra=None, drop=None, as
               "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
               "num_key_value_heads": kvh, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "torch_dtype": "float16", "vocab_size": c.vocab_size}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    if as_pickle:
-        torch.save(state, folder / "pytorch_model.bin")
-    else:
-        save_file(state, str(folder / "model.safetensors"))
+    write_checkpoint(folder, config, state, as_pickle)
     return state
 
 

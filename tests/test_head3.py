@@ -12,7 +12,7 @@ from core.head import HeadCache, HeadLoadError, save_head
 from core.head3 import (Drafter3, default_layer_ids, fuse, head_kind, load_any_head, load_head3, new_head3,
                         save_head3, target_features)
 from core.tree import Drafter, catch_up, draft_dynamic, draft_static
-from tests.tiny import random_head, tiny_target
+from tests.tiny import random_head, tiny_target, write_checkpoint
 
 LAYERS = 8  # default fused layers (2, 4, 5): distinct
 PUBLISHED_KEYS = {
@@ -54,12 +54,7 @@ def published_checkpoint(folder, target, *, vd=40, extra=None, drop=None, as_pic
               "model_type": "llama", "num_attention_heads": c.num_attention_heads, "num_hidden_layers": 1,
               "num_key_value_heads": kvh, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
               "torch_dtype": "float16", "vocab_size": v, "draft_vocab_size": vd}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    if as_pickle:
-        torch.save(state, folder / "pytorch_model.bin")
-    else:
-        save_file(state, str(folder / "model.safetensors"))
+    write_checkpoint(folder, config, state, as_pickle)
     return state
 
 

@@ -69,3 +69,17 @@ def oracle_head(target: LoadedModel) -> EagleHead:
         head.fc.weight[:, :h] = torch.eye(h)
         head.layers[0].post_attention_layernorm.weight.fill_(1.0)
     return head.to(target.dtype).eval()
+
+
+def write_checkpoint(folder, config: dict, state: dict, as_pickle: bool) -> None:
+    """A head checkpoint as published: config.json plus pytorch_model.bin or model.safetensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if as_pickle:
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        save_file(state, str(folder / "model.safetensors"))
