@@ -298,3 +298,76 @@ def test_eval_summary_literal():
     assert reports["math"].tau == 2.0 and reports["code"].tau == 2.0
     # pooled steps (2, 0, 1, 1): accepted path reached depth 1 in 3 of 4, depth 2 in 1 of 4
     assert reports["all"].accept_at_depth == (0.75, 0.25) and reports["all"].tau == 2.0
+
+
+# ----------------------------------------------------------------------------- prompts and distillation
+
+def test_followups_continue_finished_answers_and_round_trip(tmp_path):
+    from core.train.data import Prompt, followup_prompts, read_prompts, write_jsonl
+
+    rows = [{"id": "a", "category": "coding", "truncated": False,
+             "messages": [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "use sorted"}]},
+            {"id": "b", "category": "writing", "truncated": True,  # cut off: no follow-up
+             "messages": [{"role": "user", "content": "a poem"}, {"role": "assistant", "content": "roses"}]},
+            {"id": "c-fu", "category": "math", "truncated": False,  # already a second turn
+             "messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                          {"role": "user", "content": "why?"}, {"role": "assistant", "content": "count"}]}]
+    fus = followup_prompts(rows, seed=0)
+    assert [p.id for p in fus] == ["a-fu"]
+    msgs = fus[0].messages()
+    assert msgs[:2] == rows[0]["messages"] and msgs[2]["role"] == "user"
+    from core.train.data import FOLLOWUPS
+
+    assert msgs[2]["content"] in FOLLOWUPS["coding"]
+    write_jsonl(tmp_path / "p.jsonl", [p.to_json() for p in fus] + [Prompt("x", "chat", ("hi",)).to_json()])
+    back = read_prompts(tmp_path / "p.jsonl")
+    assert back[0].messages() == msgs and back[1].messages() == [{"role": "user", "content": "hi"}]
+
+
+def test_docs_prompts_come_from_docstrings_grouped_by_module():
+    from core.train.data import docs_prompts
+
+    prompts = docs_prompts(60, seed=0)
+    assert 30 <= len(prompts) <= 60
+    assert all(p.category == "docs" and p.group.startswith("docs:") for p in prompts)
+    assert len({p.id for p in prompts}) == len(prompts)
+    p = next(p for p in prompts if p.id == "docs-" + p.turns[0].split("`")[1])  # names a real attribute
+    mod, _, name = p.id[len("docs-"):].rpartition(".")
+    import importlib
+
+    assert getattr(importlib.import_module(mod), name).__doc__
+
+
+def test_distill_answers_whole_conversation_greedily_and_resumes(tmp_path):
+    from core.train.data import Prompt
+    from core.train.distill import DistillConfig, distill
+
+    tiny = Tiny()
+    tiny.model = tiny.model.double()  # batched left padding vs one at a time: no near-tie flips
+    prompts = [Prompt("p1", "chat", ("hello there",)),
+               Prompt("p2-fu", "chat", ("and then?",), history=(("user", "count"), ("assistant", "1 2 3")))]
+    out = tmp_path / "d.jsonl"
+    n = distill(tiny, prompts, out, DistillConfig(batch_size=2, max_new_tokens=12))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert n == sum(r["new_tokens"] for r in rows) and n > 0
+    for p, r in zip(sorted(prompts, key=lambda p: p.id), sorted(rows, key=lambda r: r["id"])):
+        assert r["messages"][:-1] == p.messages() and r["messages"][-1]["role"] == "assistant"
+        text = tiny.tokenizer.apply_chat_template(p.messages(), tokenize=False, add_generation_prompt=True)
+        ids = tiny.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        alone = tiny.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                    eos_token_id=[2], pad_token_id=0)[0, ids.shape[1]:].tolist()
+        alone = alone[:alone.index(2)] if 2 in alone else alone
+        assert r["new_tokens"] == len(alone)
+        assert r["messages"][-1]["content"] == tiny.tokenizer.decode(alone, skip_special_tokens=True)
+    assert distill(tiny, prompts, out, DistillConfig(batch_size=2, max_new_tokens=12)) == 0  # resumed: all done
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_openings_of_followup_conversations_train_once():
+    from core.train.data import drop_contained
+
+    a = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    a_fu = a + [{"role": "user", "content": "more?"}, {"role": "assistant", "content": "b"}]
+    other = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "different"}]
+    kept, dropped = drop_contained([a, other, a_fu])
+    assert kept == [other, a_fu] and dropped == 1

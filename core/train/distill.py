@@ -50,16 +50,17 @@ def batches(prompts: list[Prompt], tokenizer, cfg: DistillConfig):
     """Batches of prompts; within each window the prompts are sorted by templated length."""
     for w in range(0, len(prompts), cfg.sort_window):
         window = prompts[w:w + cfg.sort_window]
-        window.sort(key=lambda p: len(p.turns[0]))
+        window.sort(key=lambda p: sum(len(m["content"]) for m in p.messages()))
         for b in range(0, len(window), cfg.batch_size):
             yield window[b:b + cfg.batch_size]
 
 
 @torch.inference_mode()
 def generate_batch(model, tokenizer, prompts: list[Prompt], eos_ids, max_new_tokens: int):
-    """Greedy answers to the first turn of each prompt -> list of (answer text, n tokens, truncated)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+    """Greedy answers to each prompt's conversation (history + first turn) -> list of
+    (answer text, n tokens, truncated)."""
+    texts = [tokenizer.apply_chat_template(p.messages(), tokenize=False, add_generation_prompt=True)
+             for p in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
                          pad_token_id=tokenizer.pad_token_id)
@@ -93,7 +94,7 @@ def distill(target, prompts: list[Prompt], out_path: Path, cfg: DistillConfig) -
                 break
             for p, (answer, n, truncated) in zip(batch, generate_batch(target.model, tok, batch, target.eos_ids,
                                                                         cfg.max_new_tokens)):
-                msgs = [{"role": "user", "content": p.turns[0]}, {"role": "assistant", "content": answer}]
+                msgs = p.messages() + [{"role": "assistant", "content": answer}]
                 f.write(json.dumps({"id": p.id, "category": p.category, "messages": msgs,
                                     "new_tokens": n, "truncated": truncated}, ensure_ascii=False) + "\n")
                 total += n

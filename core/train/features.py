@@ -178,8 +178,9 @@ def _write_shard(folder: Path, man: dict, seqs: list[Sequence], n_convs: int, di
     tmp.rename(folder / MANIFEST)
 
 
-def load_sequences(folder: Path) -> list[Sequence]:
-    """Every cached sequence, in source order."""
+def load_sequences(folder: Path, last_only: bool = False) -> list[Sequence]:
+    """Every cached sequence, in source order. last_only: EAGLE-3 shards read as EAGLE-1
+    features (hidden = the stored last hidden state; the fused layers are not kept)."""
     from safetensors.torch import load_file
 
     man = read_manifest(folder)
@@ -190,6 +191,11 @@ def load_sequences(folder: Path) -> list[Sequence]:
         if shard["file"] is None:
             continue
         t = load_file(str(folder / shard["file"]))
+        if last_only:
+            if "final" not in t:
+                raise DataError(f"{folder / shard['file']} holds no last hidden state ('final'): "
+                                "not EAGLE-3 features")
+            t["hidden"] = t.pop("final")
         off = t["offsets"].tolist()
         for a, b in zip(off[:-1], off[1:]):
             out.append(Sequence(t["input_ids"][a:b].long(), t["loss_mask"][a:b], t["hidden"][a:b],
