@@ -170,11 +170,13 @@ def set_draft_vocab(head: Eagle3Head, target_ids: torch.Tensor) -> None:
 
 
 def new_head3(target_config, draft_vocab_ids: torch.Tensor, *, layer_ids: tuple[int, ...] | None = None,
-              seed: int | None = None, lm_rows: torch.Tensor | None = None) -> Eagle3Head:
+              seed: int | None = None, lm_rows: torch.Tensor | None = None,
+              norm_weight: torch.Tensor | None = None) -> Eagle3Head:
     """A randomly initialised head (Llama's 0.02 init) over `draft_vocab_ids` (Vd,) target ids.
 
     `lm_rows` (Vd, H), rows in ascending target-id order (e.g. the target's LM-head rows of the
-    draft vocabulary), start lm_head there instead of at random."""
+    draft vocabulary), start lm_head there instead of at random; `norm_weight` (H,) (e.g. the
+    target's final norm) starts the head's own norm there instead of at ones."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     config = Head3Config.from_target3(target_config, int(draft_vocab_ids.shape[0]), layer_ids)
     head = Eagle3Head(config)
@@ -183,6 +185,8 @@ def new_head3(target_config, draft_vocab_ids: torch.Tensor, *, layer_ids: tuple[
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.02)
         if lm_rows is not None:
             head.lm_head.weight.copy_(lm_rows)
+        if norm_weight is not None:
+            head.norm.weight.copy_(norm_weight)
         set_draft_vocab(head, draft_vocab_ids.sort().values)
     return head
 

@@ -215,3 +215,14 @@ def test_static_tree_with_eagle3_head(drafting):
     assert tree.size == 6 and tree.parents.tolist() == [-1, 0, 0, 1, 1, 3] and cache.length == 8
     top2 = drafter.log_probs(root_state[None])[0].topk(2).indices
     assert tree.tokens[1:3].tolist() == drafter.to_target_ids(top2).tolist()
+
+
+def test_new_head_can_start_at_the_targets_norm_and_lm_rows(target):
+    ids = torch.tensor([3, 9, 17, 40, 95])
+    model = target.model
+    head = new_head3(model.config, ids, layer_ids=(1, 3, 6), seed=4, lm_rows=model.lm_head.weight[ids].float(),
+                     norm_weight=model.model.norm.weight.float() + 0.5)
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight[ids].float())
+    assert torch.equal(head.norm.weight, model.model.norm.weight.float() + 0.5)
+    plain = new_head3(model.config, ids, layer_ids=(1, 3, 6), seed=4)
+    assert torch.equal(plain.norm.weight, torch.ones_like(plain.norm.weight))

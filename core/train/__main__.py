@@ -103,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"where the trained head is written (default {DEFAULT_HEAD_DIR.name}; "
                         f"eagle3: {EAGLE3_DIR.name})")
     g.add_argument("--init", type=Path, default=None,
-                   help="EAGLE-1 head folder to continue training from (keeps its draft vocabulary)")
+                   help="head folder to continue training from, of the --head-kind kind (keeps its draft vocabulary)")
     g.add_argument("--epochs", type=float, default=10.0)
     g.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -137,9 +137,10 @@ def stage_distill(args, prompt_file: Path | None = None) -> None:
     from core.train.data import DataError, read_prompts
     from core.train.distill import DistillConfig, distill
 
-    prompts_path = prompt_file or args.prompt_file or args.work / "prompts.jsonl"
+    explicit = prompt_file or args.prompt_file
+    prompts_path = explicit or args.work / "prompts.jsonl"
     if not prompts_path.is_file():
-        if prompt_file or args.prompt_file:
+        if explicit:
             raise DataError(f"{prompts_path} does not exist (the followups stage writes <work>/followups.jsonl)")
         stage_prompts(args)
     deadline = None
@@ -157,21 +158,13 @@ def stage_distill(args, prompt_file: Path | None = None) -> None:
 
 
 def stage_followups(args) -> None:
-    import json
-
     from core.train.data import DataError, followup_prompts, write_jsonl
+    from core.train.distill import read_records
 
     src = args.work / "distill.jsonl"
     if not src.is_file():
         raise DataError(f"{src} does not exist: run the distill stage first (follow-ups continue its answers)")
-    rows = []
-    with open(src, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line of a running distill
-    fus = followup_prompts(rows, args.seed)
+    fus = followup_prompts(read_records(src), args.seed)
     write_jsonl(args.work / "followups.jsonl", [p.to_json() for p in fus])
     print(f"followups: {len(fus)} second turns -> {args.work / 'followups.jsonl'} "
           f"(answer with: distill --prompt-file {args.work / 'followups.jsonl'})")
@@ -324,8 +317,6 @@ def new_trainee(args, target_model, vocab, feature_layers):
     """A fresh head of the chosen kind and its training recipe. An EAGLE-3 head starts its
     own norm and LM head at the target's final norm and LM-head rows of the draft vocabulary
     (so its first drafts already read its state as a last hidden state)."""
-    import torch
-
     target_config = target_model.config
     if args.head_kind == "eagle1":
         from core.head import new_head
@@ -341,9 +332,8 @@ def new_trainee(args, target_model, vocab, feature_layers):
                         "(`features --head-kind eagle3`)")
     ids = vocab.sort().values
     head = new_head3(target_config, ids, layer_ids=tuple(feature_layers), seed=args.seed,
-                     lm_rows=target_model.lm_head.weight[ids].detach().float())
-    with torch.no_grad():
-        head.norm.weight.copy_(target_model.model.norm.weight.float())
+                     lm_rows=target_model.lm_head.weight[ids].detach().float(),
+                     norm_weight=target_model.model.norm.weight.detach().float())
     return head, EAGLE3
 
 
@@ -405,7 +395,8 @@ def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict 
               "skipping per-depth accuracy")
         return None
     vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
-    seqs = load_sequences(folder, last_only=last_only)[::2]  # every other conversation: the engine run below is the slow part
+    # every other conversation: the engine run below is the slow part
+    seqs = load_sequences(folder, last_only=last_only)[::2]
     if args.head_kind == "eagle3":
         from core.train.trainer3 import EAGLE3 as recipe
     else:

@@ -33,17 +33,23 @@ class DistillConfig:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
 
 
-def done_ids(path: Path) -> set[str]:
-    """Prompt ids already answered in `path`; a torn last line (killed mid-write) is ignored."""
-    ids = set()
+def read_records(path: Path) -> list[dict]:
+    """The answer records in `path` (none if it does not exist); a torn last line (killed
+    mid-write) or any other unparsable line is ignored."""
+    out = []
     if path.is_file():
         with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
-                    ids.add(json.loads(line)["id"])
-                except (ValueError, KeyError):
+                    out.append(json.loads(line))
+                except ValueError:
                     continue
-    return ids
+    return out
+
+
+def done_ids(path: Path) -> set[str]:
+    """Prompt ids already answered in `path`."""
+    return {r["id"] for r in read_records(path) if isinstance(r, dict) and "id" in r}
 
 
 def batches(prompts: list[Prompt], tokenizer, cfg: DistillConfig):
