@@ -96,9 +96,26 @@ def tree_limit(depth, tree_size) -> str:
             f"so depth {depth} drafts {depth - size + 1} level{'s' if depth - size > 0 else ''} that cannot be used.")
 
 
-def size_for_depth(depth, tree_size) -> int:
-    """The smallest tree size that lets a chain reach `depth` (the size only ever grows here)."""
-    return max(int(round(float(tree_size))), int(round(float(depth))) + 1)
+# The browser's twin of tree_limit. The depth and tree-size events run in the page, in the order
+# the visitor typed: a server reply that lands late cannot undo a newer size or clear a newer note
+# (a browser test checks the JavaScript against tree_limit).
+TREE_LIMIT_JS = """(depth, size) => {
+  const d = Math.round(Number(depth)), s = Math.round(Number(size));
+  if (d <= s - 1) return "";
+  return `Tree size ${s} caps the tree at ${s - 1} drafted token${s > 2 ? "s" : ""} in a row, ` +
+         `so depth ${d} drafts ${d - s + 1} level${d - s > 0 ? "s" : ""} that cannot be used.`;
+}"""
+
+
+def follow_depth_js(max_depth: int) -> str:
+    """The page's handler for a new depth: (depth, size) -> [size, note]. The size only grows, to the
+    smallest that lets a chain reach the depth. The depth is clamped to its slider's range first, as Gradio clamps the box when it loses focus (a typed 100 means 16)."""
+    return f"""(depth, size) => {{
+  const limit = {TREE_LIMIT_JS};
+  const d = Math.min(Math.max(Math.round(Number(depth)), 1), {max_depth});
+  const grown = Math.max(Math.round(Number(size)), d + 1);
+  return [grown, limit(d, grown)];
+}}"""
 
 
 def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth, top_k,

@@ -9,7 +9,7 @@ from app.controls import control_props
 from app.manager import CUSTOM, ModelManager, catalogue_frame
 from app.models_tab import LOCKED
 from app.session import Handlers
-from app.state import Access, size_for_depth, tree_limit
+from app.state import TREE_LIMIT_JS, Access, follow_depth_js, tree_limit
 from core.config import GenerationConfig, TreeConfig
 from core.models import CATALOGUE
 
@@ -35,6 +35,8 @@ input[type=number]:invalid { outline: 2px solid #dc2626; }
 """
 # Gradio clamps a typed number to its slider's range when the box loses focus, silently. This
 # says what was changed, under the slider (capture phase: before Gradio's own blur handler).
+MAX_DEPTH = 16  # the depth slider's range is 1..MAX_DEPTH; the tree size slider reaches 96 > MAX_DEPTH + 1
+
 RANGE_NOTE_JS = """
 () => {
   document.addEventListener("blur", (event) => {
@@ -95,7 +97,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                     with gr.Column(scale=2):
                         spec = gr.Checkbox(label="Speculative decoding (EAGLE)", elem_id="speculative",
                                            **props["spec"])
-                        depth = gr.Slider(1, 16, tree.depth, step=1, label="Tree depth", elem_id="depth",
+                        depth = gr.Slider(1, MAX_DEPTH, tree.depth, step=1, label="Tree depth", elem_id="depth",
                                           **props["depth"])
                         tree_note = gr.Markdown(tree_limit(tree.depth, tree.total_tokens), elem_id="tree-limit")
                         tree_origin = gr.Markdown(manager.tree_markdown(), elem_id="tree-origin")
@@ -158,8 +160,10 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                   validator=h.check_compare, **lane)
         stop2.click(h.stop, None, None, queue=False, api_visibility="private")
         # a deeper tree needs room: the size follows the depth up, and a smaller size says what it caps
-        depth.input(follow_depth, [depth, tree_size], [tree_size, tree_note], api_visibility="private", queue=False)
-        tree_size.input(tree_limit, [depth, tree_size], tree_note, api_visibility="private", queue=False)
+        # (in the page: two server round trips could land out of order and undo the newer value)
+        depth.input(None, [depth, tree_size], [tree_size, tree_note], js=follow_depth_js(MAX_DEPTH),
+                    api_visibility="private")
+        tree_size.input(None, [depth, tree_size], tree_note, js=TREE_LIMIT_JS, api_visibility="private")
 
         def page_load(request: gr.Request):
             return h.page_load(app.banner, request)
@@ -167,12 +171,6 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         demo.load(page_load, None, [status, banner, tree_origin, *controls, *models], api_visibility="private")
         demo.unload(h.session_end)
     return app
-
-
-def follow_depth(depth, tree_size):
-    """Depth changed by the visitor: grow the tree size so the new depth can be reached."""
-    size = size_for_depth(depth, tree_size)
-    return gr.update(value=size), tree_limit(depth, size)
 
 
 def models_tab(h: Handlers, manager: ModelManager, status, tree_origin, controls: list) -> list:

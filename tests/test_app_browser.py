@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from app.state import Access
+from app.state import TREE_LIMIT_JS, Access, follow_depth_js, tree_limit
 from core.engine import Engine
 from tests.app_server import CHROMIUM, Served, free_port
 from tests.tiny import oracle_head, tiny_target
@@ -164,3 +164,16 @@ def test_the_tree_size_follows_a_deeper_depth_and_a_smaller_size_says_what_it_ca
     page.wait_for_timeout(500)
     assert size.input_value() == "13", "the size only grows with the depth"
     page.get_by_text("Advanced speculation").first.click()
+
+
+def test_the_pages_tree_note_is_the_servers(page):
+    """The depth and size events run in the page (no late reply can undo a newer value); their
+    JavaScript says what tree_limit says, and grows the size to the smallest that reaches the depth."""
+    pairs = [[d, n] for d in (1, 2, 3, 5, 12, 16) for n in (2, 3, 4, 6, 13, 17, 96)]
+    notes = page.evaluate(f"pairs => pairs.map(([d, n]) => ({TREE_LIMIT_JS})(d, n))", pairs)
+    assert notes == [tree_limit(d, n) for d, n in pairs]
+    followed = page.evaluate(f"pairs => pairs.map(([d, n]) => ({follow_depth_js(16)})(d, n))", pairs)
+    assert followed == [[max(n, d + 1), tree_limit(d, max(n, d + 1))] for d, n in pairs]
+    assert followed[pairs.index([12, 4])] == [13, ""] and followed[pairs.index([3, 96])] == [96, ""]
+    typed = page.evaluate(f"({follow_depth_js(16)})(100, 8)")
+    assert typed == [17, ""], "a typed depth past the slider is clamped to it first, as Gradio clamps the box"

@@ -10,7 +10,7 @@ import pytest
 from app.chat import BONUS, DRAFT, PLAIN, AnswerView, engine_messages, flatten, trim_to_context
 from app.compare import compare_markdown
 from app.lane import is_remote
-from app.state import Access, ModelChoice, generation_config, recall, remember, size_for_depth, tree_limit
+from app.state import Access, ModelChoice, generation_config, recall, remember, tree_limit
 from core.config import ConfigError
 from core.engine import StepEvent
 from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
@@ -120,7 +120,6 @@ def test_what_limits_the_tree():
     assert tree_limit(16, 4) == ("Tree size 4 caps the tree at 3 drafted tokens in a row, so depth 16 drafts "
                                  "13 levels that cannot be used.")
     assert tree_limit(2, 2).startswith("Tree size 2 caps the tree at 1 drafted token in a row")
-    assert size_for_depth(16.0, 4.0) == 17 and size_for_depth(2, 24) == 24, "the size only grows"
 
 
 
