@@ -109,7 +109,8 @@ TREE_LIMIT_JS = """(depth, size) => {
 
 def follow_depth_js(max_depth: int) -> str:
     """The page's handler for a new depth: (depth, size) -> [size, note]. The size only grows, to the
-    smallest that lets a chain reach the depth. The depth is clamped to its slider's range first, as Gradio clamps the box when it loses focus (a typed 100 means 16)."""
+    smallest that lets a chain reach the depth. The depth is clamped to its slider's range first,
+    as Gradio clamps the box when it loses focus (a typed 100 means 16)."""
     return f"""(depth, size) => {{
   const limit = {TREE_LIMIT_JS};
   const d = Math.min(Math.max(Math.round(Number(depth)), 1), {max_depth});

@@ -33,10 +33,10 @@ label:has(> input[type=checkbox]:disabled) { cursor: not-allowed; }
 input[type=number]:invalid { outline: 2px solid #dc2626; }
 .range-note { color: #b45309; font-size: 0.85em; margin-top: 2px; }
 """
-# Gradio clamps a typed number to its slider's range when the box loses focus, silently. This
-# says what was changed, under the slider (capture phase: before Gradio's own blur handler).
 MAX_DEPTH = 16  # the depth slider's range is 1..MAX_DEPTH; the tree size slider reaches 96 > MAX_DEPTH + 1
 
+# Gradio clamps a typed number to its slider's range when the box loses focus, silently. This
+# says what was changed, under the slider (capture phase: before Gradio's own blur handler).
 RANGE_NOTE_JS = """
 () => {
   document.addEventListener("blur", (event) => {
