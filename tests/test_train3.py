@@ -162,6 +162,13 @@ def test_cli_features_and_train_eagle3(tmp_path, capsys):
 
     head1, vocab1 = load_head(tmp_path / "head1", tiny.model.config)
     assert len(vocab1) <= 40 and not (tmp_path / "work" / "features").exists()
+    # --ckpt gives a run its own checkpoint and report: parallel runs of one kind must not share one
+    before = (tmp_path / "work" / "ckpt" / "trainer_state.pt").read_bytes()
+    assert main(["train", *common1, "--epochs", "1", "--init", str(tmp_path / "head1"), "--ckpt", str(tmp_path / "ck2"),
+                 "--out", str(tmp_path / "head1b")]) == 0
+    assert (tmp_path / "ck2" / "trainer_state.pt").is_file()
+    assert json.loads((tmp_path / "ck2" / "train_report.json").read_text())["steps"] > 0
+    assert (tmp_path / "work" / "ckpt" / "trainer_state.pt").read_bytes() == before
     # warm starts continue a head of the same kind (its vocabulary kept); another kind is refused
     assert main(["train", *common, "--epochs", "1", "--unroll", "2", "--init", str(tmp_path / "head1"),
                  "--out", str(tmp_path / "head3b")]) == 2

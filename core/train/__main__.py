@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=None,
                    help=f"where the trained head is written (default {DEFAULT_HEAD_DIR.name}; "
                         f"eagle3: {EAGLE3_DIR.name})")
+    g.add_argument("--ckpt", type=Path, default=None,
+                   help="trainer checkpoint folder, resumed from when present (default <work>/ckpt, eagle3: "
+                        "<work>/ckpt_eagle3); give each of several parallel runs its own")
     g.add_argument("--init", type=Path, default=None,
                    help="head folder to continue training from, of the --head-kind kind (keeps its draft vocabulary)")
     g.add_argument("--epochs", type=float, default=10.0)
@@ -299,7 +302,7 @@ def stage_train(args) -> None:
     n_tok = sum(int(s.loss_mask.sum()) for s in seqs)
     print(f"train: {args.head_kind}, {len(seqs)} sequences, {n_tok} assistant tokens, draft vocab {len(vocab)}, "
           f"{cfg}", flush=True)
-    ckpt = args.work / ("ckpt" if args.head_kind == "eagle1" else "ckpt_eagle3")
+    ckpt = args.ckpt or args.work / ("ckpt" if args.head_kind == "eagle1" else "ckpt_eagle3")
     res = train(head, fz, seqs, cfg, ckpt, target.model.config, val=val, recipe=recipe)
     recipe.save(head, args.out, vocab)
     report = {"steps": res.step, "elapsed_s": round(res.elapsed_s), "finished": res.finished,
@@ -308,8 +311,8 @@ def stage_train(args) -> None:
         m = recipe.evaluate(head, fz, val, max(4, args.unroll))
         print(f"held-out: {format_accuracy(m)}")
         report["heldout"] = m.__dict__
-    (args.work / f"train_report{'' if args.head_kind == 'eagle1' else '_eagle3'}.json").write_text(
-        json.dumps(report, indent=1))
+    report_name = f"train_report{'' if args.head_kind == 'eagle1' else '_eagle3'}.json"
+    (args.ckpt / "train_report.json" if args.ckpt else args.work / report_name).write_text(json.dumps(report, indent=1))
     print(f"train: head written to {args.out} ({res.step} steps, {res.elapsed_s:.0f} s)")
 
 
