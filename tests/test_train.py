@@ -371,3 +371,20 @@ def test_openings_of_followup_conversations_train_once():
     other = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "different"}]
     kept, dropped = drop_contained([a, other, a_fu])
     assert kept == [other, a_fu] and dropped == 1
+
+
+def test_eval_log_tag_follows_weights_vocabulary_and_tree(tmp_path):
+    """A resumed eval must never reuse results of another vocabulary or tree for the same weights."""
+    from core.config import GenerationConfig, TreeConfig
+    from core.train.__main__ import eval_tag
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"weights")
+        (d / "draft_vocab.safetensors").write_bytes(b"vocab 8192")
+    cfg = replace(GenerationConfig(), tree=TreeConfig(depth=3, top_k=8, total_tokens=8))
+    assert eval_tag(a, cfg) == eval_tag(b, cfg)
+    (b / "draft_vocab.safetensors").write_bytes(b"vocab 16384")
+    assert eval_tag(a, cfg) != eval_tag(b, cfg)
+    assert eval_tag(a, cfg) != eval_tag(a, replace(cfg, tree=TreeConfig(depth=4, top_k=8, total_tokens=10)))

@@ -370,9 +370,7 @@ def stage_eval(args) -> None:
     config = replace(GenerationConfig(max_new_tokens=args.eval_max_new_tokens), tree=engine.default_tree)
     prompts = pick_prompts(read_prompts(args.heldout), args.eval_prompts)
     args.work.mkdir(parents=True, exist_ok=True)
-    weights = folder / "model.safetensors"
-    tag = hashlib.sha256(weights.read_bytes()).hexdigest()[:10] if weights.is_file() else "pickle"
-    log = args.work / f"eval_{tag}_{config.max_new_tokens}_{args.eval_dtype}.jsonl"  # per head: a rerun resumes it
+    log = args.work / f"eval_{eval_tag(folder, config)}_{config.max_new_tokens}_{args.eval_dtype}.jsonl"  # a rerun resumes it
     results = evaluate_engine(engine, prompts, config, log=log)
     reports = summarize(results, config.tree.depth)
     print(f"greedy, {config.tree}, max_new_tokens {config.max_new_tokens}")
@@ -383,6 +381,16 @@ def stage_eval(args) -> None:
                                "reports": [r.__dict__ for r in reports],
                                "prompts": [r.__dict__ | {"tau": r.tau} for r in results]}, indent=1))
     print(f"eval: written to {out}")
+
+
+def eval_tag(folder: Path, config) -> str:
+    """Names an eval's resumable log: the head's weights, its draft vocabulary and the tree, so
+    that a head copied with another vocabulary or tree never resumes from the wrong results."""
+    h = hashlib.sha256(str(config.tree).encode())
+    for name in ("model.safetensors", "pytorch_model.bin", "draft_vocab.safetensors"):
+        if (folder / name).is_file():
+            h.update(name.encode() + (folder / name).read_bytes())
+    return h.hexdigest()[:10]
 
 
 def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict | None:
