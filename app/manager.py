@@ -252,6 +252,8 @@ class ModelManager:
             return ""
         t, origin = e.default_tree, getattr(e, "tree_origin", "")
         shape = f"Default tree: depth {t.depth}, top-k {t.top_k}, {t.total_tokens} nodes"
+        if t.lookup:
+            shape += f", plus up to {t.lookup} tokens copied from earlier text when it repeats"
         return f"{shape} · {origin}" if origin else shape
 
 

@@ -120,8 +120,9 @@ def follow_depth_js(max_depth: int) -> str:
 
 
 def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth, top_k,
-                      tree_size, seed=None) -> GenerationConfig:
+                      tree_size, seed=None, lookup: int = 0) -> GenerationConfig:
     """The chat controls -> a GenerationConfig (raises ConfigError with the setting's name).
+    `lookup` (context-lookup tokens, see core.lookup) comes from the engine's default tree.
 
     Sliders arrive as floats (or None from an API caller); integers are rounded, not truncated.
     """
@@ -134,7 +135,7 @@ def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth,
             raise ConfigError(f"{name} must be a number, got {v!r}") from e
 
     tree = TreeConfig(depth=as_int(depth, "tree depth"), top_k=as_int(top_k, "top-k"),
-                      total_tokens=as_int(tree_size, "tree size"))
+                      total_tokens=as_int(tree_size, "tree size"), lookup=lookup)
     try:
         sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p))
     except (TypeError, ValueError) as e:

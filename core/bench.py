@@ -42,8 +42,9 @@ from core.head import HeadLoadError, new_head
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError, load_target
 
 BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
-MODE_NAMES = ("plain", "eagle", "hf", "hf-fp32", "hf-lookup")
-ENGINE_MODES = ("plain", "eagle")
+MODE_NAMES = ("plain", "eagle", "eagle-head", "hf", "hf-fp32", "hf-lookup")
+ENGINE_MODES = ("plain", "eagle", "eagle-head")
+SPEC_MODES = ("eagle", "eagle-head")  # eagle-head: the head's tree alone, no context lookup
 WARMUP_TOKENS = 16
 
 
@@ -230,6 +231,8 @@ Runner = Callable[[Engine, list[int], BenchSettings, int], Generation]
 MODES: dict[str, Runner] = {
     "plain": functools.partial(_engine_generate, speculative=False),
     "eagle": functools.partial(_engine_generate, speculative=True),
+    "eagle-head": lambda engine, ids, s, seed: _engine_generate(engine, ids, replace(s, tree=replace(s.tree, lookup=0)),
+                                                                seed, speculative=True),
     "hf": functools.partial(_hf_generate, lookup=None),
     "hf-fp32": _hf_fp32,
     "hf-lookup": lambda engine, ids, s, seed: _hf_generate(engine, ids, s, seed, s.lookup_tokens),
@@ -264,8 +267,9 @@ def run_benchmark(engine: Engine, prompts: Sequence[Prompt], modes: str | Sequen
     from tqdm import tqdm
 
     modes = parse_modes(modes)
-    if "eagle" in modes and not engine.has_head:
-        raise BenchError("mode 'eagle' needs a draft head; load one (--head) or drop the mode")
+    for mode in set(modes) & set(SPEC_MODES):
+        if not engine.has_head:
+            raise BenchError(f"mode {mode!r} needs a draft head; load one (--head) or drop the mode")
     if not prompts:
         raise BenchError("no prompts to run")
     load_before = os.getloadavg()[0]
@@ -323,7 +327,7 @@ def _mode_summary(mode: str, prompts: Sequence[Prompt], runs: list[list[Generati
     if mode in ENGINE_MODES:
         out["time_split"] = {"draft_s": sum(g.draft_s for g in flat), "verify_s": sum(g.verify_s for g in flat),
                              "other_s": sum(g.other_s for g in flat)}
-    if mode == "eagle":
+    if mode in SPEC_MODES:
         lengths = [n for g in flat for n in g.accepted_lengths]
         out["accepted_length_histogram"] = {str(n): lengths.count(n) for n in sorted(set(lengths))}
         out["mean_accepted_length"] = sum(lengths) / len(lengths) if lengths else None
@@ -443,6 +447,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depth", type=int)
     p.add_argument("--top-k", type=int, help="draft tree branching")
     p.add_argument("--total-tokens", type=int, help="tree size incl. root")
+    p.add_argument("--lookup", type=int, help="eagle: tokens copied from earlier text into the tree "
+                   "(0 = off; default: the chosen tree's); mode eagle-head always runs without")
     p.add_argument("--lookup-tokens", type=int, default=10, help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default",
@@ -498,13 +504,16 @@ def main(argv=None) -> int:
             if a.threads < 1:
                 raise BenchError(f"--threads must be >= 1, got {a.threads}")
         set_threads(a.threads)
-        engine, head_name = load_engine(a, "eagle" in modes)
+        spec = bool(set(modes) & set(SPEC_MODES))
+        engine, head_name = load_engine(a, spec)
         if manual is not None:
             tree, source = manual, "manual"
-        elif "eagle" in modes:
+        elif spec:
             tree, source = auto_tree(engine)
         else:
             tree, source = TreeConfig(), "unused (no eagle mode)"
+        if a.lookup is not None:
+            tree, source = replace(tree, lookup=a.lookup), f"{source}, lookup {a.lookup} (--lookup)"
         settings = replace(settings, tree=tree, tree_source=source)
         result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True)
     except (BenchError, ConfigError, EngineError, ModelLoadError, HeadLoadError) as e:

@@ -31,12 +31,15 @@ class TreeConfig:
     log-probability) plus the root are verified.
     static: a fixed tree of child ranks, `static_paths`, e.g. ((0,), (1,), (0, 0)) means
     the root's best and second-best child and the best child of the best child.
+    lookup: up to this many tokens copied from earlier context (`core.lookup`) are grafted
+    under the root as one more path, beyond `total_tokens` and `depth`; 0 = off.
     """
 
     depth: int = 6
     top_k: int = 8
     total_tokens: int = 24
     static_paths: tuple[tuple[int, ...], ...] | None = None
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.depth, int) and 1 <= self.depth <= 32,
@@ -46,6 +49,9 @@ class TreeConfig:
         _check(isinstance(self.total_tokens, int) and 2 <= self.total_tokens <= 512,
                f"tree total_tokens must be an integer in 2..512 (root + at least one draft), "
                f"got {self.total_tokens!r}")
+        _check(isinstance(self.lookup, int) and 0 <= self.lookup <= 32,
+               f"tree lookup must be an integer in 0..32 (tokens copied from the context, 0 = off), "
+               f"got {self.lookup!r}")
         if self.static_paths is not None:
             paths = set(self.static_paths)
             _check(len(paths) > 0, "static tree needs at least one path")

@@ -27,6 +27,7 @@ from core.clock import now
 from core.config import ATTENTIONS, GenerationConfig, TreeConfig
 from core.head import HeadCache, additive
 from core.head3 import drafter_for, load_any_head, target_features
+from core.lookup import graft, lookup_chain
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, load_target, resolve
 from core.probe import ProbeResult, probe
 from core.text import TextStream
@@ -298,6 +299,7 @@ class _Run:
         self.model, self.device = engine.target.model, engine.target.device
         self.layers = engine.drafter.feature_layers if config.speculative else None
         self.ids = torch.tensor(ids, device=self.device)
+        self.context = list(ids)  # prompt + every emitted token: where context lookup searches
         self.cache = kv.new_cache(self.model)
         self.head_cache = (HeadCache(engine.head.config, engine.target.dtype, self.device)
                            if config.speculative else None)
@@ -349,6 +351,12 @@ class _Run:
     def fits_tree(self) -> bool:
         return kv.cache_length(self.cache) + self.cfg.tree.depth + 1 < self.e.max_context
 
+    def lookup_room(self, committed: int) -> int:
+        """How many context-lookup tokens this step may verify: the setting, capped by the
+        tokens still to write and by the context window (the root and its chain must fit)."""
+        left = self.budget - self.n_out - 1  # the step's bonus token writes one more
+        return max(0, min(self.cfg.tree.lookup, left, self.e.max_context - committed - 2, invariant.BLOCK - 2))
+
     def plain_step(self) -> StepEvent:
         t0 = self.now()
         committed = kv.cache_length(self.cache)
@@ -361,8 +369,10 @@ class _Run:
     def spec_step(self) -> StepEvent:
         t0 = self.now()
         tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, self.cfg.tree)
-        t1 = self.now()
         committed = kv.cache_length(self.cache)
+        if self.cfg.tree.lookup:
+            tree = graft(tree, lookup_chain(self.context, self.lookup_room(committed)))
+        t1 = self.now()
         features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
         t2 = self.now()
         s = self.cfg.sampling
@@ -387,6 +397,7 @@ class _Run:
         kept, pieces, reason = [], [], None
         for tok in tokens:
             kept.append(tok)
+            self.context.append(tok)
             self.n_out += 1
             pieces.append(self.text.push(tok))
             if tok in self.eos:

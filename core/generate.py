@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=None, help="tree depth (default: tuned for this machine)")
     p.add_argument("--top-k", type=int, default=None, help="draft tree branching")
     p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. root")
+    p.add_argument("--lookup", type=int, default=None, help="tokens copied from earlier text into the "
+                   "tree when it repeats (0 = off; default: the tuned tree's)")
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = shipped head")
     p.add_argument("--dtype", default="auto", help="auto (CPU: bf16 with exact kernels where the probe "
@@ -73,8 +75,8 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
         raise ArgumentError(f"--threads must be >= 1, got {a.threads}")
     if a.dtype not in DTYPE_NAMES:
         raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
-             if v is not None}
+    given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens),
+                               ("lookup", a.lookup)) if v is not None}
     TreeConfig(**given)
     config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
                               sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p))

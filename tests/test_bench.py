@@ -10,7 +10,7 @@ from core.bench import (BUILTIN_PROMPTS, BenchError, BenchSettings, Prompt, load
                         mode_order, run_benchmark)
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from tests.tiny import random_head, tiny_target
+from tests.tiny import oracle_head, random_head, tiny_target
 
 TWO_PROMPTS = [{"id": "two-turn", "category": "math", "turns": ["w5 w6 w7", "w9 w10"]},
                {"id": "one-turn", "category": "coding", "turns": ["w20 w21 w22"]}]
@@ -97,6 +97,18 @@ def test_hf_modes_exact_in_greedy_and_forwards_are_counted():
     assert r["speedup_vs_hf"]["hf"] == 1.0 and set(r["speedup_vs_plain"]) == {"plain", "hf", "hf-lookup"}
 
 
+def test_eagle_head_mode_runs_the_tree_without_context_lookup():
+    target = tiny_target(mix=0.0, seed=4)  # a bigram model: answers loop, so lookup finds matches
+    eng = Engine(target, oracle_head(target))
+    settings = BenchSettings(max_new_tokens=40, warmup=False, tree=TreeConfig(2, 2, 4, lookup=8))
+    r = run_benchmark(eng, prompts(), "plain,eagle,eagle-head", settings)
+    assert r["identical_to_plain"] == {"plain": True, "eagle": True, "eagle-head": True}
+    assert r["settings"]["tree"]["lookup"] == 8
+    longest = {m: max(int(k) for k in r["modes"][m]["accepted_length_histogram"]) for m in ("eagle", "eagle-head")}
+    assert longest["eagle-head"] <= 3 < longest["eagle"]  # depth 2 + bonus; only the copied chain goes past
+    assert r["modes"]["eagle"]["tau"] > r["modes"]["eagle-head"]["tau"]
+
+
 def test_multi_turn_feeds_each_modes_own_answer_and_modes_interleave(engine, monkeypatch):
     calls = []
     for mode, runner in list(bench.MODES.items()):
@@ -163,7 +175,7 @@ def test_bad_prompt_file_errors_name_the_line(tmp_path, rows, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--modes", "plain,bogus"], "unknown mode(s) 'bogus'; choose from plain, eagle, hf, hf-fp32, hf-lookup"),
+    (["--modes", "plain,bogus"], "unknown mode(s) 'bogus'; choose from plain, eagle, eagle-head, hf, hf-fp32, hf-lookup"),
     (["--modes", "plain,plain"], "listed twice"),
     (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
     (["--tree", "auto", "--depth", "3"], "--tree auto chooses the tree itself"),

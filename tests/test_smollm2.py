@@ -68,6 +68,9 @@ def test_cli_bad_input_is_one_clear_line():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == "error: tree depth must be an integer in 1..32, got 0"
     assert time.perf_counter() - start < 3  # refused before torch and the model load
+    out = subprocess.run([sys.executable, "-m", "core.generate", "hi", "--lookup", "40"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("error: tree lookup must be an integer in 0..32")
     out = subprocess.run([sys.executable, "-m", "core.generate", "--prompt-file", "/no/such/file"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "cannot read --prompt-file /no/such/file" in out.stderr

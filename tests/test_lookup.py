@@ -1,0 +1,121 @@
+"""Context lookup: the copied chain, its graft onto the head's tree, and exactness end to end."""
+
+import collections
+
+import pytest
+import torch
+
+from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.engine import Engine
+from core.invariant import make_invariant
+from core.lookup import graft, lookup_chain
+from core.tree import tree_from_parents
+from tests.test_tree_verify import chi2_pvalue
+from tests.tiny import oracle_head, random_head, tiny_target
+
+
+def test_chain_literals():
+    # a 4-token match: the full chain, from the latest occurrence
+    assert lookup_chain([1, 2, 3, 4, 8, 1, 2, 3, 4, 9, 7, 1, 2, 3, 4], 3) == [9, 7, 1]
+    # a 3-token match gets half the chain; a 2-token match none
+    assert lookup_chain([1, 2, 3, 9, 9, 6, 1, 2, 3], 4) == [9, 9]
+    assert lookup_chain([5, 1, 2, 7, 1, 2], 3) == []
+    # where the copy runs into the present, it goes round the loop
+    assert lookup_chain([4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
+    assert lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 7) == [1, 2, 3, 4, 1, 2, 3]
+    assert lookup_chain([1, 2, 3, 4], 5) == [] and lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 0) == []
+
+
+def test_graft_shares_the_trees_nodes_and_appends_the_rest():
+    # root 10; children 11 (node 1), 12 (node 2); 11 -> 13 (node 3)
+    tree = tree_from_parents([10, 11, 12, 13], [-1, 0, 0, 1])
+    tree = type(tree)(tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
+                      scores=torch.tensor([0.0, -0.1, -0.5, -0.3]))
+    g = graft(tree, [11, 13, 14, 15])
+    assert g.tokens.tolist() == [10, 11, 12, 13, 14, 15]
+    assert g.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert g.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert g.scores[:4].tolist() == pytest.approx([0.0, -0.1, -0.5, -0.3]) and bool((g.scores[4:] == -float("inf")).all())
+    # a chain leaving the tree at the root becomes a new sibling, distinct from the others
+    h = graft(tree, [16, 11])
+    assert h.tokens.tolist() == [10, 11, 12, 13, 16, 11] and h.parents.tolist() == [-1, 0, 0, 1, 0, 4]
+    # a chain the tree already holds changes nothing
+    assert graft(tree, [11, 13]) is tree and graft(tree, []) is tree
+
+
+def run(engine, prompt, config):
+    events = list(engine.generate(prompt, config))
+    return [t for ev in events for t in ev.token_ids], events
+
+
+@pytest.mark.parametrize("head", ["random", "oracle"])
+def test_greedy_with_lookup_equals_plain_and_copies_loops(head):
+    """A pure-bigram target falls into a loop; lookup then accepts more tokens per step than
+    the head's one-token tree can, and the output stays plain decoding's."""
+    target = tiny_target(mix=0.0, seed=4, vocab=24)
+    eng = Engine(target, oracle_head(target) if head == "oracle" else random_head(target))
+    for prompt in ([5, 6], [3, 9, 11, 3]):
+        plain, _ = run(eng, prompt, GenerationConfig(max_new_tokens=60, speculative=False))
+        assert plain and 0 not in plain[:-1]
+        spec, events = run(eng, prompt, GenerationConfig(max_new_tokens=60, tree=TreeConfig(1, 1, 2, lookup=8)))
+        assert spec == plain
+        assert max(ev.accepted_length for ev in events) > 2  # only the copied chain reaches past depth 1
+        assert all(ev.tree_size <= 2 + 8 for ev in events)
+
+
+def test_bf16_exact_kernels_with_lookup_equal_plain():
+    target = tiny_target(dtype=torch.bfloat16, mix=0.05, seed=3, vocab=32)
+    make_invariant(target.model)
+    eng = Engine(target, oracle_head(target))
+    for prompt in ([5, 6, 7], [9, 1, 9, 1, 9]):
+        plain, _ = run(eng, prompt, GenerationConfig(max_new_tokens=48, speculative=False))
+        spec, _ = run(eng, prompt, GenerationConfig(max_new_tokens=48, tree=TreeConfig(3, 3, 8, lookup=12)))
+        assert spec == plain
+
+
+def test_lookup_never_writes_past_the_budget_or_context():
+    target = tiny_target(mix=0.0, seed=4, vocab=24, max_pos=40)
+    eng = Engine(target, oracle_head(target))
+    plain, _ = run(eng, [5, 6], GenerationConfig(max_new_tokens=30, speculative=False))
+    for n in (1, 2, 7, 30):
+        spec, events = run(eng, [5, 6], GenerationConfig(max_new_tokens=n, tree=TreeConfig(1, 1, 2, lookup=16)))
+        assert spec == plain[:n] and events[-1].finish_reason in ("length", "eos")
+    long, _ = run(eng, [5, 6], GenerationConfig(max_new_tokens=200, tree=TreeConfig(1, 1, 2, lookup=16)))
+    assert long == run(eng, [5, 6], GenerationConfig(max_new_tokens=200, speculative=False))[0]
+
+
+def test_lookup_setting_checked():
+    with pytest.raises(ConfigError, match="tree lookup must be an integer in 0..32"):
+        TreeConfig(lookup=-1)
+    with pytest.raises(ConfigError, match="tree lookup"):
+        TreeConfig(lookup=33)
+
+
+def test_sampling_with_lookup_keeps_the_target_distribution():
+    """Tokens 1-3 of a sampled answer whose context repeats (so chains are grafted after the
+    first token) follow the target's exact distribution."""
+    target = tiny_target(vocab=6, lm_std=0.15, seed=5, mix=0.3)
+    eng = Engine(target, oracle_head(target))
+    prompt = [5, 3, 4, 5, 3, 4, 5, 3]
+    exact = collections.Counter()
+    with torch.no_grad():
+        def dist(ids):
+            return target.model(torch.tensor([ids])).logits[0, -1].double().softmax(-1)
+        p0 = dist(prompt)
+        for a in range(1, 6):
+            p1 = dist(prompt + [a])
+            for b in range(6):
+                p2 = dist(prompt + [a, b]) if b != 0 else None
+                for c in range(6) if b != 0 else [None]:
+                    exact[(a, b, c)] += float(p0[a] * p1[b] * (p2[c] if c is not None else 1.0))
+    counts, grafted = collections.Counter(), 0
+    for i in range(2500):
+        cfg = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0), seed=i,
+                               tree=TreeConfig(1, 2, 3, lookup=4))
+        out, events = run(eng, prompt, cfg)
+        grafted += any(ev.tree_size > 3 for ev in events)
+        if out[0] != 0:
+            counts[(out[0], out[1], out[2] if out[1] != 0 else None)] += 1
+    assert grafted > 100  # the chain was verified in many answers
+    keys = sorted(exact, key=str)
+    assert chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys]) > 1e-3
