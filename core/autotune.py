@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from core.threads import set_threads
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
+from core.lookup import DEFAULT_TOKENS
 from core.tree import catch_up, draft, tree_from_parents
 from core.treestore import TREE_FILE, save_tuned, shipped_tree, tuned_path, tuned_tree  # noqa: F401 (re-exported)
 
@@ -150,8 +151,9 @@ def cached_tree(engine: Engine) -> TreeConfig | None:
     return choice.tree if choice else None
 
 
-def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeConfig:
-    """Measure (or reuse) the cost and acceptance profile and return the fastest tree."""
+def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int = DEFAULT_TOKENS) -> TreeConfig:
+    """Measure (or reuse) the cost and acceptance profile and return the fastest tree, with
+    `lookup` context-lookup tokens (core.lookup; the head's tree is chosen without them)."""
     if not engine.has_head:
         raise ValueError("choosing a tree needs a draft head")
     if not refresh and (tree := cached_tree(engine)) is not None:
@@ -160,6 +162,7 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False) -> TreeCo
     steps, other = calibrate(engine, top_k)
     profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k)
     tree, rate = choose(profile)
+    tree = replace(tree, lookup=lookup)
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
                               "other_s": other, "numerics": engine.numerics.describe(),
                               "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
@@ -180,15 +183,17 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--lookup", type=int, default=DEFAULT_TOKENS,
+                   help=f"context-lookup tokens in the chosen tree (0 = off; default {DEFAULT_TOKENS})")
     p.add_argument("--ship", action="store_true", help=f"also write the choice to {TREE_FILE} beside the head")
     a = p.parse_args(argv)
     set_threads(a.threads)
     engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
     print(f"numerics: {engine.numerics.describe()}")
-    tree = choose_tree(engine, top_k=a.top_k, refresh=True)
+    tree = choose_tree(engine, top_k=a.top_k, refresh=True, lookup=a.lookup)
     report = json.loads(tuned_path(engine).read_text())
-    print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} "
-          f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s)")
+    print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} lookup={tree.lookup} "
+          f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s for the head's tree alone)")
     plain = 1.0 / (report["verify_s"]["1"] + report["other_s"])
     print(f"plain decoding: predicted {plain:.1f} tokens/s"
           + ("  -> speculation does not pay with this head on this machine" if plain > report["predicted_tokens_per_s"] else ""))
