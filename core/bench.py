@@ -1,8 +1,10 @@
-"""Benchmark: `python -m core.bench [--modes plain,eagle,hf,hf-lookup] [--out results.json] ...`.
+"""Benchmark: `python -m core.bench [--modes plain,eagle,eagle-head,hf,hf-lookup] [--out results.json] ...`.
 
 Every mode answers the same prompts on the SAME model object, dtype and torch threads:
   plain      our decode loop without speculation (one target forward per token)
-  eagle      our decode loop with the EAGLE draft head and tree verification
+  eagle      our decode loop with the EAGLE draft head and tree verification (with the
+             tree's context lookup, core.lookup)
+  eagle-head the same without context lookup: what the head's tree alone accepts
   hf         transformers' `model.generate` (greedy or sampled), what a user runs instead, on
              the same weights and dtype with transformers' stock kernels (sdpa attention)
   hf-fp32    `generate` on an fp32 copy of the target: what a plain transformers user gets
@@ -14,7 +16,7 @@ prompt (order rotated from prompt to prompt) so machine noise hits all of them a
 Words used in the results: `tokens` generated tokens; `seconds` wall time of the
 generation calls (prefill included, prompt templating excluded); `target_forwards` target
 model calls (hf modes: counted with a forward hook); `tau` tokens per target forward;
-`accepted_length_histogram` (eagle) tokens committed per speculative step, bonus included.
+`accepted_length_histogram` (eagle modes) tokens committed per speculative step, bonus included.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ def test_bad_prompt_file_errors_name_the_line(tmp_path, rows, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--modes", "plain,bogus"], "unknown mode(s) 'bogus'; choose from plain, eagle, eagle-head, hf, hf-fp32, hf-lookup"),
+    (["--modes", "plain,bogus"],
+     "unknown mode(s) 'bogus'; choose from plain, eagle, eagle-head, hf, hf-fp32, hf-lookup"),
     (["--modes", "plain,plain"], "listed twice"),
     (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
     (["--tree", "auto", "--depth", "3"], "--tree auto chooses the tree itself"),

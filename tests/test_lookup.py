@@ -35,7 +35,8 @@ def test_graft_shares_the_trees_nodes_and_appends_the_rest():
     assert g.tokens.tolist() == [10, 11, 12, 13, 14, 15]
     assert g.parents.tolist() == [-1, 0, 0, 1, 3, 4]
     assert g.depths.tolist() == [0, 1, 1, 2, 3, 4]
-    assert g.scores[:4].tolist() == pytest.approx([0.0, -0.1, -0.5, -0.3]) and bool((g.scores[4:] == -float("inf")).all())
+    assert g.scores[:4].tolist() == pytest.approx([0.0, -0.1, -0.5, -0.3])
+    assert bool((g.scores[4:] == -float("inf")).all())
     # a chain leaving the tree at the root becomes a new sibling, distinct from the others
     h = graft(tree, [16, 11])
     assert h.tokens.tolist() == [10, 11, 12, 13, 16, 11] and h.parents.tolist() == [-1, 0, 0, 1, 0, 4]
