@@ -269,9 +269,9 @@ def run_benchmark(engine: Engine, prompts: Sequence[Prompt], modes: str | Sequen
     from tqdm import tqdm
 
     modes = parse_modes(modes)
-    for mode in set(modes) & set(SPEC_MODES):
-        if not engine.has_head:
-            raise BenchError(f"mode {mode!r} needs a draft head; load one (--head) or drop the mode")
+    spec = [m for m in modes if m in SPEC_MODES]
+    if spec and not engine.has_head:
+        raise BenchError(f"mode {spec[0]!r} needs a draft head; load one (--head) or drop the mode")
     if not prompts:
         raise BenchError("no prompts to run")
     load_before = os.getloadavg()[0]
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
             if a.threads < 1:
                 raise BenchError(f"--threads must be >= 1, got {a.threads}")
         set_threads(a.threads)
-        spec = bool(set(modes) & set(SPEC_MODES))
+        spec = any(m in SPEC_MODES for m in modes)
         engine, head_name = load_engine(a, spec)
         if manual is not None:
             tree, source = manual, "manual"

@@ -355,7 +355,7 @@ class _Run:
         """How many context-lookup tokens this step may verify: the setting, capped by the
         tokens still to write and by the context window (the root and its chain must fit)."""
         left = self.budget - self.n_out - 1  # the step's bonus token writes one more
-        return max(0, min(self.cfg.tree.lookup, left, self.e.max_context - committed - 2, invariant.BLOCK - 2))
+        return max(0, min(self.cfg.tree.lookup, left, self.e.max_context - committed - 2))
 
     def plain_step(self) -> StepEvent:
         t0 = self.now()
