@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 
-import core.threads  # noqa: F401,I001 (sets OpenMP's passive wait policy before anything imports torch)
+import core.threads  # noqa: F401,I001 (picks OpenMP's wait policy before anything imports torch)
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -49,8 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention kernels of the target; exact = batch-invariant (speculation bit-identical "
                    "to plain decoding in bf16) [default: auto, or the last one used]")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch threads [default: the cores this process may use, or OMP_NUM_THREADS if set; on "
-                   "a busy machine fewer threads can be faster]")
+                   help="torch threads [default: OMP_NUM_THREADS if set, else every core on a quiet machine and "
+                   "the idle ones on a busy one]")
     p.add_argument("--backend", metavar="URL", help="chat through this OpenAI-compatible server (our "
                    "`python -m core.serve`, vLLM, SGLang, ...) instead of loading a local model")
     p.add_argument("--api-key", metavar="KEY", help="bearer token for --backend, if the server wants one")

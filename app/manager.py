@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import torch
 from tqdm import tqdm as base_tqdm
 
 from app.remote import RemoteBackend, ServerInfo
 from app.state import ModelChoice, remember
+from core import threads
 from core.models import (CATALOGUE, EMBEDDED, EMBEDDED_HUB_ID, CatalogueEntry, ModelLoadError, catalogue_entry,
                          download)
 
@@ -243,7 +245,8 @@ class ModelManager:
         head = ("EAGLE head loaded: speculation available" if e.has_head
                 else "no EAGLE head: plain decoding only")
         return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens\n\n"
-                f"**Numerics:** {e.numerics.describe()}")
+                f"**Numerics:** {e.numerics.describe()}\n\n"
+                f"**CPU threads:** {torch.get_num_threads()} now; {threads.POLICY.describe()}")
 
     def tree_markdown(self) -> str:
         """The default draft tree and where it came from (tuned here, shipped, built in)."""

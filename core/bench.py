@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from core.threads import set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
+from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
 import torch
 
@@ -304,6 +304,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
         "dtype": str(engine.target.dtype).removeprefix("torch."),
         "numerics": engine.numerics.describe(),
         "threads": torch.get_num_threads(),
+        "thread_policy": THREAD_POLICY.describe(),
         "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
                      "top_p": s.sampling.top_p, "top_k": s.sampling.top_k, "seed": s.seed,
                      "tree": asdict(s.tree), "tree_source": s.tree_source, "lookup_tokens": s.lookup_tokens,
@@ -383,6 +384,8 @@ def format_table(result: dict) -> str:
                      f" (draft share {split['draft_s'] / eagle['seconds']:.0%}); tree {result['settings']['tree']}; "
                      f"accepted lengths {eagle['accepted_length_histogram']}")
     lines.append(f"numerics: {result.get('numerics', '?')}")
+    if "thread_policy" in result:
+        lines.append(f"threads: {result['threads']} ({result['thread_policy']})")
     return "\n".join(lines)
 
 
@@ -459,7 +462,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "passes, else fp32")
     p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch threads (default: every core on a quiet machine, the idle ones on a busy one)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", help="write results JSON here")
     p.add_argument("--plot", help="write a PNG plot here")

@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from core.threads import set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
+from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
 from core.config import ATTENTIONS, DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 
@@ -43,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "passes, else fp32), float32, bfloat16, float16")
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this "
-                   "process may use; on a busy machine fewer threads can be faster)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
+                   "quiet machine, the idle ones on a busy one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--load-in-4bit", action="store_true")
     p.add_argument("--seed", type=int, default=None)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     tau = last.total_tokens / last.target_forwards
     print(f"\n[{'plain' if a.plain else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
-          f"finish={last.finish_reason} threads={torch.get_num_threads()}")
+          f"finish={last.finish_reason} threads={torch.get_num_threads()} ({THREAD_POLICY.wait} wait)")
     print(f"[numerics] {engine.numerics.describe()}" + (f"; tree {config.tree} ({engine.tree_origin})"
                                                         if config.speculative else ""))
     return 0

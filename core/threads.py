@@ -1,20 +1,49 @@
-"""CPU threading defaults, applied before torch loads.
+"""CPU threading defaults, chosen from how busy the machine is when `core` is imported.
 
-Why: torch's CPU kernels run on an OpenMP team whose idle threads spin-wait (the default
-"active" policy). On a machine where another process holds a core, the team's threads
-spin against each other and every parallel region waits for a descheduled thread: here a
-generation with 2 threads fell to 0.4 tok/s, against 7.7 tok/s with OMP_WAIT_POLICY=PASSIVE
-and 4.6 tok/s with 1 thread (SmolLM2, bf16, a busy 2-core machine; README "Threads on a busy machine"). So the passive policy is the default (an explicit environment setting wins),
-and `--threads` lets the user choose the team size.
+Why: torch's CPU kernels run on an OpenMP team (libgomp). A decoding step is hundreds of
+small kernels with microsecond gaps between them, so what the team's idle threads do in a
+gap decides the speed:
+  - spin for a long time (libgomp's default, 300,000 spins): on a machine where another
+    process holds a core, the team spins against it and every kernel waits for a
+    descheduled thread (a 2-thread generation fell to 0.4 tok/s on this 2-core machine);
+  - sleep at once (OMP_WAIT_POLICY=PASSIVE): safe on a busy machine, but on a quiet one
+    every kernel pays a futex wake-up; plain decoding ran at 11 tok/s against 22 tok/s
+    with a short spin (SmolLM2 bf16, 2 threads, README "Threads");
+  - spin briefly, then sleep (GOMP_SPINCOUNT=10000, tens of microseconds): as fast as
+    spinning on a quiet machine, and it gives the core back soon after.
+So at import we sample /proc/stat for 0.2 s: a quiet machine (every core this process may
+use is idle) gets the short spin and all its cores; a busy one gets the passive policy and
+as many threads as there are idle cores (at least 1): with one of two cores taken, 1 thread
+ran plain decoding at 16.5 tok/s against 7.3 with 2 passive threads. An OpenMP setting in
+the environment, or `--threads N`, wins over the choice.
 
-Import this module before torch (the CLIs and the launcher do); OpenMP reads the policy once.
+Import this module before torch (the CLIs and the launcher do; so does `import core`);
+OpenMP reads its settings once, when torch first starts its thread team.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+SHORT_SPIN = "10000"          # GOMP_SPINCOUNT on a quiet machine
+SAMPLE_S = 0.2                # how long the idle sample looks
+OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+@dataclass(frozen=True)
+class ThreadPolicy:
+    """What was chosen at import, and why (shown by the CLIs and stored in bench results)."""
+
+    idle_cores: float | None    # idle cores measured at import (None: not measured)
+    cores: int                  # cores this process may use
+    wait: str                   # "short spin", "passive" or "user: <VAR>=<value>"
+    default_threads: int        # threads when --threads is not given
+
+    def describe(self) -> str:
+        idle = "not measured" if self.idle_cores is None else f"{self.idle_cores:.1f} of {self.cores} cores idle"
+        return f"{self.default_threads} threads by default, {self.wait} wait ({idle} at start)"
 
 
 def available_cores() -> int:
@@ -24,11 +53,71 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
+    """(idle, total) jiffies summed over `cpus`, from /proc/stat; None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    idle = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+        idle += ticks[3] + ticks[4]
+        total += sum(ticks)
+    return (idle, total) if total else None
+
+
+def measure_idle_cores(interval: float = SAMPLE_S) -> float | None:
+    """Idle cores among those this process may use, over `interval` seconds (None: unknown)."""
+    try:
+        cpus = set(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    first = _cpu_times(cpus)
+    if first is None:
+        return None
+    time.sleep(interval)
+    second = _cpu_times(cpus)
+    if second is None or second[1] <= first[1]:
+        return None
+    return len(cpus) * (second[0] - first[0]) / (second[1] - first[1])
+
+
+def choose(env: dict[str, str], idle: float | None, cores: int) -> tuple[ThreadPolicy, dict[str, str]]:
+    """The policy for a machine with `idle` of `cores` idle, and the variables to set."""
+    user = next((f"{k}={env[k]}" for k in OMP_VARIABLES if k in env), None)
+    busy = idle is not None and idle < cores - 0.5
+    threads = max(1, min(cores, int(idle + 0.5))) if busy else cores
+    if user is not None:
+        return ThreadPolicy(idle, cores, f"user: {user}", threads), {}
+    if idle is None:  # cannot tell: the safe choice
+        return ThreadPolicy(idle, cores, "passive", cores), {"OMP_WAIT_POLICY": "PASSIVE"}
+    if busy:
+        return ThreadPolicy(idle, cores, "passive", threads), {"OMP_WAIT_POLICY": "PASSIVE"}
+    return ThreadPolicy(idle, cores, "short spin", cores), {"GOMP_SPINCOUNT": SHORT_SPIN}
+
+
+def _choose_at_import() -> ThreadPolicy:
+    if any(k in os.environ for k in OMP_VARIABLES):
+        policy, _ = choose(dict(os.environ), None, available_cores())
+        return policy
+    policy, variables = choose(dict(os.environ), measure_idle_cores(), available_cores())
+    os.environ.update(variables)
+    return policy
+
+
+POLICY = _choose_at_import()
+
+
 def set_threads(threads: int | None) -> int:
-    """Use `threads` torch threads (None: the cores this process may use); returns the count."""
+    """Use `threads` torch threads (None: the policy's default); returns the count."""
     import torch
 
-    n = threads or available_cores()
+    n = threads or POLICY.default_threads
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(n)

@@ -3,7 +3,7 @@
 Below both the engine (which reads the default tree at load) and core.autotune (which
 measures and writes it), so neither imports the other. A tree is looked up in order:
   1. tuned on this machine: `~/.cache/eagle-chat/autotune/<key>.json`, keyed by model, head,
-     device, dtype, attention, draft vocabulary and thread count;
+     device, dtype, attention, draft vocabulary, thread count and OpenMP wait policy;
   2. shipped: `tree.json` beside the head (tuned where the head was trained);
   3. built in: `TreeConfig()`.
 `TreeChoice.origin` says which, so the UI can show it.
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from core import threads
 from core.config import TreeConfig
 from core.head import HeadLoadError
 from core.models import cache_home, write_atomic
@@ -45,6 +46,7 @@ def profile_key(engine) -> str:
     vocab = engine.drafter.vocab
     parts = [engine.target.name, head_fingerprint(engine.head), str(engine.target.device),
              str(engine.target.dtype), engine.numerics.attention, f"threads{torch.get_num_threads()}",
+             f"wait:{threads.POLICY.wait}",
              str(None if vocab is None else vocab.numel())]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

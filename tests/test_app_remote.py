@@ -83,7 +83,7 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert again[7] == "" and again[5]["stats"]["tokens"] == 24
 
     result, status, _tree, spec, depth, *_ = h.use_local()
-    assert status.startswith("**Serving** `tiny`") and "**Numerics:**" in status and "Numerics:" in result
+    assert status.startswith("**Serving** `tiny`") and "**Numerics:**" in status and "**CPU threads:**" in status and "Numerics:" in result
     assert spec == gr.update(value=True, interactive=True, info=SPEC_INFO)
     assert depth == gr.update(interactive=True, info=LOCAL_INFO["depth"])
     assert answer(h, "w5 w9", [])[-1][5]["mode"] == "speculative", "back on the local engine"

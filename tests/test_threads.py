@@ -1,0 +1,48 @@
+"""The OpenMP policy chosen at import from how busy the machine is (core.threads)."""
+
+import pytest
+
+from core import threads
+
+
+def test_quiet_machine_gets_a_short_spin_and_every_core():
+    policy, variables = threads.choose({}, idle=1.9, cores=2)
+    assert variables == {"GOMP_SPINCOUNT": threads.SHORT_SPIN}
+    assert (policy.wait, policy.default_threads) == ("short spin", 2)
+
+
+@pytest.mark.parametrize("idle, expected", [(1.2, 1), (0.9, 1), (0.05, 1), (2.6, 3)])
+def test_busy_machine_sleeps_at_once_and_uses_the_idle_cores(idle, expected):
+    policy, variables = threads.choose({}, idle=idle, cores=4 if idle > 2 else 2)
+    assert variables == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert (policy.wait, policy.default_threads) == ("passive", expected)
+
+
+def test_a_users_openmp_setting_wins():
+    policy, variables = threads.choose({"OMP_WAIT_POLICY": "ACTIVE"}, idle=2.0, cores=2)
+    assert variables == {}
+    assert policy.wait == "user: OMP_WAIT_POLICY=ACTIVE"
+    assert "user: OMP_WAIT_POLICY=ACTIVE wait" in policy.describe()
+
+
+def test_unknown_load_falls_back_to_the_safe_passive_policy():
+    policy, variables = threads.choose({}, idle=None, cores=2)
+    assert variables == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert policy.default_threads == 2 and "not measured" in policy.describe()
+
+
+def test_idle_cores_are_measured_within_the_cores_this_process_may_use():
+    idle = threads.measure_idle_cores(0.05)
+    assert idle is not None and 0.0 <= idle <= threads.available_cores()
+
+
+def test_the_import_time_choice_is_applied_to_the_environment():
+    import os
+
+    policy = threads.POLICY
+    if policy.wait == "short spin":
+        assert os.environ["GOMP_SPINCOUNT"] == threads.SHORT_SPIN
+    elif policy.wait == "passive":
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    else:
+        assert policy.wait.startswith("user: ")
