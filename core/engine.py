@@ -33,7 +33,7 @@ from core.probe import ProbeResult, probe
 from core.text import TextStream
 from core.tree import DraftTree, catch_up, draft
 from core.treestore import TreeChoice, default_tree
-from core.verify import Verification, sample, target_probs, verify_greedy, verify_sampled
+from core.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
 
 
 
@@ -320,7 +320,7 @@ class _Run:
     def choose(self, logits: torch.Tensor) -> int:
         """Plain decoding's choice from (V,) logits."""
         s = self.cfg.sampling
-        return int(logits.argmax()) if s.greedy else sample(target_probs(logits[None], s)[0], self.gen)
+        return int(greedy_tokens(logits)) if s.greedy else sample(target_probs(logits[None], s)[0], self.gen)
 
     def first_step(self) -> StepEvent:
         t0 = self.now()

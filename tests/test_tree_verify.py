@@ -180,3 +180,14 @@ def test_sampled_leaf_bonus_uses_full_target_distribution(temperature):
     n = 6000
     counts = collections.Counter(verify_sampled(tree, probs, gen).tokens[0] for _ in range(n))
     assert chi2_pvalue([counts[i] for i in range(4)], probs[0].double().tolist()) > 1e-3
+
+
+def test_greedy_tokens_is_bf16_argmax_with_the_first_maximum_on_ties():
+    from core.verify import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(26, 49152, generator=g) * 4).bfloat16()  # bf16 rounding makes many ties
+    logits[3, [7, 70, 700]] = 100.0  # an exact three-way tie: the first index wins
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert int(greedy_tokens(logits)[3]) == 7
+    assert int(greedy_tokens(logits[5])) == int(logits[5].argmax())
