@@ -111,8 +111,10 @@ def exact_attention(module, query, key, value, attention_mask, scaling: float, d
     k, v = key[0], value[0]  # (kvh, L + n, hd)
 
     # shared context blocks: (kvh, c, g*n, hd) @ (kvh, c, hd, B) -> (kvh, c, g*n, B)
-    kc = k[:, :c * BLOCK].view(kvh, c, BLOCK, hd)
-    vc = v[:, :c * BLOCK].view(kvh, c, BLOCK, hd)
+    # contiguous first: matmul cannot fold (kvh, c) of a cache slice into one batch dim, and its
+    # own copy is slower than this one (the same values, so the same GEMMs and results)
+    kc = k[:, :c * BLOCK].reshape(kvh, c, BLOCK, hd).contiguous()
+    vc = v[:, :c * BLOCK].reshape(kvh, c, BLOCK, hd).contiguous()
     s_shared = torch.matmul(q.reshape(kvh, 1, g * n, hd).expand(kvh, c, g * n, hd), kc.transpose(-1, -2))
     # the row's own blocks (context tail + its ancestors + itself), gathered per row
     flat = lay.row_keys.flatten()
