@@ -190,6 +190,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         core.threads.set_threads(args.threads)
+    if args.threads is None and "OMP_NUM_THREADS" not in os.environ:
+        core.threads.govern()  # refit the thread count per answer to the cores others leave idle
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     manager = start_manager(args)
     if args.api:

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import torch
 
 from core import cache as kv
-from core import invariant
+from core import invariant, threads
 from core.clock import now
 from core.config import ATTENTIONS, GenerationConfig, TreeConfig
 from core.head import HeadCache, additive
@@ -281,11 +281,14 @@ class Engine:
 
 
 def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step) -> Iterator[StepEvent]:
+    threads.refit()  # no-op unless the launcher turned the thread governor on
+    threads.apply()
     with torch.inference_mode():
         run = _Run(engine, ids, config, on_step)
         event = run.first_step()
     yield event
     while not event.finished:
+        threads.apply()  # this step may run in another thread than the last (Gradio)
         with torch.inference_mode():
             event = run.next_step()
         yield event

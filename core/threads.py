@@ -113,6 +113,71 @@ def _choose_at_import() -> ThreadPolicy:
 POLICY = _choose_at_import()
 
 
+@dataclass(frozen=True)
+class LoadSample:
+    wall_s: float    # monotonic clock
+    busy_s: float    # CPU seconds spent busy on this process's cores, by everyone
+    own_s: float     # CPU seconds spent by this process
+
+
+def load_sample() -> LoadSample | None:
+    """Busy and own CPU time now (None where /proc/stat is unreadable)."""
+    try:
+        cpus = set(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+    times = _cpu_times(cpus)
+    if times is None:
+        return None
+    return LoadSample(time.monotonic(), (times[1] - times[0]) / os.sysconf("SC_CLK_TCK"), time.process_time())
+
+
+class Governor:
+    """Refits the thread count, once per answer, to the cores other processes left idle since
+    the last refit: a job that starts after the app does would otherwise fight our threads
+    for its core (README "Threads"). Used by the launcher when no thread count is given."""
+
+    MIN_WINDOW_S = 1.0  # shorter windows say too little about the others' load
+
+    def __init__(self, cores: int, threads: int, read=load_sample):
+        self.cores, self.threads, self.read = cores, threads, read
+        self.last = read()
+
+    def refit(self) -> int:
+        now = self.read()
+        if now is None or self.last is None or now.wall_s - self.last.wall_s < self.MIN_WINDOW_S:
+            return self.threads
+        others = (now.busy_s - self.last.busy_s - (now.own_s - self.last.own_s)) / (now.wall_s - self.last.wall_s)
+        self.last = now
+        self.threads = max(1, min(self.cores, int(self.cores - max(0.0, others) + 0.5)))
+        return self.threads
+
+
+_governor: Governor | None = None
+
+
+def govern(enabled: bool = True) -> None:
+    """Turn the per-answer refit on (the launcher does when the user chose no thread count)."""
+    global _governor
+    _governor = Governor(POLICY.cores, POLICY.default_threads) if enabled else None
+
+
+def refit() -> None:
+    """At the start of an answer: refit the thread count, if the governor is on."""
+    if _governor is not None:
+        _governor.refit()
+
+
+def apply() -> None:
+    """Before a decoding step, in the thread that runs it: use the governor's thread count.
+    (torch keeps a thread count per OS thread, and Gradio moves a generator between threads.)"""
+    if _governor is not None:
+        import torch
+
+        if torch.get_num_threads() != _governor.threads:
+            torch.set_num_threads(_governor.threads)
+
+
 def set_threads(threads: int | None) -> int:
     """Use `threads` torch threads (None: the policy's default); returns the count."""
     import torch

@@ -46,3 +46,56 @@ def test_the_import_time_choice_is_applied_to_the_environment():
         assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     else:
         assert policy.wait.startswith("user: ")
+
+
+class FakeLoad:
+    """LoadSamples from a script: (wall s, busy CPU s of everyone, own CPU s)."""
+
+    def __init__(self, *samples):
+        self.samples = [threads.LoadSample(*s) for s in samples]
+
+    def __call__(self):
+        return self.samples.pop(0)
+
+
+def test_governor_drops_to_the_cores_others_left_idle_and_comes_back():
+    g = threads.Governor(2, 2, FakeLoad((0, 0, 0),
+                                        (10, 15, 5),     # 1.5 cores busy, 0.5 ours: others hold 1 core
+                                        (20, 25, 10),    # 1.0 busy, all ours: quiet again
+                                        (20.5, 26, 11),  # a window too short to judge
+                                        (30, 45, 12)))   # others hold 1.8 cores
+    assert g.refit() == 1
+    assert g.refit() == 2
+    assert g.refit() == 2  # unchanged, and the window keeps growing from the last judged sample
+    assert g.refit() == 1  # never below one thread
+
+
+def test_governor_without_load_readings_keeps_its_thread_count():
+    g = threads.Governor(2, 2, lambda: None)
+    assert g.refit() == 2
+
+
+def test_apply_sets_the_governed_count_in_the_thread_that_decodes():
+    import threading
+
+    import torch
+
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        threads.govern()
+        threads._governor.threads = 1
+        worker = threading.Thread(target=lambda: (threads.apply(), seen.append(torch.get_num_threads())))
+        worker.start()
+        worker.join()
+        assert seen == [1]
+    finally:
+        threads.govern(False)
+        torch.set_num_threads(before)
+    threads.apply()  # governor off: leaves the count alone
+    assert torch.get_num_threads() == before
+
+
+def test_load_sample_reads_this_machine():
+    a = threads.load_sample()
+    assert a is not None and a.busy_s >= 0 and a.own_s >= 0
