@@ -62,8 +62,8 @@ def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
         return None
     idle = total = 0
     for line in lines:
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        name, *fields = line.split() or [""]
+        if not name[3:].isdigit() or not name.startswith("cpu") or int(name[3:]) not in cpus:
             continue
         ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
         idle += ticks[3] + ticks[4]
