@@ -53,12 +53,14 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
-    """(idle, total) jiffies summed over `cpus`, from /proc/stat; None where unreadable."""
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies summed over the cores this process may use, from /proc/stat;
+    None where unreadable (not Linux)."""
     try:
+        cpus = set(os.sched_getaffinity(0))
         with open("/proc/stat") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except (AttributeError, OSError):
         return None
     idle = total = 0
     for line in lines:
@@ -73,18 +75,14 @@ def _cpu_times(cpus: set[int]) -> tuple[int, int] | None:
 
 def measure_idle_cores(interval: float = SAMPLE_S) -> float | None:
     """Idle cores among those this process may use, over `interval` seconds (None: unknown)."""
-    try:
-        cpus = set(os.sched_getaffinity(0))
-    except AttributeError:
-        return None
-    first = _cpu_times(cpus)
+    first = _cpu_times()
     if first is None:
         return None
     time.sleep(interval)
-    second = _cpu_times(cpus)
+    second = _cpu_times()
     if second is None or second[1] <= first[1]:
         return None
-    return len(cpus) * (second[0] - first[0]) / (second[1] - first[1])
+    return available_cores() * (second[0] - first[0]) / (second[1] - first[1])
 
 
 def choose(env: dict[str, str], idle: float | None, cores: int) -> tuple[ThreadPolicy, dict[str, str]]:
@@ -122,11 +120,7 @@ class LoadSample:
 
 def load_sample() -> LoadSample | None:
     """Busy and own CPU time now (None where /proc/stat is unreadable)."""
-    try:
-        cpus = set(os.sched_getaffinity(0))
-    except AttributeError:
-        return None
-    times = _cpu_times(cpus)
+    times = _cpu_times()
     if times is None:
         return None
     return LoadSample(time.monotonic(), (times[1] - times[0]) / os.sysconf("SC_CLK_TCK"), time.process_time())
