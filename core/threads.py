@@ -92,11 +92,9 @@ def choose(env: dict[str, str], idle: float | None, cores: int) -> tuple[ThreadP
     threads = max(1, min(cores, int(idle + 0.5))) if busy else cores
     if user is not None:
         return ThreadPolicy(idle, cores, f"user: {user}", threads), {}
-    if idle is None:  # cannot tell: the safe choice
-        return ThreadPolicy(idle, cores, "passive", cores), {"OMP_WAIT_POLICY": "PASSIVE"}
-    if busy:
+    if idle is None or busy:  # busy, or cannot tell: the safe choice
         return ThreadPolicy(idle, cores, "passive", threads), {"OMP_WAIT_POLICY": "PASSIVE"}
-    return ThreadPolicy(idle, cores, "short spin", cores), {"GOMP_SPINCOUNT": SHORT_SPIN}
+    return ThreadPolicy(idle, cores, "short spin", threads), {"GOMP_SPINCOUNT": SHORT_SPIN}
 
 
 def _choose_at_import() -> ThreadPolicy:
