@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
 from tqdm import tqdm as base_tqdm
 
 from app.remote import RemoteBackend, ServerInfo
@@ -246,7 +245,7 @@ class ModelManager:
                 else "no EAGLE head: plain decoding only")
         return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens\n\n"
                 f"**Numerics:** {e.numerics.describe()}\n\n"
-                f"**CPU threads:** {torch.get_num_threads()} now; {threads.POLICY.describe()}")
+                f"**CPU threads:** {threads.current()} now; {threads.POLICY.describe()}")
 
     def tree_markdown(self) -> str:
         """The default draft tree and where it came from (tuned here, shipped, built in)."""

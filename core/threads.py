@@ -160,6 +160,16 @@ def refit() -> None:
         _governor.refit()
 
 
+def current() -> int:
+    """The thread count decoding runs with: the governor's when it is on (the calling thread's
+    own count may be stale), else this thread's."""
+    if _governor is not None:
+        return _governor.threads
+    import torch
+
+    return torch.get_num_threads()
+
+
 def apply() -> None:
     """Before a decoding step, in the thread that runs it: use the governor's thread count.
     (torch keeps a thread count per OS thread, and Gradio moves a generator between threads.)"""

@@ -89,11 +89,12 @@ def test_apply_sets_the_governed_count_in_the_thread_that_decodes():
         worker.start()
         worker.join()
         assert seen == [1]
+        assert threads.current() == 1  # what decoding runs with, whatever this thread's count
     finally:
         threads.govern(False)
         torch.set_num_threads(before)
     threads.apply()  # governor off: leaves the count alone
-    assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before == threads.current()
 
 
 def test_load_sample_reads_this_machine():
