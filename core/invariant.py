@@ -17,10 +17,12 @@ GEMMs are row-invariant); the one or two blocks holding a row's own ancestors ar
 per row. A plain step is the same code with a one-node tree, so both compute each row the
 same way by construction; `core.probe` checks this on the loaded model at start-up.
 
-Linear layers: bf16 GEMMs here are row-invariant for inner sizes up to 768, but not beyond
-(SmolLM2's down_proj, K = 1536, changes rows for some batch sizes). `InvariantLinear` (swapped
-in at load, same parameters and state_dict keys) reduces K in fixed chunks of at most 768 and
-adds the chunk results in fp32, in order.
+Linear layers: `InvariantLinear` (swapped in at load, same parameters and state_dict keys)
+runs core.gemm's AVX-512 bf16 kernel, row-invariant by construction and about twice as fast as
+oneDNN on decoding's few rows. Where that kernel is unavailable it falls back to oneDNN, whose
+bf16 GEMMs here are row-invariant for inner sizes up to 768 but not beyond (SmolLM2's
+down_proj, K = 1536, changes rows for some batch sizes): it then reduces K in fixed chunks of
+at most 768 and adds the chunk results in fp32, in order.
 
 The attention function is registered with transformers' AttentionInterface as "eagle_exact"
 and receives the tree layout as a keyword argument of the model's forward; without a layout
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from core import gemm
 
 NAME = "eagle_exact"
 BLOCK = 64  # positions per block; a tree deeper than this is refused
@@ -142,14 +146,16 @@ def exact_attention(module, query, key, value, attention_mask, scaling: float, d
     return out.permute(1, 0, 2, 3).reshape(1, n, nh, hd), None
 
 
-K_CHUNK = 768  # largest inner size measured row-invariant for bf16 GEMMs on this CPU
+K_CHUNK = 768  # largest inner size measured row-invariant for oneDNN's bf16 GEMMs on this CPU
 
 
 class InvariantLinear(torch.nn.Linear):
-    """nn.Linear whose reduction over in_features runs in fixed chunks (row-invariant)."""
+    """nn.Linear computing each row independently of the others in the batch (row-invariant)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (..., K) -> (..., out); chunk partials are added in fp32, left to right
+        if gemm.usable(x, self.weight):
+            return gemm.linear(x, self.weight, self.bias)
+        # oneDNN: reduce over in_features in fixed chunks, partials added in fp32, left to right
         out = None
         for start in range(0, self.in_features, K_CHUNK):
             part = F.linear(x[..., start:start + K_CHUNK], self.weight[:, start:start + K_CHUNK]).float()
@@ -159,15 +165,24 @@ class InvariantLinear(torch.nn.Linear):
         return out.to(x.dtype)
 
 
-def make_invariant(model: torch.nn.Module) -> int:
-    """Swap every nn.Linear with in_features > K_CHUNK for InvariantLinear (in place, same
-    weights) and select the exact attention; returns the number of layers swapped."""
+def swap_linears(model: torch.nn.Module) -> int:
+    """Turn the nn.Linear layers that need it into InvariantLinear (in place, same weights):
+    all of them when core.gemm's kernel runs here (it is also the fast one), else those with
+    in_features > K_CHUNK. Returns the number swapped."""
+    every = gemm.status().available
     swapped = 0
     for module in model.modules():
-        for name, child in module.named_children():
-            if type(child) is torch.nn.Linear and child.in_features > K_CHUNK:
+        for child in module.children():
+            if type(child) is torch.nn.Linear and (every or child.in_features > K_CHUNK):
                 child.__class__ = InvariantLinear  # same parameters, same state_dict keys
                 swapped += 1
+    return swapped
+
+
+def make_invariant(model: torch.nn.Module) -> int:
+    """Swap in InvariantLinear (`swap_linears`) and select the exact attention; returns the
+    number of layers swapped."""
+    swapped = swap_linears(model)
     model.set_attn_implementation(NAME)
     return swapped
 

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 import torch
 
 from core import cache as kv
+from core import gemm
 from core.models import cache_home, write_atomic
 
 
@@ -44,7 +45,8 @@ def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
     c = model.config
     parts = [_cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
              torch.__version__, c.model_type, str(c.hidden_size), str(c.num_hidden_layers), str(c.vocab_size),
-             str(getattr(c, "intermediate_size", "")), str(dtype), attention, f"threads{torch.get_num_threads()}"]
+             str(getattr(c, "intermediate_size", "")), str(dtype), attention, f"threads{torch.get_num_threads()}",
+             gemm.status().describe()]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
