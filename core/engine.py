@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import torch
 
 from core import cache as kv
-from core import gemm, invariant, threads
+from core import invariant, native, threads
 from core.clock import now
 from core.config import ATTENTIONS, GenerationConfig, TreeConfig
 from core.head import HeadCache, additive
@@ -77,7 +77,7 @@ class Numerics:
 
     def describe(self) -> str:
         dt = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float64": "fp64"}.get(self.dtype, self.dtype)
-        kernels = (f"batch-invariant kernels, {gemm.status().describe()}" if self.attention == "exact"
+        kernels = (f"batch-invariant kernels, {native.status().describe()}" if self.attention == "exact"
                    else f"{self.attention} attention")
         if self.probe is None:
             verdict = "exactness not checked"

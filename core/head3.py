@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import gemm
+from core import native
 from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
                        _rotary, _rotate_half, additive, causal_mask, read_checkpoint)
 from core.invariant import swap_linears
@@ -330,7 +330,7 @@ class Drafter3:
 
 def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None):
     """The drafting seam for either kind of head on `target_model` (a *ForCausalLM)."""
-    if gemm.status().available:  # drafting is decoding-sized GEMMs too: the faster kernel
+    if native.status().available:  # drafting is decoding-sized GEMMs too: the faster kernel
         swap_linears(head)
     if isinstance(head, Eagle3Head):
         return Drafter3(head=head, embed=target_model.get_input_embeddings())

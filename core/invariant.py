@@ -6,8 +6,11 @@ is row-invariant (a row's reduction order does not depend on how many rows are i
 batch), but attention is not: the `p @ V` reduction runs over a key axis whose length and
 layout change with the tree (masked siblings sit between a node's ancestors).
 
-How: every query at absolute position p attends to its keys laid out in plain decoding's
-order, positions 0..p, cut into fixed blocks of B positions anchored at position 0:
+How (attention): where core.native's kernels run (AVX-512 bf16, x86-64 Linux), each row
+attends to its keys 0..p in plain decoding's order with one fixed instruction sequence in C,
+invariant by construction. Elsewhere, in torch: every query at absolute position p attends
+to its keys laid out in plain decoding's order, positions 0..p, cut into fixed blocks of B
+positions anchored at position 0:
   scores   one GEMM per block, (rows, hd) @ (hd, B)     -- same shape for every block
   softmax  over the concatenated blocks, fp32, masked tail = exact zeros
   p @ V    one GEMM per block, (rows, B) @ (B, hd)      -- a bf16 partial per block
@@ -18,7 +21,7 @@ per row. A plain step is the same code with a one-node tree, so both compute eac
 same way by construction; `core.probe` checks this on the loaded model at start-up.
 
 Linear layers: `InvariantLinear` (swapped in at load, same parameters and state_dict keys)
-runs core.gemm's AVX-512 bf16 kernel, row-invariant by construction and about twice as fast as
+runs core.native's AVX-512 bf16 kernel, row-invariant by construction and about twice as fast as
 oneDNN on decoding's few rows. Where that kernel is unavailable it falls back to oneDNN, whose
 bf16 GEMMs here are row-invariant for inner sizes up to 768 but not beyond (SmolLM2's
 down_proj, K = 1536, changes rows for some batch sizes): it then reduces K in fixed chunks of
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core import gemm
+from core import native
 
 NAME = "eagle_exact"
 BLOCK = 64  # positions per block; a tree deeper than this is refused
@@ -54,6 +57,7 @@ class TreeLayout:
     row_blocks: int          # r: blocks [c, c + r) are gathered per row (1, or 2 if a row spills over)
     row_keys: torch.Tensor   # (n, r*B) int64: index into (cache + new keys) of each position there
     bias: torch.Tensor       # (n, (c + r)*B) float32: 0 where the row attends, -inf elsewhere
+    ancestors: torch.Tensor  # (n, D + 1) int64: the node at each depth on row i's path, root first
 
     @classmethod
     def from_tree(cls, parents: torch.Tensor, depths: torch.Tensor, ancestor_mask: torch.Tensor,
@@ -84,7 +88,7 @@ class TreeLayout:
         keys = torch.where(own >= 0, L + ancestor.clamp(min=0), pos[None].clamp(max=max(L - 1, 0)))
         bias = torch.zeros(n, (c + r) * BLOCK, device=depths.device)
         bias[:, c * BLOCK:].masked_fill_(~valid, float("-inf"))
-        return cls(L, depths, c, r, torch.where(valid, keys, torch.zeros_like(keys)), bias)
+        return cls(L, depths, c, r, torch.where(valid, keys, torch.zeros_like(keys)), bias, anc)
 
 
 def _pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -108,6 +112,11 @@ def exact_attention(module, query, key, value, attention_mask, scaling: float, d
                                       dropout=dropout, **kwargs)
     _, nh, n, hd = query.shape
     lay = tree_layout
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    if not window and native.attention_usable(query, key):  # one fixed sequence per row, in C
+        out = native.attention(query[0].transpose(0, 1), key[0], value[0], lay.committed, lay.ancestors,
+                               lay.depths + 1, scaling)  # (n, nh, hd)
+        return out[None], None
     kvh, L, c, r = key.shape[1], lay.committed, lay.shared_blocks, lay.row_blocks
     g = nh // kvh
     assert query.shape[0] == 1 and key.shape[2] == L + n and lay.depths.shape[0] == n
@@ -131,7 +140,6 @@ def exact_attention(module, query, key, value, attention_mask, scaling: float, d
     scores = torch.cat([s_shared.view(kvh, c, g, n, BLOCK).permute(0, 3, 2, 1, 4).reshape(kvh, n, g, c * BLOCK),
                         s_rows.permute(0, 1, 3, 2, 4).reshape(kvh, n, g, r * BLOCK)], dim=-1) * scaling
     bias = lay.bias
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     if window:
         pos = torch.arange(bias.shape[1], device=bias.device)
         bias = bias.masked_fill(pos[None] <= (L + lay.depths)[:, None] - window, float("-inf"))
@@ -153,8 +161,8 @@ class InvariantLinear(torch.nn.Linear):
     """nn.Linear computing each row independently of the others in the batch (row-invariant)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gemm.usable(x, self.weight):
-            return gemm.linear(x, self.weight, self.bias)
+        if native.usable(x, self.weight):
+            return native.linear(x, self.weight, self.bias)
         # oneDNN: reduce over in_features in fixed chunks, partials added in fp32, left to right
         out = None
         for start in range(0, self.in_features, K_CHUNK):
@@ -167,9 +175,9 @@ class InvariantLinear(torch.nn.Linear):
 
 def swap_linears(model: torch.nn.Module) -> int:
     """Turn the nn.Linear layers that need it into InvariantLinear (in place, same weights):
-    all of them when core.gemm's kernel runs here (it is also the fast one), else those with
+    all of them when core.native's kernel runs here (it is also the fast one), else those with
     in_features > K_CHUNK. Returns the number swapped."""
-    every = gemm.status().available
+    every = native.status().available
     swapped = 0
     for module in model.modules():
         for child in module.children():

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 import torch
 
 from core import cache as kv
-from core import gemm
+from core import native
 from core.models import cache_home, write_atomic
 
 
@@ -46,7 +46,7 @@ def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
     parts = [_cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
              torch.__version__, c.model_type, str(c.hidden_size), str(c.num_hidden_layers), str(c.vocab_size),
              str(getattr(c, "intermediate_size", "")), str(dtype), attention, f"threads{torch.get_num_threads()}",
-             gemm.status().describe()]
+             native.status().describe()]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

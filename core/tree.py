@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core import gemm
+from core import native
 from core.config import TreeConfig
 from core.head import EagleHead, HeadCache, additive, causal_mask
 
@@ -86,7 +86,7 @@ class Drafter:
         # hidden: (m, H) -> (m, Vd) draft log-probabilities
         # clamp: rounding can push the top log-prob a hair above 0, and a child must never
         # outscore its parent (cumulative scores keep the selected tree connected)
-        logits = gemm.linear(hidden, self.lm_weight) if gemm.usable(hidden, self.lm_weight) else hidden @ self.lm_weight.T
+        logits = native.linear(hidden, self.lm_weight) if native.usable(hidden, self.lm_weight) else hidden @ self.lm_weight.T
         return F.log_softmax(logits.float(), dim=-1).clamp(max=0.0)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:

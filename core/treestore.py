@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from core import gemm, threads
+from core import native, threads
 from core.config import TreeConfig
 from core.head import HeadLoadError
 from core.models import cache_home, write_atomic
@@ -46,7 +46,7 @@ def profile_key(engine) -> str:
     vocab = engine.drafter.vocab
     parts = [engine.target.name, head_fingerprint(engine.head), str(engine.target.device),
              str(engine.target.dtype), engine.numerics.attention, f"threads{torch.get_num_threads()}",
-             f"wait:{threads.POLICY.wait}", gemm.status().describe(),
+             f"wait:{threads.POLICY.wait}", native.status().describe(),
              str(None if vocab is None else vocab.numel())]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

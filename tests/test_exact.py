@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core import cache as kv
-from core import gemm
+from core import native
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, plain_logits
 from core.invariant import InvariantLinear, make_invariant, undo_invariant
@@ -24,19 +24,19 @@ def wide_llama(dtype=torch.bfloat16) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(dtype).eval().requires_grad_(False)
 
 
-@pytest.mark.parametrize("kernel", ["avx512-bf16", "onednn"])
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_probe_passes_with_exact_kernels_and_flags_stock_ones(kernel, monkeypatch):
-    if kernel == "onednn":  # the fallback where core.gemm's kernel cannot run
-        monkeypatch.setattr(gemm, "_library", lambda: (None, gemm.GemmStatus(False, "off for this test")))
-    elif not gemm.status().available:
-        pytest.skip(f"core.gemm kernel unavailable here: {gemm.status().reason}")
+    if kernel == "torch":  # the fallback where core.native cannot run: oneDNN GEMMs, the block attention
+        monkeypatch.setattr(native, "_library", lambda: (None, native.NativeStatus(False, "off for this test")))
+    elif not native.status().available:
+        pytest.skip(f"core.native kernel unavailable here: {native.status().reason}")
     model = wide_llama()
     model.set_attn_implementation("sdpa")
     stock = run_probe(model)
     assert not stock.exact and "differs from its plain step" in stock.reason
     swapped = make_invariant(model)
     # the kernel takes every linear (2 layers x 7 + lm_head); oneDNN only the K > 768 down_proj
-    assert swapped == (15 if kernel == "avx512-bf16" else 2)
+    assert swapped == (15 if kernel == "native" else 2)
     assert isinstance(model.model.layers[0].mlp.down_proj, InvariantLinear)
     exact = run_probe(model)
     assert exact.exact, exact.reason

@@ -5,40 +5,8 @@
 // vdpbf16ps over K in 32-wide chunks from k = 0 (a masked last chunk), the 16 lanes added in
 // one fixed halving tree (reduce16), then the bias in fp32 and one round to bf16 (nearest
 // even). So a token's row comes out bit-identical alone (a plain step) or inside a tree.
-// Built by core/gemm.py with gcc; threads come from the OpenMP runtime torch already loaded.
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-// 16 accumulators -> their 16 lane sums, one per lane: acc a = 4l + j lands in lane 4j + l.
-// Every accumulator's 16 lanes are added in the same halving tree (8, 4, 2, 1 apart).
-static inline __m512 reduce16(const __m512 *a) {
-    __m512 t[8], v[4], x[2];
-    for (int p = 0; p < 8; p++)
-        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
-    for (int r = 0; r < 4; r++)
-        v[r] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * r], t[2 * r + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * r], t[2 * r + 1], 0xDD));
-    for (int s = 0; s < 2; s++)
-        x[s] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * s], v[2 * s + 1], 0x44),
-                             _mm512_shuffle_ps(v[2 * s], v[2 * s + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
-}
-
-static inline void store16(__m512 s, float *out) {  // out[a] = sum of accumulator a
-    float lanes[16];
-    _mm512_storeu_ps(lanes, s);
-    for (int a = 0; a < 16; a++) out[a] = lanes[4 * (a & 3) + (a >> 2)];
-}
+// Built by core/native.py with gcc; threads come from the OpenMP runtime torch already loaded.
+#include "common.h"
 
 // MB rows of x times NB rows of w (MB * NB <= 16; unused accumulators stay 0); out[i * NB + j]
 #define TILE(MB, NB)                                                                          \
@@ -69,11 +37,14 @@ static inline void tile_##MB##x##NB(const uint16_t *x, int64_t ldx, const uint16
 }
 
 TILE(4, 4)
+TILE(3, 4)
+TILE(2, 8)
 TILE(1, 16)
 TILE(1, 1)
 
-// Output columns per task: the 4x4 tiles cover 16 columns of 4 rows, leftover rows take the
-// 1x16 tile, a last partial block (N % 16) the 1x1 tile: the same per-element sequence in all.
+// Output columns per task: 4x4 tiles cover 16 columns of 4 rows; 3, 2 or 1 leftover rows take
+// the 3x4, 2x8 or 1x16 tile; a last partial block (N % 16) the 1x1 tile. The same per-element
+// sequence in all of them.
 #define NBLK 16
 
 void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
@@ -97,10 +68,21 @@ void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, c
                     y[(m0 + i) * ldy + n0 + j] = to_bf16(v);
                 }
             }
-            for (; m0 < M; m0++) {
-                tile_1x16(x + m0 * ldx, ldx, wn, ldw, K, tail, t);
-                for (int j = 0; j < NBLK; j++) y[m0 * ldy + n0 + j] = to_bf16(t[j] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
-            }
+            int rest = M - m0;  // 0-3 leftover rows: one tile shape each, 16 columns
+            if (rest == 3)
+                for (int c = 0; c < NBLK; c += 4) {
+                    tile_3x4(x + m0 * ldx, ldx, wn + c * ldw, ldw, K, tail, t);
+                    for (int i = 0; i < 3; i++) for (int j = 0; j < 4; j++) out[i * NBLK + c + j] = t[i * 4 + j];
+                }
+            else if (rest == 2)
+                for (int c = 0; c < NBLK; c += 8) {
+                    tile_2x8(x + m0 * ldx, ldx, wn + c * ldw, ldw, K, tail, t);
+                    for (int i = 0; i < 2; i++) for (int j = 0; j < 8; j++) out[i * NBLK + c + j] = t[i * 8 + j];
+                }
+            else if (rest == 1)
+                tile_1x16(x + m0 * ldx, ldx, wn, ldw, K, tail, out);
+            for (int i = 0; i < rest; i++) for (int j = 0; j < NBLK; j++)
+                y[(m0 + i) * ldy + n0 + j] = to_bf16(out[i * NBLK + j] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
         } else {
             for (; m0 < M; m0++) for (int j = 0; j < nn; j++) {
                 tile_1x1(x + m0 * ldx, ldx, wn + j * ldw, ldw, K, tail, t);

@@ -1,0 +1,110 @@
+// Decoding attention for bf16 on AVX-512: each (row, head) attends to its keys in plain
+// decoding's order, one fixed instruction sequence, so a row is bit-identical alone (a plain
+// step) or inside a draft tree, whatever the tree and the thread count.
+//
+// Row i sees keys 0 .. L-1 (the committed context, cache slots 0 .. L-1) and then its
+// ancestors and itself (cache slots L + anc[i][0 .. na[i]-1], root first). Per (row, head):
+//   s_j = (q . k_j) * scale   fp32: vdpbf16ps over head_dim in 32-wide chunks, 16 keys at a
+//                              time, lanes added in reduce16's fixed tree
+//   m = max s_j; e_j = exp(s_j - m) (exp512, our own polynomial); d = sum e_j (16 lanes in
+//   key order, then the fixed tree); out = (sum_j e_j v_j) / d, fp32 in key order, one round
+//   to bf16.
+#include <stdlib.h>
+
+#include "common.h"
+
+static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]; |rel err| < 2e-7
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {  // 16 bf16 -> 16 fp32 (exact)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+// q (n, nh, hd) with strides (qs_row, qs_head); k, v (kvh, T, hd) with strides (kv_head, kv_pos);
+// anc (n, anc_stride) int64 cache-slot offsets past L; na (n,) counts; out (n, nh, hd) contiguous.
+void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
+                    int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
+                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, int nthreads) {
+    int g = nh / kvh, chunks = hd / 32;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t cap = 0;
+        float *s = NULL;
+#pragma omp for schedule(static)
+        for (int unit = 0; unit < n * nh; unit++) {
+            int i = unit / nh, h = unit % nh;
+            int64_t count = L + na[i];
+            if (count + 16 > cap) {
+                cap = count + 16 + 256;
+                free(s);
+                s = (float *)malloc(cap * sizeof(float));
+            }
+            const uint16_t *qv = q + i * qs_row + h * qs_head;
+            const uint16_t *kh = k + (h / g) * kv_head, *vh = v + (h / g) * kv_head;
+            __m512bh qc[8];
+            for (int c = 0; c < chunks; c++) qc[c] = (__m512bh)_mm512_loadu_si512(qv + 32 * c);
+            // scores, 16 keys at a time; key slots past `count` point at slot 0 and are masked
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            for (int64_t j0 = 0; j0 < count; j0 += 16) {
+                __m512 acc[16];
+                for (int t = 0; t < 16; t++) {
+                    int64_t j = j0 + t, slot = j < L ? j : (j < count ? L + anc[i * anc_stride + (j - L)] : 0);
+                    const uint16_t *kr = kh + slot * kv_pos;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                    acc[t] = a;
+                }
+                float sc[16];
+                store16(reduce16(acc), sc);
+                __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_set1_ps(scale));
+                __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+                sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv);
+                _mm512_storeu_ps(s + j0, sv);
+                vmax = _mm512_max_ps(vmax, sv);
+            }
+            __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+            __m512 dsum = _mm512_setzero_ps();
+            for (int64_t j0 = 0; j0 < count; j0 += 16) {
+                __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+                __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m)));
+                _mm512_storeu_ps(s + j0, e);
+                dsum = _mm512_add_ps(dsum, e);
+            }
+            __m512 zero = _mm512_setzero_ps(), lanes[16] = {dsum};
+            for (int t = 1; t < 16; t++) lanes[t] = zero;
+            float dl[16];
+            store16(reduce16(lanes), dl);
+            __m512 inv = _mm512_set1_ps(1.0f / dl[0]);
+            // out = sum_j e_j v_j, key order, fp32
+            __m512 o[16];
+            int ov = hd / 16;
+            for (int c = 0; c < ov; c++) o[c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < count; j++) {
+                int64_t slot = j < L ? j : L + anc[i * anc_stride + (j - L)];
+                const uint16_t *vr = vh + slot * kv_pos;
+                __m512 e = _mm512_set1_ps(s[j]);
+                for (int c = 0; c < ov; c++) o[c] = _mm512_fmadd_ps(e, load_bf16x16(vr + 16 * c), o[c]);
+            }
+            uint16_t *dst = out + ((int64_t)i * nh + h) * hd;
+            for (int c = 0; c < ov; c++) {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, _mm512_mul_ps(o[c], inv));
+                for (int t = 0; t < 16; t++) dst[16 * c + t] = to_bf16(tmp[t]);
+            }
+        }
+        free(s);
+    }
+}

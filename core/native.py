@@ -1,0 +1,219 @@
+"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM and attention.
+
+Why: a decoding step multiplies 1 to a few dozen rows by every weight matrix, so its cost is
+streaming the weights. On this project's CPUs oneDNN's bf16 GEMM moves them at 10-15 GB/s
+on such skinny shapes (per-call overhead); this kernel reaches the memory bandwidth at one
+row (about 30 GB/s, 1.7-2.9x faster per call) and stays 1.1-1.5x faster at 11-27 rows.
+
+Exact by construction: the kernel computes every output element with one fixed instruction
+sequence whatever the number of rows, so a token's row is bit-identical alone (a plain step)
+or inside a draft tree. oneDNN is row-invariant here only for inner sizes up to 768, which
+is why `core.invariant` otherwise splits wider reductions.
+
+Attention (`attention`): each row attends to its keys in plain decoding's order with one fixed
+instruction sequence (csrc/attention_bf16.c), so it needs none of core.invariant's block layout
+and its dozens of small torch ops per layer.
+
+Built once per machine with gcc into `cache_home()/kernels`, loaded with ctypes, and checked
+(against fp32 references, and row by row against a batch) before first use. Where any step
+fails (not x86-64 Linux, no avx512_bf16, no gcc) `status()` says why and callers keep torch's
+kernels. `EAGLE_CHAT_KERNELS=torch` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+# Calls with more rows use torch's GEMM (a long prefill, where oneDNN's compute-bound kernels
+# win). It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
+# lookup chain), so every tree row and every plain step goes through this kernel.
+MAX_ROWS = 576
+OFF_ENV = "EAGLE_CHAT_KERNELS"
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    available: bool
+    reason: str  # what runs, or why the kernel does not
+
+    def describe(self) -> str:
+        return "AVX-512 bf16 GEMM + attention (core/csrc)" if self.available else f"torch kernels ({self.reason})"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+def _build() -> Path:
+    """Compile the kernel (once per source, flags and compiler) and return the library path."""
+    from core.models import cache_home
+
+    cc = shutil.which(os.environ.get("CC", "gcc"))
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    sources = sorted(CSRC.glob("*.c"))
+    text = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    key = hashlib.sha1(text + " ".join(FLAGS + tuple(version)).encode()).hexdigest()[:12]
+    lib = cache_home() / "kernels" / f"decode-{key}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"gcc failed: {done.stderr.strip()[-300:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    gemm: ctypes._CFuncPtr
+    attention: ctypes._CFuncPtr
+
+
+@functools.cache
+def _library() -> tuple[_Kernels | None, NativeStatus]:
+    if os.environ.get(OFF_ENV, "").lower() in ("torch", "off", "0"):
+        return None, NativeStatus(False, f"{OFF_ENV}={os.environ[OFF_ENV]}")
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return None, NativeStatus(False, f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}")
+    if "avx512_bf16" not in _cpu_flags():
+        return None, NativeStatus(False, "this CPU lacks avx512_bf16")
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as e:
+        return None, NativeStatus(False, f"kernel build failed: {e}")
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16)
+    kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
+    kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
+                                  i32, i32, i32, i32, i64, f32, i32]
+    for fn in (kernels.gemm, kernels.attention):
+        fn.restype = None
+    problem = _self_test(kernels)
+    if problem:
+        return None, NativeStatus(False, f"kernel self-test failed: {problem}")
+    return kernels, NativeStatus(True, "built and self-tested")
+
+
+def status() -> NativeStatus:
+    return _library()[1]
+
+
+def _gemm(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # x (M, K) with unit stride in K; weight (N, K) likewise; bias (N,) or None -> (M, N) bf16
+    m, kdim = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    k.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+           None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, kdim, torch.get_num_threads())
+    return y
+
+
+def _attention(k: _Kernels, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed: int,
+               ancestors: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    # q (n, nh, hd); key, value (kvh, T, hd), unit stride in hd, same strides;
+    # ancestors (n, A) int64 slots past `committed`, counts (n,) -> (n, nh, hd) bf16
+    n, nh, hd = q.shape
+    out = torch.empty(n, nh, hd, dtype=torch.bfloat16, device=q.device)
+    k.attention(q.data_ptr(), q.stride(0), q.stride(1), key.data_ptr(), value.data_ptr(), key.stride(0),
+                key.stride(1), ancestors.data_ptr(), ancestors.stride(0), counts.data_ptr(), out.data_ptr(),
+                n, nh, key.shape[0], hd, committed, scale, torch.get_num_threads())
+    return out
+
+
+def reference_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed: int,
+                        ancestors: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """What `attention` computes, in fp32 torch (for tests and the self-test)."""
+    n, nh, hd = q.shape
+    g = nh // key.shape[0]
+    out = torch.empty(n, nh, hd)
+    for i in range(n):
+        slots = torch.cat([torch.arange(committed), committed + ancestors[i, :int(counts[i])]])
+        kk, vv = key[:, slots].float().repeat_interleave(g, 0), value[:, slots].float().repeat_interleave(g, 0)
+        p = torch.softmax((q[i].float()[:, None] @ kk.transpose(-1, -2))[:, 0] * scale, dim=-1)  # (nh, keys)
+        out[i] = (p[:, None] @ vv)[:, 0]
+    return out
+
+
+def _self_test(k: _Kernels) -> str | None:
+    gen = torch.Generator().manual_seed(0)
+    for n, kdim in ((40, 100), (64, 576)):
+        x = torch.randn(9, kdim, generator=gen).bfloat16()
+        w = torch.randn(n, kdim, generator=gen).bfloat16()
+        b = torch.randn(n, generator=gen).bfloat16()
+        y = _gemm(k, x, w, b)
+        ref = x.float() @ w.float().T + b.float()
+        if not torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
+            return f"wrong GEMM results for a {n}x{kdim} weight"
+        if not all(torch.equal(_gemm(k, x[i:i + 1], w, b)[0], y[i]) for i in range(x.shape[0])):
+            return f"GEMM rows differ alone and in a batch for a {n}x{kdim} weight"
+    q = torch.randn(3, 4, 64, generator=gen).bfloat16()
+    key, value = torch.randn(2, 40 + 3, 64, generator=gen).bfloat16(), torch.randn(2, 43, 64, generator=gen).bfloat16()
+    anc, counts = torch.tensor([[0, 0], [0, 1], [0, 2]]), torch.tensor([1, 2, 2])
+    out = _attention(k, q, key, value, 40, anc, counts, 0.125)
+    if not torch.allclose(out.float(), reference_attention(q, key, value, 40, anc, counts, 0.125), atol=2e-2):
+        return "wrong attention results"
+    if not torch.equal(_attention(k, q[2:], key, value, 40, anc[2:], counts[2:], 0.125), out[2:]):
+        return "attention rows differ alone and in a batch"
+    return None
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` serves this call: bf16 on the CPU, no autograd, at most MAX_ROWS rows."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and _library()[0] is not None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through the kernel: x (..., K) bf16, weight (N, K), bias (N,) -> (..., N) bf16."""
+    k = _library()[0]
+    assert k is not None and x.shape[-1] == weight.shape[1], "check native.usable(x, weight) first"
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    return _gemm(k, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def attention_usable(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether `attention` serves this call: bf16 on the CPU, head_dim a multiple of 32 up to 256."""
+    hd = query.shape[-1]
+    return (query.dtype == torch.bfloat16 and key.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and hd % 32 == 0 and hd <= 256 and query.shape[1] % key.shape[1] == 0
+            and _library()[0] is not None)
+
+
+def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed: int,
+              ancestors: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """Row i attends to cache slots 0 .. committed-1, then committed + ancestors[i, :counts[i]]
+    (its ancestors and itself, root first). q (n, nh, hd); key, value (kvh, T, hd);
+    ancestors (n, A) int64; counts (n,) int64 -> (n, nh, hd) bf16."""
+    k = _library()[0]
+    assert k is not None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride() != value.stride():
+        key, value = key.contiguous(), value.contiguous()
+    return _attention(k, q, key, value, committed, ancestors.contiguous(), counts.contiguous(), scale)

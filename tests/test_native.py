@@ -1,0 +1,168 @@
+"""core.native: the AVX-512 bf16 decoding GEMM and attention are accurate, row-invariant by
+construction, and step aside (with their reason) where they cannot run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core import native
+from core.invariant import InvariantLinear, swap_linears
+
+needs_kernel = pytest.mark.skipif(not native.status().available,
+                                  reason=f"core.native kernel unavailable here: {native.status().reason}")
+
+# (N, K): SmolLM2's projections and LM heads, and odd sizes (K % 32 tail, N % 16 tail)
+SHAPES = [(1536, 576), (576, 1536), (192, 576), (8192, 576), (37, 100), (16, 32), (5, 7)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_an_fp32_reference(n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    x = torch.randn(13, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    ref = x.float() @ w.float().T + b.float()  # exact products of bf16 inputs, fp32 sums
+    y = native.linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (13, n)
+    # one bf16 rounding of the output plus fp32 summation-order noise
+    assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-3 * float(ref.abs().max()))
+    assert torch.equal(native.linear(x, w), native.linear(x, w, None))
+    assert not torch.equal(native.linear(x, w), y)  # the bias is added
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_every_row_is_bit_identical_alone_and_in_any_batch(n, k):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    full = native.linear(x, w)
+    for m in (1, 2, 3, 4, 5, 8, 11, 17, 27):  # every tile path: 4x4, 1x16 leftovers, 1x1 tails
+        assert torch.equal(native.linear(x[:m], w), full[:m]), m
+    for i in range(x.shape[0]):
+        assert torch.equal(native.linear(x[i:i + 1], w)[0], full[i]), i
+
+
+@needs_kernel
+def test_thread_count_does_not_change_results():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 576, generator=gen).bfloat16()
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear(x, w)
+        torch.set_num_threads(2)
+        two = native.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_strided_and_batched_inputs():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 200, generator=gen).bfloat16()
+    w = torch.randn(64, 100, generator=gen).bfloat16()
+    sliced = x[..., 50:150]  # rows with a stride of 200
+    assert torch.equal(native.linear(sliced, w), native.linear(sliced.contiguous(), w))
+    assert native.linear(sliced, w).shape == (2, 3, 64)
+
+
+def test_usable_only_for_what_the_kernel_computes():
+    w = torch.randn(8, 32).bfloat16()
+    ok = native.status().available
+    assert native.usable(torch.randn(3, 32).bfloat16(), w) == ok
+    assert not native.usable(torch.randn(3, 32), w.float())  # fp32: torch's GEMM
+    assert not native.usable(torch.randn(native.MAX_ROWS + 1, 32).bfloat16(), w)  # a long prefill
+    assert not native.usable(torch.randn(3, 32).bfloat16(), w.t().contiguous().t())  # weight not row-major
+    needs_grad = torch.randn(3, 32).bfloat16().requires_grad_()
+    assert not native.usable(needs_grad, w)  # training: torch's GEMM, with autograd
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(native.OFF_ENV, "torch")
+    native._library.cache_clear()
+    try:
+        st = native.status()
+        assert not st.available and native.OFF_ENV in st.reason and native.OFF_ENV in st.describe()
+        assert not native.usable(torch.randn(2, 32).bfloat16(), torch.randn(4, 32).bfloat16())
+    finally:
+        native._library.cache_clear()
+
+
+def test_a_failed_build_falls_back_with_the_reason(monkeypatch):
+    monkeypatch.delenv(native.OFF_ENV, raising=False)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(native.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    native._library.cache_clear()
+    try:
+        st = native.status()
+        assert not st.available and "no C compiler" in st.reason
+    finally:
+        native._library.cache_clear()
+
+
+def test_invariant_linear_falls_back_to_chunked_onednn(monkeypatch):
+    """Without the kernel, InvariantLinear still gives F.linear's values within bf16 rounding."""
+    monkeypatch.setattr(native, "_library", lambda: (None, native.NativeStatus(False, "off for this test")))
+    layer = torch.nn.Linear(1536, 64, bias=True).bfloat16()
+    assert swap_linears(torch.nn.Sequential(layer)) == 1 and isinstance(layer, InvariantLinear)
+    x = torch.randn(5, 1536).bfloat16()
+    with torch.no_grad():
+        assert torch.allclose(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), rtol=2e-2, atol=2e-2)
+
+
+def _tree_case(n_ctx: int, nh: int, kvh: int, hd: int, seed: int):
+    """A 6-node tree (root; 2 children; a chain under the first) after n_ctx context keys."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1, 0, 0, 1, 3, 4]
+    anc = torch.tensor([[0, -1, -1, -1, -1], [0, 1, -1, -1, -1], [0, 2, -1, -1, -1], [0, 1, 3, -1, -1],
+                        [0, 1, 3, 4, -1], [0, 1, 3, 4, 5]])
+    counts = torch.tensor([1, 2, 2, 3, 4, 5])
+    q = torch.randn(len(parents), nh, hd, generator=gen).bfloat16()
+    key = torch.randn(kvh, n_ctx + len(parents), hd, generator=gen).bfloat16()
+    value = torch.randn(kvh, n_ctx + len(parents), hd, generator=gen).bfloat16()
+    return q, key, value, anc, counts
+
+
+@needs_kernel
+@pytest.mark.parametrize("n_ctx,nh,kvh,hd", [(0, 4, 4, 32), (40, 9, 3, 64), (100, 8, 2, 128), (17, 2, 1, 256)])
+def test_attention_matches_an_fp32_reference(n_ctx, nh, kvh, hd):
+    q, key, value, anc, counts = _tree_case(n_ctx, nh, kvh, hd, seed=n_ctx + hd)
+    scale = hd ** -0.5
+    out = native.attention(q, key, value, n_ctx, anc, counts, scale)
+    ref = native.reference_attention(q, key, value, n_ctx, anc, counts, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+    # the root alone sees only the context and itself: softmax over exactly those keys
+    keys = torch.cat([torch.arange(n_ctx), torch.tensor([n_ctx])])
+    k0 = key[:, keys].float().repeat_interleave(nh // kvh, 0)
+    p = torch.softmax((k0 @ q[0].float()[:, :, None])[..., 0] * scale, -1)
+    assert torch.allclose(out[0].float(), (p[:, None] @ value[:, keys].float().repeat_interleave(nh // kvh, 0))[:, 0],
+                          rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_attention_rows_are_bit_identical_alone_and_in_the_tree():
+    q, key, value, anc, counts = _tree_case(150, 9, 3, 64, seed=5)
+    full = native.attention(q, key, value, 150, anc, counts, 0.125)
+    for i in range(q.shape[0]):
+        alone = native.attention(q[i:i + 1], key, value, 150, anc[i:i + 1, :int(counts[i])], counts[i:i + 1], 0.125)
+        assert torch.equal(alone, full[i:i + 1]), i
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.attention(q, key, value, 150, anc, counts, 0.125), full)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_attention_usable_only_for_what_the_kernel_computes():
+    ok = native.status().available
+    assert native.attention_usable(torch.randn(1, 4, 2, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16()) == ok
+    assert not native.attention_usable(torch.randn(1, 4, 2, 48).bfloat16(), torch.randn(1, 2, 9, 48).bfloat16())
+    assert not native.attention_usable(torch.randn(1, 4, 2, 64), torch.randn(1, 2, 9, 64))
