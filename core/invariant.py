@@ -34,6 +34,7 @@ and receives the tree layout as a keyword argument of the model's forward; witho
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,35 @@ class InvariantLinear(torch.nn.Linear):
         return out.to(x.dtype)
 
 
+# transformers' RMSNorm classes that compute weight * bf16(x / rms(x)), as native.rms_norm does
+NATIVE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+
+
+@functools.cache
+def _native_norm(base: type) -> type:
+    """A subclass of transformers' `base` norm whose forward runs native.rms_norm where it can."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if native.norm_usable(hidden_states, self.weight):
+            return native.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return base.forward(self, hidden_states)
+
+    return type(f"Native{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+
+
+def swap_norms(model: torch.nn.Module) -> int:
+    """Turn transformers' Llama-style RMSNorms into their native subclass (same weights) where
+    core.native runs; returns the number swapped."""
+    if not native.status().available:
+        return 0
+    swapped = 0
+    for module in model.modules():
+        if type(module).__name__ in NATIVE_NORMS and hasattr(module, "variance_epsilon"):
+            module.__class__ = _native_norm(type(module))
+            swapped += 1
+    return swapped
+
+
 def swap_linears(model: torch.nn.Module) -> int:
     """Turn the nn.Linear layers that need it into InvariantLinear (in place, same weights):
     all of them when core.native's kernel runs here (it is also the fast one), else those with
@@ -191,6 +221,7 @@ def make_invariant(model: torch.nn.Module) -> int:
     """Swap in InvariantLinear (`swap_linears`) and select the exact attention; returns the
     number of layers swapped."""
     swapped = swap_linears(model)
+    swap_norms(model)
     model.set_attn_implementation(NAME)
     return swapped
 
@@ -199,6 +230,8 @@ def undo_invariant(model: torch.nn.Module, attention: str = "sdpa") -> None:
     for module in model.modules():
         if type(module) is InvariantLinear:
             module.__class__ = torch.nn.Linear
+        elif type(module).__name__.removeprefix("Native") in NATIVE_NORMS and type(module).__name__.startswith("Native"):
+            module.__class__ = type(module).__bases__[0]
     model.set_attn_implementation(attention)
 
 

@@ -1,4 +1,4 @@
-"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM and attention.
+"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM, attention, RMSNorm.
 
 Why: a decoding step multiplies 1 to a few dozen rows by every weight matrix, so its cost is
 streaming the weights. On this project's CPUs oneDNN's bf16 GEMM moves them at 10-15 GB/s
@@ -12,7 +12,8 @@ is why `core.invariant` otherwise splits wider reductions.
 
 Attention (`attention`): each row attends to its keys in plain decoding's order with one fixed
 instruction sequence (csrc/attention_bf16.c), so it needs none of core.invariant's block layout
-and its dozens of small torch ops per layer.
+and its dozens of small torch ops per layer. RMSNorm (`rms_norm`, csrc/rmsnorm_bf16.c): the
+formula of transformers' LlamaRMSNorm in one call instead of eight torch ops.
 
 Built once per machine with gcc into `cache_home()/kernels`, loaded with ctypes, and checked
 (against fp32 references, and row by row against a batch) before first use. Where any step
@@ -49,7 +50,7 @@ class NativeStatus:
     reason: str  # what runs, or why the kernel does not
 
     def describe(self) -> str:
-        return "AVX-512 bf16 GEMM + attention (core/csrc)" if self.available else f"torch kernels ({self.reason})"
+        return "AVX-512 bf16 GEMM, attention and RMSNorm (core/csrc)" if self.available else f"torch kernels ({self.reason})"
 
 
 def _cpu_flags() -> set[str]:
@@ -86,6 +87,7 @@ def _build() -> Path:
 class _Kernels:
     gemm: ctypes._CFuncPtr
     attention: ctypes._CFuncPtr
+    rms_norm: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -101,11 +103,12 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16)
+    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16)
     kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
-    for fn in (kernels.gemm, kernels.attention):
+    kernels.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]
+    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm):
         fn.restype = None
     problem = _self_test(kernels)
     if problem:
@@ -137,6 +140,21 @@ def _attention(k: _Kernels, q: torch.Tensor, key: torch.Tensor, value: torch.Ten
                 key.stride(1), ancestors.data_ptr(), ancestors.stride(0), counts.data_ptr(), out.data_ptr(),
                 n, nh, key.shape[0], hd, committed, scale, torch.get_num_threads())
     return out
+
+
+def _rms_norm(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x (M, H) with unit stride in H; weight (H,) -> (M, H) bf16
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    k.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
+               eps, torch.get_num_threads())
+    return y
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, the formula `rms_norm` computes."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def reference_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed: int,
@@ -173,28 +191,46 @@ def _self_test(k: _Kernels) -> str | None:
         return "wrong attention results"
     if not torch.equal(_attention(k, q[2:], key, value, 40, anc[2:], counts[2:], 0.125), out[2:]):
         return "attention rows differ alone and in a batch"
+    x = torch.randn(5, 100, generator=gen).bfloat16()
+    w = torch.randn(100, generator=gen).bfloat16()
+    y = _rms_norm(k, x, w, 1e-5)
+    if not torch.allclose(y.float(), reference_rms_norm(x, w, 1e-5).float(), rtol=2e-2, atol=2e-2):
+        return "wrong RMSNorm results"
+    if not torch.equal(_rms_norm(k, x[3:4], w, 1e-5), y[3:4]):
+        return "RMSNorm rows differ alone and in a batch"
     return None
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` serves this call: bf16 on the CPU, no autograd, at most MAX_ROWS rows."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(1) == 1
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+    # on the hot path of every decoding GEMM: cheap checks only
+    return (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and weight.stride(1) == 1 and x.numel() <= MAX_ROWS * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _library()[0] is not None)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x (..., K) -> (a tensor whose rows are x's rows, M, its row stride)."""
+    if x.is_contiguous():
+        return x, x.numel() // x.shape[-1], x.shape[-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.shape[0], rows.stride(0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through the kernel: x (..., K) bf16, weight (N, K), bias (N,) -> (..., N) bf16."""
     k = _library()[0]
     assert k is not None and x.shape[-1] == weight.shape[1], "check native.usable(x, weight) first"
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    return _gemm(k, rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    rows, m, ldx = _rows(x)
+    n = weight.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    k.gemm(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
+           None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
+           torch.get_num_threads())
+    return y
 
 
 def attention_usable(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -217,3 +253,22 @@ def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed
     if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride() != value.stride():
         key, value = key.contiguous(), value.contiguous()
     return _attention(k, q, key, value, committed, ancestors.contiguous(), counts.contiguous(), scale)
+
+
+def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` serves this call: bf16 rows and weight on the CPU, no autograd."""
+    return (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_cpu and weight.dim() == 1
+            and weight.shape[0] == x.shape[-1] and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and _library()[0] is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in one call: x (..., H) bf16, weight (H,) -> (..., H) bf16."""
+    k = _library()[0]
+    assert k is not None
+    rows, m, ldx = _rows(x)
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    k.rms_norm(rows.data_ptr(), ldx, weight.data_ptr(), y.data_ptr(), x.shape[-1], m, x.shape[-1], eps,
+               torch.get_num_threads())
+    return y

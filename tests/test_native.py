@@ -166,3 +166,48 @@ def test_attention_usable_only_for_what_the_kernel_computes():
     assert native.attention_usable(torch.randn(1, 4, 2, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16()) == ok
     assert not native.attention_usable(torch.randn(1, 4, 2, 48).bfloat16(), torch.randn(1, 2, 9, 48).bfloat16())
     assert not native.attention_usable(torch.randn(1, 4, 2, 64), torch.randn(1, 2, 9, 64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("h", [576, 100, 4096])
+def test_rms_norm_is_transformers_llama_rmsnorm(h):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(h)
+    norm = LlamaRMSNorm(h, eps=1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h, generator=gen))
+    x = (3 * torch.randn(2, 7, h, generator=gen)).bfloat16()
+    with torch.no_grad():
+        hf = norm(x)
+    ours = native.rms_norm(x, norm.weight.detach(), 1e-5)
+    assert ours.shape == x.shape and ours.dtype == torch.bfloat16
+    # the same formula and roundings; the fp32 sum of squares may differ in its last bits
+    assert (ours.float() - hf.float()).abs().max() <= 0.02 * hf.float().abs().max()
+    assert (ours == hf).float().mean() > 0.95
+    flat = x.reshape(-1, h)
+    for i in range(flat.shape[0]):  # each row alone: bit-identical
+        assert torch.equal(native.rms_norm(flat[i:i + 1], norm.weight.detach(), 1e-5)[0], ours.reshape(-1, h)[i])
+
+
+@needs_kernel
+def test_make_invariant_swaps_llama_norms_and_undo_restores_them():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from core.invariant import make_invariant, undo_invariant
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(cfg).bfloat16().eval()
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.inference_mode():
+        before = model(ids).logits
+        make_invariant(model)
+        norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+        assert len(norms) == 5 and all(type(m).__name__ == "NativeLlamaRMSNorm" for m in norms)
+        after = model(ids).logits  # prefill: sdpa, native GEMMs and norms
+        assert torch.allclose(after.float(), before.float(), atol=0.1, rtol=0.05)
+        undo_invariant(model)
+        assert all(type(m) is LlamaRMSNorm for m in model.modules() if isinstance(m, LlamaRMSNorm))
+        assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -29,10 +29,6 @@ static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]; |rel err| 
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load_bf16x16(const uint16_t *p) {  // 16 bf16 -> 16 fp32 (exact)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 // q (n, nh, hd) with strides (qs_row, qs_head); k, v (kvh, T, hd) with strides (kv_head, kv_pos);
 // anc (n, anc_stride) int64 cache-slot offsets past L; na (n,) counts; out (n, nh, hd) contiguous.
 void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
@@ -96,7 +92,7 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 int64_t slot = j < L ? j : L + anc[i * anc_stride + (j - L)];
                 const uint16_t *vr = vh + slot * kv_pos;
                 __m512 e = _mm512_set1_ps(s[j]);
-                for (int c = 0; c < ov; c++) o[c] = _mm512_fmadd_ps(e, load_bf16x16(vr + 16 * c), o[c]);
+                for (int c = 0; c < ov; c++) o[c] = _mm512_fmadd_ps(e, bf16x16_to_ps(vr + 16 * c), o[c]);
             }
             uint16_t *dst = out + ((int64_t)i * nh + h) * hd;
             for (int c = 0; c < ov; c++) {

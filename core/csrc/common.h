@@ -29,6 +29,27 @@ static inline __m512 reduce16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
 }
 
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {  // 16 bf16 -> 16 fp32 (exact)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+// reduce16's lanes put back in accumulator order: lane a = sum of accumulator a.
+static inline __m512 in_order16(__m512 s) {
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, s);
+}
+
+// to_bf16 on 16 lanes, bit for bit (round to nearest even; NaN kept quiet).
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 static inline void store16(__m512 s, float *out) {  // out[a] = sum of accumulator a
     float lanes[16];
     _mm512_storeu_ps(lanes, s);

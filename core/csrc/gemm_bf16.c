@@ -8,10 +8,10 @@
 // Built by core/native.py with gcc; threads come from the OpenMP runtime torch already loaded.
 #include "common.h"
 
-// MB rows of x times NB rows of w (MB * NB <= 16; unused accumulators stay 0); out[i * NB + j]
+// MB rows of x times NB rows of w (MB * NB <= 16; unused accumulators stay 0) -> out[i * ldo + j]
 #define TILE(MB, NB)                                                                          \
 static inline void tile_##MB##x##NB(const uint16_t *x, int64_t ldx, const uint16_t *w,        \
-                                    int64_t ldw, int K, __mmask32 tail, float *out) {          \
+                                    int64_t ldw, int K, __mmask32 tail, float *out, int ldo) { \
     __m512 acc[16];                                                                           \
     for (int a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();                                \
     int k = 0;                                                                                \
@@ -31,9 +31,9 @@ static inline void tile_##MB##x##NB(const uint16_t *x, int64_t ldx, const uint16
             for (int j = 0; j < NB; j++) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]); \
         }                                                                                     \
     }                                                                                         \
-    float sums[16];                                                                           \
-    store16(reduce16(acc), sums);                                                             \
-    for (int a = 0; a < MB * NB; a++) out[a] = sums[a];                                       \
+    __m512 sums = in_order16(reduce16(acc)); /* lane i * NB + j: row i, column j */          \
+    for (int i = 0; i < MB; i++)                                                              \
+        _mm512_mask_storeu_ps(out + i * ldo - i * NB, (__mmask16)(((1u << NB) - 1u) << (i * NB)), sums); \
 }
 
 TILE(4, 4)
@@ -55,38 +55,26 @@ void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, c
     for (int nb = 0; nb < nblocks; nb++) {
         int n0 = nb * NBLK, nn = N - n0 < NBLK ? N - n0 : NBLK;
         const uint16_t *wn = w + n0 * ldw;
-        float out[4 * NBLK], t[16];
+        float out[4 * NBLK];
         int m0 = 0;
         if (nn == NBLK) {
-            for (; m0 + 4 <= M; m0 += 4) {
-                for (int c = 0; c < NBLK; c += 4) {
-                    tile_4x4(x + m0 * ldx, ldx, wn + c * ldw, ldw, K, tail, t);
-                    for (int i = 0; i < 4; i++) for (int j = 0; j < 4; j++) out[i * NBLK + c + j] = t[i * 4 + j];
-                }
-                for (int i = 0; i < 4; i++) for (int j = 0; j < NBLK; j++) {
-                    float v = out[i * NBLK + j] + (bias ? from_bf16(bias[n0 + j]) : 0.0f);
-                    y[(m0 + i) * ldy + n0 + j] = to_bf16(v);
-                }
+            for (; m0 < M; m0 += 4) {  // 4 rows at a time; 3, 2 or 1 leftover rows: their own tile
+                int rows = M - m0 < 4 ? M - m0 : 4;
+                const uint16_t *xm = x + m0 * ldx;
+                if (rows == 4) for (int c = 0; c < NBLK; c += 4) tile_4x4(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
+                else if (rows == 3) for (int c = 0; c < NBLK; c += 4) tile_3x4(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
+                else if (rows == 2) for (int c = 0; c < NBLK; c += 8) tile_2x8(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
+                else tile_1x16(xm, ldx, wn, ldw, K, tail, out, NBLK);
+                __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                      _mm256_loadu_si256((const __m256i *)(bias + n0))), 16)) : _mm512_setzero_ps();
+                for (int i = 0; i < rows; i++)
+                    _mm256_storeu_si256((__m256i *)(y + (m0 + i) * ldy + n0),
+                                        to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(out + i * NBLK), b)));
             }
-            int rest = M - m0;  // 0-3 leftover rows: one tile shape each, 16 columns
-            if (rest == 3)
-                for (int c = 0; c < NBLK; c += 4) {
-                    tile_3x4(x + m0 * ldx, ldx, wn + c * ldw, ldw, K, tail, t);
-                    for (int i = 0; i < 3; i++) for (int j = 0; j < 4; j++) out[i * NBLK + c + j] = t[i * 4 + j];
-                }
-            else if (rest == 2)
-                for (int c = 0; c < NBLK; c += 8) {
-                    tile_2x8(x + m0 * ldx, ldx, wn + c * ldw, ldw, K, tail, t);
-                    for (int i = 0; i < 2; i++) for (int j = 0; j < 8; j++) out[i * NBLK + c + j] = t[i * 8 + j];
-                }
-            else if (rest == 1)
-                tile_1x16(x + m0 * ldx, ldx, wn, ldw, K, tail, out);
-            for (int i = 0; i < rest; i++) for (int j = 0; j < NBLK; j++)
-                y[(m0 + i) * ldy + n0 + j] = to_bf16(out[i * NBLK + j] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
         } else {
             for (; m0 < M; m0++) for (int j = 0; j < nn; j++) {
-                tile_1x1(x + m0 * ldx, ldx, wn + j * ldw, ldw, K, tail, t);
-                y[m0 * ldy + n0 + j] = to_bf16(t[0] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
+                tile_1x1(x + m0 * ldx, ldx, wn + j * ldw, ldw, K, tail, out, 1);
+                y[m0 * ldy + n0 + j] = to_bf16(out[0] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
             }
         }
     }

@@ -1,0 +1,33 @@
+// RMSNorm for bf16 rows, as transformers' LlamaRMSNorm computes it, one fixed sequence per row:
+//   r = 1 / sqrt(sum(x^2) / H + eps)   fp32; squares summed on 16 lanes in order, then reduce16's tree
+//   y = bf16(w * bf16(x * r))          the two roundings of `weight * hidden.to(bf16)`
+// A row's result does not depend on the other rows or the thread count.
+#include "common.h"
+
+void rmsnorm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy,
+                  int M, int H, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * ldx;
+        uint16_t *yr = y + m * ldy;
+        __m512 acc = _mm512_setzero_ps();
+        int h = 0;
+        for (; h + 16 <= H; h += 16) {
+            __m512 v = bf16x16_to_ps(xr + h);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        if (h < H) {
+            __mmask16 tail = (__mmask16)((1u << (H - h)) - 1u);
+            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail, xr + h)), 16));
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        __m512 zero = _mm512_setzero_ps(), lanes[16] = {acc};
+        for (int t = 1; t < 16; t++) lanes[t] = zero;
+        float sum[16];
+        store16(reduce16(lanes), sum);
+        float r = 1.0f / sqrtf(sum[0] / (float)H + eps);
+        for (h = 0; h < H; h++)
+            yr[h] = to_bf16(from_bf16(w[h]) * from_bf16(to_bf16(from_bf16(xr[h]) * r)));
+    }
+}
