@@ -42,6 +42,19 @@ def test_chooser_picks_larger_tree_when_verification_is_cheaper():
     assert costly.total_tokens == 2
 
 
+def test_near_ties_go_to_the_tree_that_accepts_more():
+    # root -> 1 -> 2, all accepted: depth 1 / 2 nodes gives 2 tokens per step, depth 2 / 3 nodes 3
+    step = ((0, 1, 2), (0.0, -0.1, -0.2), (0, 1, 2))
+    profile = lambda verify3: Profile(verify_s={2: 0.010, 3: verify3}, draft_s={1: 0.0, 2: 0.0}, other_s=0.0,
+                                      steps=(step,), top_k=1)
+    # 3 tokens / 15.4 ms = 194.8 tok/s, 2.6% below 2 / 10 ms: a tie, and the deeper tree accepts more
+    tree, rate = choose(profile(0.0154), depths=(1, 2), sizes=(2, 3))
+    assert tree == TreeConfig(depth=2, top_k=1, total_tokens=3) and rate == pytest.approx(3 / 0.0154)
+    # 3 / 17 ms = 176.5 tok/s, 12% below: speed wins
+    tree, rate = choose(profile(0.0170), depths=(1, 2), sizes=(2, 3))
+    assert tree == TreeConfig(depth=1, top_k=1, total_tokens=2) and rate == pytest.approx(200.0)
+
+
 def test_choose_tree_measures_once_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
     target = tiny_target()
