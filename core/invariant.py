@@ -187,7 +187,7 @@ def _native_norm(base: type) -> type:
             return native.rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return base.forward(self, hidden_states)
 
-    return type(f"Native{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+    return type(f"Native{base.__name__}", (base,), {"forward": forward, "__module__": __name__, "native_base": base})
 
 
 def swap_norms(model: torch.nn.Module) -> int:
@@ -230,8 +230,8 @@ def undo_invariant(model: torch.nn.Module, attention: str = "sdpa") -> None:
     for module in model.modules():
         if type(module) is InvariantLinear:
             module.__class__ = torch.nn.Linear
-        elif type(module).__name__.removeprefix("Native") in NATIVE_NORMS and type(module).__name__.startswith("Native"):
-            module.__class__ = type(module).__bases__[0]
+        elif "native_base" in vars(type(module)):  # a _native_norm subclass
+            module.__class__ = type(module).native_base
     model.set_attn_implementation(attention)
 
 

@@ -120,13 +120,24 @@ def status() -> NativeStatus:
     return _library()[1]
 
 
-def _gemm(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # x (M, K) with unit stride in K; weight (N, K) likewise; bias (N,) or None -> (M, N) bf16
-    m, kdim = x.shape
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x (..., K) -> (a tensor whose rows are x's rows, M, its row stride)."""
+    if x.is_contiguous():
+        return x, x.numel() // x.shape[-1], x.shape[-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.shape[0], rows.stride(0)
+
+
+def _linear(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # x (..., K) bf16; weight (N, K) with unit stride in K; bias (N,) or None -> (..., N) bf16
+    rows, m, ldx = _rows(x)
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    k.gemm(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-           None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, kdim, torch.get_num_threads())
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device=x.device)
+    k.gemm(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
+           None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
+           torch.get_num_threads())
     return y
 
 
@@ -143,10 +154,11 @@ def _attention(k: _Kernels, q: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def _rms_norm(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x (M, H) with unit stride in H; weight (H,) -> (M, H) bf16
+    # x (..., H) bf16; weight (H,) contiguous -> (..., H) bf16
+    rows, m, ldx = _rows(x)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    k.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
-               eps, torch.get_num_threads())
+    k.rms_norm(rows.data_ptr(), ldx, weight.data_ptr(), y.data_ptr(), x.shape[-1], m, x.shape[-1], eps,
+               torch.get_num_threads())
     return y
 
 
@@ -177,11 +189,11 @@ def _self_test(k: _Kernels) -> str | None:
         x = torch.randn(9, kdim, generator=gen).bfloat16()
         w = torch.randn(n, kdim, generator=gen).bfloat16()
         b = torch.randn(n, generator=gen).bfloat16()
-        y = _gemm(k, x, w, b)
+        y = _linear(k, x, w, b)
         ref = x.float() @ w.float().T + b.float()
         if not torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())):
             return f"wrong GEMM results for a {n}x{kdim} weight"
-        if not all(torch.equal(_gemm(k, x[i:i + 1], w, b)[0], y[i]) for i in range(x.shape[0])):
+        if not all(torch.equal(_linear(k, x[i:i + 1], w, b)[0], y[i]) for i in range(x.shape[0])):
             return f"GEMM rows differ alone and in a batch for a {n}x{kdim} weight"
     q = torch.randn(3, 4, 64, generator=gen).bfloat16()
     key, value = torch.randn(2, 40 + 3, 64, generator=gen).bfloat16(), torch.randn(2, 43, 64, generator=gen).bfloat16()
@@ -210,27 +222,11 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _library()[0] is not None)
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """x (..., K) -> (a tensor whose rows are x's rows, M, its row stride)."""
-    if x.is_contiguous():
-        return x, x.numel() // x.shape[-1], x.shape[-1]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return rows, rows.shape[0], rows.stride(0)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through the kernel: x (..., K) bf16, weight (N, K), bias (N,) -> (..., N) bf16."""
     k = _library()[0]
     assert k is not None and x.shape[-1] == weight.shape[1], "check native.usable(x, weight) first"
-    rows, m, ldx = _rows(x)
-    n = weight.shape[0]
-    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    k.gemm(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
-           None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
-           torch.get_num_threads())
-    return y
+    return _linear(k, x, weight, bias)
 
 
 def attention_usable(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -266,9 +262,5 @@ def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm in one call: x (..., H) bf16, weight (H,) -> (..., H) bf16."""
     k = _library()[0]
-    assert k is not None
-    rows, m, ldx = _rows(x)
-    y = torch.empty(x.shape, dtype=torch.bfloat16)
-    k.rms_norm(rows.data_ptr(), ldx, weight.data_ptr(), y.data_ptr(), x.shape[-1], m, x.shape[-1], eps,
-               torch.get_num_threads())
-    return y
+    assert k is not None, "check native.norm_usable(x, weight) first"
+    return _rms_norm(k, x, weight, eps)

@@ -13,6 +13,9 @@
 
 #include "common.h"
 
+// Cache slot of row i's j-th key: the context, then its ancestors and itself.
+static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
+
 static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]; |rel err| < 2e-7
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -57,15 +60,13 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
             for (int64_t j0 = 0; j0 < count; j0 += 16) {
                 __m512 acc[16];
                 for (int t = 0; t < 16; t++) {
-                    int64_t j = j0 + t, slot = j < L ? j : (j < count ? L + anc[i * anc_stride + (j - L)] : 0);
+                    int64_t j = j0 + t, slot = j < count ? key_slot(j, L, anc + i * anc_stride) : 0;
                     const uint16_t *kr = kh + slot * kv_pos;
                     __m512 a = _mm512_setzero_ps();
                     for (int c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
                     acc[t] = a;
                 }
-                float sc[16];
-                store16(reduce16(acc), sc);
-                __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_set1_ps(scale));
+                __m512 sv = _mm512_mul_ps(in_order16(reduce16(acc)), _mm512_set1_ps(scale));
                 __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
                 sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv);
                 _mm512_storeu_ps(s + j0, sv);
@@ -79,27 +80,19 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 _mm512_storeu_ps(s + j0, e);
                 dsum = _mm512_add_ps(dsum, e);
             }
-            __m512 zero = _mm512_setzero_ps(), lanes[16] = {dsum};
-            for (int t = 1; t < 16; t++) lanes[t] = zero;
-            float dl[16];
-            store16(reduce16(lanes), dl);
-            __m512 inv = _mm512_set1_ps(1.0f / dl[0]);
+            __m512 inv = _mm512_set1_ps(1.0f / hsum16(dsum));
             // out = sum_j e_j v_j, key order, fp32
             __m512 o[16];
             int ov = hd / 16;
             for (int c = 0; c < ov; c++) o[c] = _mm512_setzero_ps();
             for (int64_t j = 0; j < count; j++) {
-                int64_t slot = j < L ? j : L + anc[i * anc_stride + (j - L)];
-                const uint16_t *vr = vh + slot * kv_pos;
+                const uint16_t *vr = vh + key_slot(j, L, anc + i * anc_stride) * kv_pos;
                 __m512 e = _mm512_set1_ps(s[j]);
                 for (int c = 0; c < ov; c++) o[c] = _mm512_fmadd_ps(e, bf16x16_to_ps(vr + 16 * c), o[c]);
             }
             uint16_t *dst = out + ((int64_t)i * nh + h) * hd;
-            for (int c = 0; c < ov; c++) {
-                float tmp[16];
-                _mm512_storeu_ps(tmp, _mm512_mul_ps(o[c], inv));
-                for (int t = 0; t < 16; t++) dst[16 * c + t] = to_bf16(tmp[t]);
-            }
+            for (int c = 0; c < ov; c++)
+                _mm256_storeu_si256((__m256i *)(dst + 16 * c), to_bf16x16(_mm512_mul_ps(o[c], inv)));
         }
         free(s);
     }

@@ -29,9 +29,16 @@ static inline __m512 reduce16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
 }
 
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {  // 16 bf16 -> 16 fp32 (exact)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+// The sum of one vector's 16 lanes, in reduce16's tree.
+static inline float hsum16(__m512 v) {
+    __m512 lanes[16] = {v};  // the other 15 accumulators are zero
+    return _mm512_cvtss_f32(reduce16(lanes));  // accumulator 0 lands in lane 0
 }
+
+static inline __m512 bf16x16_to_ps_masked(const uint16_t *p, __mmask16 m) {  // exact; masked lanes 0
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 bf16x16_to_ps(const uint16_t *p) { return bf16x16_to_ps_masked(p, 0xFFFF); }
 
 // reduce16's lanes put back in accumulator order: lane a = sum of accumulator a.
 static inline __m512 in_order16(__m512 s) {
@@ -49,10 +56,3 @@ static inline __m256i to_bf16x16(__m512 v) {
     r = _mm512_mask_or_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(r);
 }
-
-static inline void store16(__m512 s, float *out) {  // out[a] = sum of accumulator a
-    float lanes[16];
-    _mm512_storeu_ps(lanes, s);
-    for (int a = 0; a < 16; a++) out[a] = lanes[4 * (a & 3) + (a >> 2)];
-}
-

@@ -17,16 +17,10 @@ void rmsnorm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         if (h < H) {
-            __mmask16 tail = (__mmask16)((1u << (H - h)) - 1u);
-            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail, xr + h)), 16));
+            __m512 v = bf16x16_to_ps_masked(xr + h, (__mmask16)((1u << (H - h)) - 1u));
             acc = _mm512_fmadd_ps(v, v, acc);
         }
-        __m512 zero = _mm512_setzero_ps(), lanes[16] = {acc};
-        for (int t = 1; t < 16; t++) lanes[t] = zero;
-        float sum[16];
-        store16(reduce16(lanes), sum);
-        float r = 1.0f / sqrtf(sum[0] / (float)H + eps);
+        float r = 1.0f / sqrtf(hsum16(acc) / (float)H + eps);
         for (h = 0; h < H; h++)
             yr[h] = to_bf16(from_bf16(w[h]) * from_bf16(to_bf16(from_bf16(xr[h]) * r)));
     }
