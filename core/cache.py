@@ -1,6 +1,8 @@
-"""The target's KV cache (transformers' DynamicCache) and the three operations we need.
+"""The target's KV cache and the three operations we need.
 
-  new_cache      an empty cache for the model.
+  new_cache      an empty cache for the model: transformers' DynamicCache whose layers
+                 write into preallocated buffers (`BufferedLayer`) instead of growing by
+                 `torch.cat`, so a step costs the new entries, not a copy of the whole cache.
   cache_length   committed tokens in it.
   keep           after a tree forward: keep the committed prefix plus the accepted
                  path's entries, moved into contiguous slots; drop every other node.
@@ -10,12 +12,77 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256  # first buffer, in positions; it doubles when full
+
+
+class BufferedLayer(DynamicLayer):
+    """A DynamicLayer over buffers (B, kvh, capacity, hd): `keys` / `values` are views of the
+    first `length` positions; an update writes the new entries in place (growing the buffer
+    by doubling when full), so nothing of the committed context is copied per step."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None
+        self.length = 0
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
+        cap = 0 if self._k is None else self._k.shape[-2]
+        if need <= cap:
+            return
+        new_cap = max(MIN_CAPACITY, 2 * cap, need)
+        k = key_states.new_empty((*key_states.shape[:-2], new_cap, key_states.shape[-1]))
+        v = value_states.new_empty((*value_states.shape[:-2], new_cap, value_states.shape[-1]))
+        if self.length:
+            k[..., :self.length, :] = self._k[..., :self.length, :]
+            v[..., :self.length, :] = self._v[..., :self.length, :]
+        self._k, self._v = k, v
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self._k[..., :length, :], self._v[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: (B, kvh, n, hd) -> all keys / values so far, (B, kvh, length, hd)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._reserve(key_states, value_states, self.length + n)
+        self._k[..., self.length:self.length + n, :] = key_states
+        self._v[..., self.length:self.length + n, :] = value_states
+        self._set_length(self.length + n)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the number of tokens to remove as a negative integer")
+        if tokens_to_remove and self.is_initialized:
+            self._set_length(max(0, self.length + tokens_to_remove))
+
+    def keep(self, committed: int, slots: torch.Tensor) -> None:
+        """Entries [0, committed), then slots[i] in slot committed + i; the rest is dropped."""
+        n = slots.shape[0]
+        # the gather copies first, so overlapping source and destination slots are safe
+        self._k[..., committed:committed + n, :] = self._k[..., slots, :]
+        self._v[..., committed:committed + n, :] = self._v[..., slots, :]
+        self._set_length(committed + n)
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self.length = 0
+        super().reset()
 
 
 def new_cache(model) -> DynamicCache:
     # No config: plain full-attention layers even for sliding-window models; our own 4D
-    # masks decide what each token sees, and `keep` can slice every layer the same way.
-    return DynamicCache()
+    # masks decide what each token sees, and `keep` can move entries in every layer the same way.
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = BufferedLayer  # Cache.update appends one per new layer index
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -27,7 +94,19 @@ def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) ->
     path = torch.as_tensor(path, dtype=torch.long).cpu()  # a few ints: decide on the host
     n = path.shape[0]
     contiguous = torch.equal(path, torch.arange(n))  # accepted nodes already in place: just cut
+    slots = {}  # device -> the kept entries' cache slots
     for layer in cache.layers:
+        if isinstance(layer, BufferedLayer):
+            if not layer.is_initialized:
+                continue
+            if contiguous:
+                layer._set_length(committed + n)
+            else:
+                device = layer.keys.device
+                if device not in slots:
+                    slots[device] = (committed + path).to(device)
+                layer.keep(committed, slots[device])
+            continue
         if contiguous:
             layer.keys, layer.values = layer.keys[:, :, :committed + n], layer.values[:, :, :committed + n]
             continue

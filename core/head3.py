@@ -31,7 +31,7 @@ from torch import nn
 
 from core import native
 from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
-                       _rotary, _rotate_half, additive, causal_mask, read_checkpoint)
+                       _rotary, _rotate_half, causal_mask, head_mask, read_checkpoint)
 from core.invariant import swap_linears
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -324,7 +324,7 @@ class Drafter3:
         m = tokens.shape[0]
         dtype = self.head.fc.weight.dtype
         emb = self.embed(tokens)[None].to(dtype)  # (1, m, H)
-        mask = causal_mask(m, cache.length, dtype, tokens.device) if allowed is None else additive(allowed, dtype)
+        mask = head_mask(allowed, cache.length, m, dtype, self.head.config, tokens.device)
         return self.head(emb, features[None].to(dtype), positions, mask, cache)[0]
 
 

@@ -1,4 +1,4 @@
-"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM, attention, RMSNorm.
+"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM, attention, RMSNorm, argmax.
 
 Why: a decoding step multiplies 1 to a few dozen rows by every weight matrix, so its cost is
 streaming the weights. On this project's CPUs oneDNN's bf16 GEMM moves them at 10-15 GB/s
@@ -88,6 +88,7 @@ class _Kernels:
     gemm: ctypes._CFuncPtr
     attention: ctypes._CFuncPtr
     rms_norm: ctypes._CFuncPtr
+    argmax: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -103,12 +104,13 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16)
+    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16)
     kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
     kernels.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]
-    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm):
+    kernels.argmax.argtypes = [ptr, i64, ptr, i32, i32, i32]
+    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax):
         fn.restype = None
     problem = _self_test(kernels)
     if problem:
@@ -162,6 +164,14 @@ def _rms_norm(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return y
 
 
+def _argmax(k: _Kernels, x: torch.Tensor) -> torch.Tensor:
+    # x (..., V) bf16 -> (...) int64: index of each row's first maximum
+    rows, m, ldx = _rows(x)
+    out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
+    k.argmax(rows.data_ptr(), ldx, out.data_ptr(), m, x.shape[-1], torch.get_num_threads())
+    return out
+
+
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm.forward, the formula `rms_norm` computes."""
     h = x.float()
@@ -210,6 +220,12 @@ def _self_test(k: _Kernels) -> str | None:
         return "wrong RMSNorm results"
     if not torch.equal(_rms_norm(k, x[3:4], w, 1e-5), y[3:4]):
         return "RMSNorm rows differ alone and in a batch"
+    logits = torch.randn(4, 1000, generator=gen).bfloat16()
+    logits[1, 7] = logits[1, 900] = 99.0  # a tie: the first index wins
+    logits[2] = float("-inf")
+    logits[3, 5] = float("nan")
+    if not torch.equal(_argmax(k, logits), torch.tensor([int(logits[0].float().argmax()), 7, 0, 5])):
+        return "wrong argmax results"
     return None
 
 
@@ -249,6 +265,20 @@ def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed
     if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride() != value.stride():
         key, value = key.contiguous(), value.contiguous()
     return _attention(k, q, key, value, committed, ancestors.contiguous(), counts.contiguous(), scale)
+
+
+def argmax_usable(x: torch.Tensor) -> bool:
+    """Whether `argmax` serves this call: bf16 rows on the CPU, unit stride along the vocabulary."""
+    return (x.dtype is torch.bfloat16 and x.is_cpu and x.dim() >= 1 and x.stride(-1) == 1
+            and 0 < x.shape[-1] < 2**31 and _library()[0] is not None)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) over bf16 logits in one call: x (..., V) -> (...) int64, the first
+    maximum of each row (NaN counting as the maximum, as in torch)."""
+    k = _library()[0]
+    assert k is not None, "check native.argmax_usable(x) first"
+    return _argmax(k, x)
 
 
 def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from core import native
 from core.config import TreeConfig
-from core.head import EagleHead, HeadCache, additive, causal_mask
+from core.head import EagleHead, HeadCache, head_mask
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,7 @@ class Drafter:
         `allowed` (m, cache length + m) is the tree mask; None = causal after the cache.
         """
         emb = self.embed(tokens)[None].to(features.dtype)  # (1, m, H)
-        m = tokens.shape[0]
-        if allowed is None:
-            mask = causal_mask(m, cache.length, features.dtype, features.device)
-        else:
-            mask = additive(allowed, features.dtype)
+        mask = head_mask(allowed, cache.length, tokens.shape[0], features.dtype, self.head.config, features.device)
         return self.head(emb, features[None], positions, mask, cache)[0]
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core import native
 from core.config import SamplingConfig
 from core.tree import DraftTree
 
@@ -60,10 +61,12 @@ def target_probs(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) argmax token ids: plain decoding's and verification's choice.
 
-    The argmax runs on an fp32 copy: exact (bf16 -> fp32 loses nothing), with the same
-    first-maximum rule, and about 3x faster than argmax over bf16 on CPU (26 x 49,152 logits:
-    0.76 ms against 2.45 ms).
+    Exact either way (bf16 -> fp32 loses nothing; the first maximum wins): bf16 logits go
+    through the native kernel (core.native; 26 x 49,152 logits: about 0.1 ms), anything else
+    through torch on an fp32 copy (0.76 ms; torch's argmax over bf16 itself took 2.45 ms).
     """
+    if native.argmax_usable(logits):
+        return native.argmax(logits)
     return logits.float().argmax(-1)
 
 

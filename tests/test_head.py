@@ -143,3 +143,32 @@ def test_head_cache_grows_for_a_write_longer_than_twice_its_capacity():
     assert cache.length == 21 and torch.equal(keys, k) and torch.equal(values, k + 1)
     keys, _ = cache.write(k[:, :, :3], k[:, :, :3])
     assert cache.length == 24 and torch.equal(keys[:, :, 21:], k[:, :, :3])
+
+
+def test_catch_up_through_the_native_attention_matches_sdpa():
+    """bf16 decoding sends causal head calls (catch-up) through core.native's attention kernel
+    (KeyLayout); it computes what sdpa with the causal mask computes."""
+    from core import native
+    from core.head import EagleHead, HeadConfig, KeyLayout, additive, causal_allowed, head_mask
+
+    if not native.status().available:
+        pytest.skip(f"core.native kernel unavailable here: {native.status().reason}")
+    cfg = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=100)  # head_dim 32
+    torch.manual_seed(0)
+    head = EagleHead(cfg).to(torch.bfloat16).eval()
+    emb, feats = torch.randn(1, 40, 128).bfloat16(), torch.randn(1, 40, 128).bfloat16()
+    with torch.inference_mode():
+        outs = {}
+        for name in ("native", "sdpa"):
+            cache = HeadCache(cfg, torch.bfloat16, torch.device("cpu"))
+            head(emb[:, :37], feats[:, :37], torch.arange(37), cache=cache)
+            mask = head_mask(None, 37, 3, torch.bfloat16, cfg, "cpu")
+            assert isinstance(mask, KeyLayout)
+            if name == "sdpa":
+                mask = additive(causal_allowed(3, 37, "cpu"), torch.bfloat16)
+            outs[name] = head(emb[:, 37:], feats[:, 37:], torch.arange(37, 40), mask=mask, cache=cache).float()
+    assert torch.allclose(outs["native"], outs["sdpa"], atol=0.05, rtol=0.02)
+    # tree rounds and training keep the additive mask
+    assert not isinstance(head_mask(torch.ones(3, 40, dtype=torch.bool), 37, 3, torch.bfloat16, cfg, "cpu"), KeyLayout)
+    assert not isinstance(head_mask(None, 37, 3, torch.float32, cfg, "cpu"), KeyLayout)

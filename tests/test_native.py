@@ -211,3 +211,27 @@ def test_make_invariant_swaps_llama_norms_and_undo_restores_them():
         undo_invariant(model)
         assert all(type(m) is LlamaRMSNorm for m in model.modules() if isinstance(m, LlamaRMSNorm))
         assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+@needs_kernel
+def test_argmax_is_torch_argmax_with_its_tie_and_nan_rules():
+    g = torch.Generator().manual_seed(0)
+    for v in (1, 15, 16, 17, 1000, 49152):
+        x = (torch.randn(7, v, generator=g) * 3).bfloat16()  # bf16 rounding makes ties
+        assert torch.equal(native.argmax(x), x.float().argmax(-1)), v
+        assert int(native.argmax(x[2])) == int(x[2].float().argmax())  # a single row (a plain step)
+    x = torch.randint(-2, 3, (50, 33), generator=g).bfloat16()  # many exact ties: the first index wins
+    assert torch.equal(native.argmax(x), x.float().argmax(-1))
+    x = torch.full((3, 40), float("-inf")).bfloat16()
+    x[1, 39] = float("nan")
+    x[2, [4, 30]] = float("nan")  # NaN counts as the maximum; the first one wins
+    assert native.argmax(x).tolist() == [0, 39, 4] == x.float().argmax(-1).tolist()
+    strided = (torch.randn(6, 200, generator=g)).bfloat16()[::2, :150]
+    assert torch.equal(native.argmax(strided), strided.float().argmax(-1))
+
+
+def test_argmax_usable_only_for_what_the_kernel_computes():
+    x = torch.randn(2, 64).bfloat16()
+    assert native.argmax_usable(x) == native.status().available
+    assert not native.argmax_usable(x.float())
+    assert not native.argmax_usable(x.t())  # unit stride along the vocabulary is needed
