@@ -141,11 +141,12 @@ class Handlers(ModelHandlers, BackendHandlers):
         visitors through the public link applied and said."""
         temperature, top_p, max_new, spec, depth, top_k, tree_size = settings
         engine = self.manager.engine  # its default tree says whether to copy from the context
-        lookup = engine.default_tree.lookup if engine is not None and engine.has_head else 0
+        default = engine.default_tree if engine is not None and engine.has_head else None
         try:
             cfg = generation_config(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
                                     speculative=spec, depth=depth, top_k=top_k, tree_size=tree_size,
-                                    lookup=lookup)
+                                    lookup=default.lookup if default else 0,
+                                    long_context=default.long_context if default else ())
         except ConfigError as e:
             raise UserError(f"Invalid setting: {e}") from e
         if not self.access.limited(request):

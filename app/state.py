@@ -120,9 +120,11 @@ def follow_depth_js(max_depth: int) -> str:
 
 
 def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth, top_k,
-                      tree_size, seed=None, lookup: int = 0) -> GenerationConfig:
+                      tree_size, seed=None, lookup: int = 0,
+                      long_context: tuple = ()) -> GenerationConfig:
     """The chat controls -> a GenerationConfig (raises ConfigError with the setting's name).
-    `lookup` (context-lookup tokens, see core.lookup) comes from the engine's default tree.
+    `lookup` (context-lookup tokens, see core.lookup) and `long_context` (the tree's caps for
+    long chats, TreeConfig.at) come from the engine's default tree.
 
     Sliders arrive as floats (or None from an API caller); integers are rounded, not truncated.
     """
@@ -135,7 +137,7 @@ def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth,
             raise ConfigError(f"{name} must be a number, got {v!r}") from e
 
     tree = TreeConfig(depth=as_int(depth, "tree depth"), top_k=as_int(top_k, "top-k"),
-                      total_tokens=as_int(tree_size, "tree size"), lookup=lookup)
+                      total_tokens=as_int(tree_size, "tree size"), lookup=lookup, long_context=long_context)
     try:
         sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p))
     except (TypeError, ValueError) as e:

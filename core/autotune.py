@@ -44,11 +44,13 @@ DEPTHS = tuple(range(1, 9))
 
 @dataclass(frozen=True)
 class Profile:
-    verify_s: dict[int, float]   # tokens in one target call -> seconds
+    verify_s: dict[int, float]   # tokens in one target call -> seconds (at `context` tokens of context)
     draft_s: dict[int, float]    # tree depth -> seconds to draft it (catch-up included)
     other_s: float               # per-step bookkeeping (acceptance, cache commit)
     steps: tuple[tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]], ...]  # (depths, scores, path)
     top_k: int
+    context: int = 256           # context length the costs were measured at
+    attend_s: float = 0.0        # extra seconds per call, per token in the call, per context token beyond
 
 
 def expected_tokens(steps, depth: int, size: int) -> float:
@@ -89,9 +91,15 @@ def interpolate(table: dict[int, float], n: int) -> float:
 TIE = 0.05
 
 
-def choose(profile: Profile, depths=DEPTHS, sizes=SIZES) -> tuple[TreeConfig, float]:
-    """The (depth, size) with the highest predicted tokens/s, ties (within TIE) going to the
-    tree that accepts more tokens per step; pure, for literal tests."""
+# Context lengths core.autotune fits long_context caps for (TreeConfig.at).
+LONG_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = None) -> tuple[TreeConfig, float]:
+    """The (depth, size) with the highest predicted tokens/s at `context` tokens of context
+    (None: the profile's), ties (within TIE) going to the tree that accepts more tokens per
+    step; pure, for literal tests."""
+    extra = profile.attend_s * max(0, (context or profile.context) - profile.context)  # per token in the call
     candidates = []  # (rate, expected tokens per step, tree)
     for d in depths:
         if d not in profile.draft_s:
@@ -99,7 +107,7 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES) -> tuple[TreeConfig, fl
         for n in sizes:
             if n < 2 or n - 1 > profile.top_k + (d - 1) * profile.top_k ** 2:
                 continue  # more nodes than the tree can have
-            step = profile.draft_s[d] + interpolate(profile.verify_s, n) + profile.other_s
+            step = profile.draft_s[d] + interpolate(profile.verify_s, n) + extra * n + profile.other_s
             tokens = expected_tokens(profile.steps, d, n)
             candidates.append((tokens / step, tokens, TreeConfig(depth=d, top_k=profile.top_k, total_tokens=n)))
     best_rate = max(rate for rate, _, _ in candidates)
@@ -107,8 +115,28 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES) -> tuple[TreeConfig, fl
     return tree, rate
 
 
-def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5) -> tuple[dict, dict]:
-    """Target cost per call against tokens in the call, and draft cost per depth."""
+def long_context_caps(profile: Profile, tree: TreeConfig, max_context: int,
+                      depths=DEPTHS, sizes=SIZES) -> tuple[tuple[int, int, int], ...]:
+    """TreeConfig.long_context for `tree`: at each of LONG_CONTEXTS up to max_context, the tree
+    `choose` picks there, kept where it is smaller than the one before; pure."""
+    caps, last = [], (tree.depth, tree.total_tokens)
+    for c in LONG_CONTEXTS:
+        if c >= max_context or c <= profile.context:
+            continue
+        t, _ = choose(profile, depths, sizes, context=c)
+        shape = (min(t.depth, last[0]), min(t.total_tokens, last[1]))
+        if shape != last:
+            caps.append((c, *shape))
+            last = shape
+    return tuple(caps)
+
+
+LONGER = 1024  # context tokens added to measure what a row's attention costs per context token
+
+
+def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5) -> tuple[dict, dict, float]:
+    """Target cost per call against tokens in the call, draft cost per depth, and the extra
+    target cost per token in the call and per context token beyond `context`."""
     model, device = engine.target.model, engine.target.device
     ids = torch.arange(100, 100 + context, device=device) % model.config.vocab_size
     cache = kv.new_cache(model)
@@ -122,15 +150,27 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
                 forward_tree(model, tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), device),
                              cache, context)
                 kv.keep(cache, context, [])
-        for n in tqdm((1,) + SIZES, desc="target cost per call", leave=False):  # 1 = plain decoding
-            tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), device)
+        chain = lambda n: tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), device)
 
+        def cost(n: int, at: int) -> float:
             def call():
-                forward_tree(model, tree, cache, context)
-                kv.keep(cache, context, [])
+                forward_tree(model, chain(n), cache, at)
+                kv.keep(cache, at, [])
 
             call()  # warm-up
-            verify[n] = _fastest(call, reps)
+            return _fastest(call, reps)
+
+        for n in tqdm((1,) + SIZES, desc="target cost per call", leave=False):  # 1 = plain decoding
+            verify[n] = cost(n, context)
+        # every row attends to the whole context: the extra cost per row and context token,
+        # from 16 rows against 1 at `context` and at `context + LONGER` tokens
+        longer = min(LONGER, engine.max_context - context - 64)
+        attend = 0.0
+        if longer > 0:
+            prefill(model, (ids.repeat(longer // context + 1)[:longer] + 7) % model.config.vocab_size, cache)
+            wide = cost(16, context + longer) - cost(1, context + longer)
+            attend = max(0.0, (wide - (verify[16] - verify[1])) / (15 * longer))
+            kv.keep(cache, context, [])  # back to `context` tokens
         head_cache = HeadCache(engine.head.config, engine.target.dtype, device)
         root_hidden = catch_up(engine.drafter, head_cache, ids[1:], features[:-1])
         catch = _fastest(lambda: (catch_up(engine.drafter, head_cache, ids[:3], features[:3]),
@@ -140,7 +180,7 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
             cfg = TreeConfig(depth=d, top_k=top_k, total_tokens=min(512, 1 + top_k + (d - 1) * top_k))
             drafts[d] = catch + _fastest(lambda: draft(engine.drafter, head_cache, int(ids[-1]),
                                                            root_hidden, cfg), reps)
-    return verify, drafts
+    return verify, drafts, attend
 
 
 def calibrate(engine: Engine, top_k: int, max_new_tokens: int = 48, prompts=CALIBRATION_PROMPTS):
@@ -170,13 +210,14 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
         raise ValueError("choosing a tree needs a draft head")
     if not refresh and (tree := cached_tree(engine)) is not None:
         return tree
-    verify, drafts = measure_costs(engine, top_k)
+    verify, drafts, attend = measure_costs(engine, top_k)
     steps, other = calibrate(engine, top_k)
-    profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k)
+    profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k, attend_s=attend)
     tree, rate = choose(profile)
-    tree = replace(tree, lookup=lookup)
+    tree = replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
-                              "other_s": other, "numerics": engine.numerics.describe(),
+                              "other_s": other, "attend_s_per_row_and_context_token": attend,
+                              "numerics": engine.numerics.describe(),
                               "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
                                                   for d in DEPTHS for n in SIZES}})
     engine.tree_choice = tuned_tree(engine) or engine.tree_choice
@@ -211,6 +252,8 @@ def main(argv=None) -> None:
           + ("  -> speculation does not pay with this head on this machine" if plain > report["predicted_tokens_per_s"] else ""))
     print("target ms per call:", {n: round(1000 * s, 1) for n, s in report["verify_s"].items()})
     print("draft ms per depth:", {d: round(1000 * s, 1) for d, s in report["draft_s"].items()})
+    print(f"attention: +{1e6 * report['attend_s_per_row_and_context_token'] * 1000:.0f} us per tree row per "
+          f"1,000 context tokens; long-context caps [min_context, depth, total_tokens]: {list(tree.long_context)}")
     if a.ship:
         from core.engine import default_head
 

@@ -33,6 +33,10 @@ class TreeConfig:
     the root's best and second-best child and the best child of the best child.
     lookup: up to this many tokens copied from earlier context (`core.lookup`) are grafted
     under the root as one more path, beyond `total_tokens` and `depth`; 0 = off.
+    long_context: caps for long contexts, ((min_context, depth, total_tokens), ...) with
+    min_context ascending: once the context holds min_context tokens the tree keeps at most
+    that depth and that many tokens (`at`). Every tree row attends to the whole context, so a
+    row's cost grows with it; core.autotune measures by how much and fits these caps.
     """
 
     depth: int = 6
@@ -40,8 +44,20 @@ class TreeConfig:
     total_tokens: int = 24
     static_paths: tuple[tuple[int, ...], ...] | None = None
     lookup: int = 0
+    long_context: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.long_context, tuple) or any(not isinstance(c, tuple) for c in self.long_context):
+            try:  # from JSON: lists of lists
+                object.__setattr__(self, "long_context", tuple(tuple(int(v) for v in c) for c in self.long_context))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"tree long_context must be a list of [min_context, depth, total_tokens], "
+                                  f"got {self.long_context!r}") from e
+        starts = [c[0] for c in self.long_context]
+        _check(all(len(c) == 3 and c[0] >= 1 and 1 <= c[1] <= 32 and 2 <= c[2] <= 512 for c in self.long_context)
+               and starts == sorted(set(starts)),
+               f"tree long_context must hold [min_context >= 1, depth 1..32, total_tokens 2..512] entries with "
+               f"ascending distinct min_context, got {self.long_context!r}")
         _check(isinstance(self.depth, int) and 1 <= self.depth <= 32,
                f"tree depth must be an integer in 1..32, got {self.depth!r}")
         _check(isinstance(self.top_k, int) and 1 <= self.top_k <= 64,
@@ -64,6 +80,18 @@ class TreeConfig:
     @property
     def is_static(self) -> bool:
         return self.static_paths is not None
+
+    def at(self, context: int) -> "TreeConfig":
+        """The tree for a step whose context holds `context` tokens: this one, capped by the last
+        long_context entry that applies (static trees and trees without caps are unchanged)."""
+        caps = [c for c in self.long_context if c[0] <= context]
+        if not caps or self.is_static:
+            return self
+        _, depth, total = caps[-1]
+        if depth >= self.depth and total >= self.total_tokens:
+            return self
+        return TreeConfig(depth=min(self.depth, depth), top_k=self.top_k,
+                          total_tokens=min(self.total_tokens, total), lookup=self.lookup)
 
 
 @dataclass(frozen=True)

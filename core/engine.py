@@ -372,9 +372,10 @@ class _Run:
 
     def spec_step(self) -> StepEvent:
         t0 = self.now()
-        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, self.cfg.tree)
         committed = kv.cache_length(self.cache)
-        if self.cfg.tree.lookup:
+        shape = self.cfg.tree.at(committed)  # smaller trees for long contexts (TreeConfig.long_context)
+        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape)
+        if shape.lookup:
             tree = graft(tree, lookup_chain(self.context, self.lookup_room(committed)))
         t1 = self.now()
         features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)

@@ -3,7 +3,7 @@
 import pytest
 
 from core.autotune import Profile, cached_tree, choose, choose_tree, expected_tokens
-from core.config import TreeConfig
+from core.config import ConfigError, TreeConfig
 from core.engine import Engine
 from tests.tiny import random_head, tiny_target
 
@@ -78,3 +78,39 @@ def test_shipped_tree_beside_head(tmp_path):
     (tmp_path / "tree.json").write_text('{"depth": 0, "top_k": 6, "total_tokens": 16}')
     with pytest.raises(HeadLoadError, match="tree depth must be"):
         shipped_tree(tmp_path)
+
+
+def test_long_context_caps_shrink_the_tree_as_each_row_attends_to_more():
+    """attend_s: every row of a call pays for every context token; the caps choose smaller trees
+    where that makes rows dear, and nothing where it does not."""
+    from core.autotune import long_context_caps
+
+    base = _profile(verify_slope=0.0001)
+    tree, _ = choose(base)
+    assert long_context_caps(base, tree, max_context=8192) == ()  # rows cost nothing extra
+    dear = Profile(**{**base.__dict__, "attend_s": 2e-5})  # 20 ms per row per 1,000 context tokens
+    assert choose(dear) == choose(base)  # at the measured context nothing changes
+    caps = long_context_caps(dear, tree, max_context=8192)
+    assert caps and all(c[0] > dear.context for c in caps)
+    sizes = [tree.total_tokens] + [c[2] for c in caps]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)  # each entry shrinks it
+    assert caps[-1][2] < tree.total_tokens
+    last = (tree.depth, tree.total_tokens)
+    for c, depth, total in caps:  # each cap is what the chooser picks at that context, never growing
+        picked, _ = choose(dear, context=c)
+        assert (depth, total) == (min(picked.depth, last[0]), min(picked.total_tokens, last[1]))
+        last = (depth, total)
+    assert long_context_caps(dear, tree, max_context=caps[0][0]) == ()  # past the model's window: none
+
+
+def test_tree_at_applies_the_last_cap_reached():
+    tree = TreeConfig(depth=4, top_k=8, total_tokens=16, lookup=16, long_context=[[1000, 3, 8], [4000, 1, 3]])
+    assert tree.long_context == ((1000, 3, 8), (4000, 1, 3))  # JSON lists become tuples
+    assert tree.at(999) is tree
+    assert tree.at(1000) == TreeConfig(depth=3, top_k=8, total_tokens=8, lookup=16)
+    assert tree.at(10**6) == TreeConfig(depth=1, top_k=8, total_tokens=3, lookup=16)
+    small = TreeConfig(depth=2, top_k=8, total_tokens=5, long_context=((1000, 3, 8),))
+    assert small.at(5000) is small  # a cap never grows a tree
+    for bad in ([[0, 3, 8]], [[100, 3, 8], [100, 2, 4]], [[200, 3, 8], [100, 2, 4]], [[100, 0, 8]], [[100, 3]], "x"):
+        with pytest.raises(ConfigError, match="long_context"):
+            TreeConfig(long_context=bad)

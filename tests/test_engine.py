@@ -276,3 +276,18 @@ def test_reduced_draft_vocabulary_stays_lossless(target):
         spec = [t for ev in eng.generate(prompt, cfg, on_step=record) for t in ev.token_ids]
         assert spec == plain_ids(eng, prompt)
     assert drafted and set(drafted) <= set(vocab.tolist())
+
+
+def test_long_context_caps_shrink_the_tree_and_output_stays_plain():
+    """TreeConfig.long_context: past a context length the engine drafts the capped tree."""
+    target = tiny_target()
+    eng = Engine(target, random_head(target))
+    prompt = PROMPTS[2]  # 12 tokens
+    sizes = {}
+    for caps in ((), ((16, 1, 2),)):
+        tree = TreeConfig(depth=3, top_k=3, total_tokens=8, long_context=caps)
+        tokens, events = run(eng, prompt, GenerationConfig(max_new_tokens=24, tree=tree))
+        assert tokens == plain_ids(eng, prompt, 24)
+        sizes[caps] = [ev.tree_size for ev in events[1:] if ev.tree_size]
+    assert max(sizes[()]) == 8
+    assert sizes[((16, 1, 2),)][0] == 8 and max(sizes[((16, 1, 2),)][-3:]) == 2  # capped once 16 are in context
