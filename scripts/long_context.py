@@ -1,0 +1,79 @@
+"""Speculation in a long chat (README "Long chats"): plain against eagle at several context lengths.
+
+    python scripts/long_context.py [--contexts 256,1024,2048,2800] [--tokens 64] [--reps 2]
+
+Each prompt asks for a summary of the first N tokens of this project's README (a document the
+answer quotes from, as long chats do). For each length it answers with plain decoding, with the
+shipped tree (its long_context caps applied: `tree.at(context)`) and with the same tree without
+caps, interleaved and repeated, and prints tokens/s and tau after the prefill. Greedy output is
+checked to be the same in every mode. Run it on an otherwise idle machine.
+"""
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from core import threads  # noqa: I001 (chooses the OpenMP policy before torch loads)
+
+import torch
+
+from core.config import GenerationConfig
+from core.engine import Engine
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def prompt_of(engine: Engine, tokens: int) -> list[dict]:
+    tok = engine.target.tokenizer
+    doc = tok.decode(tok(README.read_text(), add_special_tokens=False)["input_ids"][:tokens])
+    return [{"role": "user", "content": f"Here is a document:\n{doc}\nSummarise it in three sentences."}]
+
+
+def answer(engine: Engine, messages, config: GenerationConfig) -> tuple[float, int, int, list[int]]:
+    """-> (seconds after the prefill, tokens after the prefill, steps after the prefill, all tokens)."""
+    out, steps, n, start = [], 0, 0, None
+    for i, ev in enumerate(engine.generate(messages, config)):
+        out += ev.token_ids
+        if i == 0:
+            start = time.perf_counter()
+            continue
+        n += len(ev.token_ids)
+        steps += 1
+    return time.perf_counter() - start, n, steps, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="256,1024,2048,2800")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args()
+    threads.set_threads(a.threads)
+    engine = Engine.load()
+    tree = engine.default_tree
+    modes = {"plain": GenerationConfig(max_new_tokens=a.tokens, speculative=False),
+             "eagle (caps)": GenerationConfig(max_new_tokens=a.tokens, tree=tree),
+             "eagle (no caps)": GenerationConfig(max_new_tokens=a.tokens, tree=replace(tree, long_context=()))}
+    print(f"tree: {tree}")
+    with torch.inference_mode():
+        for length in (int(c) for c in a.contexts.split(",")):
+            messages = prompt_of(engine, length)
+            context = engine.count_tokens(messages)
+            totals = {m: [0.0, 0, 0] for m in modes}
+            outputs = set()
+            for r in range(a.reps):
+                for m in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+                    s, n, steps, out = answer(engine, messages, modes[m])
+                    totals[m][0] += s
+                    totals[m][1] += n
+                    totals[m][2] += steps
+                    outputs.add(tuple(out))
+            row = "  ".join(f"{m} {t[1] / t[0]:.1f} tok/s tau {t[1] / max(t[2], 1):.2f}" for m, t in totals.items())
+            print(f"context {context:5d} (tree there: depth {tree.at(context).depth}, "
+                  f"{tree.at(context).total_tokens} tokens): {row}; identical: {len(outputs) == 1}")
+
+
+if __name__ == "__main__":
+    main()
