@@ -32,67 +32,124 @@ static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]; |rel err| 
     return _mm512_scalef_ps(p, n);
 }
 
+// p @ V for TN heads x CN value vectors (16 lanes each) over keys 0 .. count-1, accumulators in
+// registers: o[t * CN + c] += e_t[j] * v_j[c0 + c] in key order (s: TN rows of e, `cap` apart).
+#define PV(TN, CN)                                                                                  \
+static inline void pv_##TN##x##CN(__m512 *o, const float *s, int64_t cap, const uint16_t *vh,      \
+                                  int64_t kv_pos, int c0, int64_t count, int64_t L, const int64_t *anc_row) { \
+    __m512 acc[TN * CN];                                                                            \
+    for (int a = 0; a < TN * CN; a++) acc[a] = o[a];                                                \
+    for (int64_t j = 0; j < count; j++) {                                                           \
+        const uint16_t *vr = vh + key_slot(j, L, anc_row) * kv_pos + 16 * c0;                       \
+        __m512 vv[CN];                                                                              \
+        for (int c = 0; c < CN; c++) vv[c] = bf16x16_to_ps(vr + 16 * c);                            \
+        for (int t = 0; t < TN; t++) {                                                              \
+            __m512 e = _mm512_set1_ps(s[t * cap + j]);                                              \
+            for (int c = 0; c < CN; c++) acc[t * CN + c] = _mm512_fmadd_ps(e, vv[c], acc[t * CN + c]); \
+        }                                                                                           \
+    }                                                                                               \
+    for (int a = 0; a < TN * CN; a++) o[a] = acc[a];                                                \
+}
+
+PV(3, 4)  // SmolLM2: 3 query heads per kv head, head_dim 64
+PV(4, 4)  // Llama-3.1-8B: 4 per kv head, head_dim 128 (two passes)
+PV(2, 4)
+PV(2, 8)
+PV(1, 4)
+PV(1, 8)  // Vicuna / Llama-2 7B: no GQA, head_dim 128
+PV(1, 16)
+
 // q (n, nh, hd) with strides (qs_row, qs_head); k, v (kvh, T, hd) with strides (kv_head, kv_pos);
 // anc (n, anc_stride) int64 cache-slot offsets past L; na (n,) counts; out (n, nh, hd) contiguous.
+// One task per (row, kv head): its g query heads share each key and value row, so a value row
+// is converted to fp32 once for all of them (GQA), while every (row, head) still takes its own
+// fixed sequence of operations (the same bits as one head at a time).
 void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                     uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, int nthreads) {
-    int g = nh / kvh, chunks = hd / 32;
+    int g = nh / kvh, chunks = hd / 32, ov = hd / 16;
+    int gb = g < 16 ? g : 16, cc = 16 / gb < ov ? 16 / gb : ov;  // heads x value vectors per p @ V pass, <= 16
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t cap = 0;
-        float *s = NULL;
+        float *s = NULL;  // g rows of `cap` scores
 #pragma omp for schedule(static)
-        for (int unit = 0; unit < n * nh; unit++) {
-            int i = unit / nh, h = unit % nh;
+        for (int unit = 0; unit < n * kvh; unit++) {
+            int i = unit / kvh, kh_i = unit % kvh;
             int64_t count = L + na[i];
             if (count + 16 > cap) {
                 cap = count + 16 + 256;
                 free(s);
-                s = (float *)malloc(cap * sizeof(float));
+                s = (float *)malloc(cap * g * sizeof(float));
             }
-            const uint16_t *qv = q + i * qs_row + h * qs_head;
-            const uint16_t *kh = k + (h / g) * kv_head, *vh = v + (h / g) * kv_head;
-            __m512bh qc[8];
-            for (int c = 0; c < chunks; c++) qc[c] = (__m512bh)_mm512_loadu_si512(qv + 32 * c);
-            // scores, 16 keys at a time; key slots past `count` point at slot 0 and are masked
-            __m512 vmax = _mm512_set1_ps(-INFINITY);
-            for (int64_t j0 = 0; j0 < count; j0 += 16) {
-                __m512 acc[16];
-                for (int t = 0; t < 16; t++) {
-                    int64_t j = j0 + t, slot = j < count ? key_slot(j, L, anc + i * anc_stride) : 0;
-                    const uint16_t *kr = kh + slot * kv_pos;
-                    __m512 a = _mm512_setzero_ps();
-                    for (int c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-                    acc[t] = a;
+            const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
+            float inv[64];
+            for (int t = 0; t < g; t++) {
+                int h = kh_i * g + t;
+                float *st = s + t * cap;
+                const uint16_t *qv = q + i * qs_row + h * qs_head;
+                __m512bh qc[8];
+                for (int c = 0; c < chunks; c++) qc[c] = (__m512bh)_mm512_loadu_si512(qv + 32 * c);
+                // scores, 16 keys at a time; key slots past `count` point at slot 0 and are masked
+                __m512 vmax = _mm512_set1_ps(-INFINITY);
+                for (int64_t j0 = 0; j0 < count; j0 += 16) {
+                    __m512 acc[16];
+                    for (int u = 0; u < 16; u++) {
+                        int64_t j = j0 + u, slot = j < count ? key_slot(j, L, anc + i * anc_stride) : 0;
+                        const uint16_t *kr = kh + slot * kv_pos;
+                        __m512 a = _mm512_setzero_ps();
+                        for (int c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                        acc[u] = a;
+                    }
+                    __m512 sv = _mm512_mul_ps(in_order16(reduce16(acc)), _mm512_set1_ps(scale));
+                    __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+                    sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv);
+                    _mm512_storeu_ps(st + j0, sv);
+                    vmax = _mm512_max_ps(vmax, sv);
                 }
-                __m512 sv = _mm512_mul_ps(in_order16(reduce16(acc)), _mm512_set1_ps(scale));
-                __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
-                sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv);
-                _mm512_storeu_ps(s + j0, sv);
-                vmax = _mm512_max_ps(vmax, sv);
+                __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+                __m512 dsum = _mm512_setzero_ps();
+                for (int64_t j0 = 0; j0 < count; j0 += 16) {
+                    __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+                    __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + j0), m)));
+                    _mm512_storeu_ps(st + j0, e);
+                    dsum = _mm512_add_ps(dsum, e);
+                }
+                inv[t] = 1.0f / hsum16(dsum);
             }
-            __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-            __m512 dsum = _mm512_setzero_ps();
-            for (int64_t j0 = 0; j0 < count; j0 += 16) {
-                __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
-                __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m)));
-                _mm512_storeu_ps(s + j0, e);
-                dsum = _mm512_add_ps(dsum, e);
+            // out = sum_j e_j v_j, key order, fp32: up to 16 accumulators (heads x value vectors) a pass
+            for (int t0 = 0; t0 < g; t0 += gb) {
+                int tn = g - t0 < gb ? g - t0 : gb;
+                for (int c0 = 0; c0 < ov; c0 += cc) {
+                    int cn = ov - c0 < cc ? ov - c0 : cc;
+                    __m512 o[16];
+                    for (int a = 0; a < tn * cn; a++) o[a] = _mm512_setzero_ps();
+                    const float *e0 = s + t0 * cap;
+                    const int64_t *ar = anc + i * anc_stride;
+                    if (tn == 3 && cn == 4) pv_3x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 4 && cn == 4) pv_4x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 2 && cn == 4) pv_2x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 2 && cn == 8) pv_2x8(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 1 && cn == 4) pv_1x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 1 && cn == 8) pv_1x8(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 1 && cn == 16) pv_1x16(o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else for (int64_t j = 0; j < count; j++) {  // other shapes: the same sums, not unrolled
+                        const uint16_t *vr = vh + key_slot(j, L, anc + i * anc_stride) * kv_pos + 16 * c0;
+                        __m512 vv[16];
+                        for (int c = 0; c < cn; c++) vv[c] = bf16x16_to_ps(vr + 16 * c);
+                        for (int t = 0; t < tn; t++) {
+                            __m512 e = _mm512_set1_ps(s[(t0 + t) * cap + j]);
+                            for (int c = 0; c < cn; c++) o[t * cn + c] = _mm512_fmadd_ps(e, vv[c], o[t * cn + c]);
+                        }
+                    }
+                    for (int t = 0; t < tn; t++) {
+                        uint16_t *dst = out + ((int64_t)i * nh + kh_i * g + t0 + t) * hd + 16 * c0;
+                        __m512 iv = _mm512_set1_ps(inv[t0 + t]);
+                        for (int c = 0; c < cn; c++)
+                            _mm256_storeu_si256((__m256i *)(dst + 16 * c), to_bf16x16(_mm512_mul_ps(o[t * cn + c], iv)));
+                    }
+                }
             }
-            __m512 inv = _mm512_set1_ps(1.0f / hsum16(dsum));
-            // out = sum_j e_j v_j, key order, fp32
-            __m512 o[16];
-            int ov = hd / 16;
-            for (int c = 0; c < ov; c++) o[c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < count; j++) {
-                const uint16_t *vr = vh + key_slot(j, L, anc + i * anc_stride) * kv_pos;
-                __m512 e = _mm512_set1_ps(s[j]);
-                for (int c = 0; c < ov; c++) o[c] = _mm512_fmadd_ps(e, bf16x16_to_ps(vr + 16 * c), o[c]);
-            }
-            uint16_t *dst = out + ((int64_t)i * nh + h) * hd;
-            for (int c = 0; c < ov; c++)
-                _mm256_storeu_si256((__m256i *)(dst + 16 * c), to_bf16x16(_mm512_mul_ps(o[c], inv)));
         }
         free(s);
     }
