@@ -256,6 +256,10 @@ class ModelManager:
         shape = f"Default tree: depth {t.depth}, top-k {t.top_k}, {t.total_tokens} nodes"
         if t.lookup:
             shape += f", plus up to {t.lookup} tokens copied from earlier text when it repeats"
+        if t.long_context:  # TreeConfig.at: every tree row attends to the whole chat
+            shape += "; in long chats " + ", ".join(f"{n} nodes from {c:,} tokens" if d >= t.depth else
+                                                   f"depth {d} and {n} nodes from {c:,} tokens"
+                                                   for c, d, n in t.long_context)
         return f"{shape} · {origin}" if origin else shape
 
 

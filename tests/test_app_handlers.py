@@ -238,6 +238,10 @@ def test_the_panel_says_where_the_default_tree_came_from(bigram):
     panel = next(c for c in build(h.manager).demo.config["components"]
                  if c.get("props", {}).get("elem_id") == "tree-origin")
     assert panel["props"]["value"] == shown
+    engine.tree_choice = TreeChoice(TreeConfig(depth=4, top_k=3, total_tokens=9, long_context=((1024, 4, 6), (4096, 2, 4))),
+                                    "shipped with the head")
+    assert h.manager.tree_markdown() == ("Default tree: depth 4, top-k 3, 9 nodes; in long chats 6 nodes from 1,024 "
+                                         "tokens, depth 2 and 4 nodes from 4,096 tokens · shipped with the head")
 
 
 def test_side_by_side_is_a_race_with_both_columns_streaming(bigram):
