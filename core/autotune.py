@@ -153,8 +153,10 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
         chain = lambda n: tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), device)
 
         def cost(n: int, at: int) -> float:
+            tree = chain(n)
+
             def call():
-                forward_tree(model, chain(n), cache, at)
+                forward_tree(model, tree, cache, at)
                 kv.keep(cache, at, [])
 
             call()  # warm-up
