@@ -2,8 +2,9 @@
 
     python scripts/long_context.py [--contexts 256,1024,2048,2800] [--tokens 64] [--reps 2]
 
-Each prompt asks for a summary of the first N tokens of this project's README (a document the
-answer quotes from, as long chats do). For each length it answers with plain decoding, with the
+Each prompt asks for a summary of the first N tokens of a fixed document: the Python language
+reference topics that ship with the interpreter (`pydoc_data.topics`, from "assignment" on),
+which the answer may quote from, as long chats do. For each length it answers with plain decoding, with the
 shipped tree (its long_context caps applied: `tree.at(context)`) and with the same tree without
 caps, interleaved and repeated, and prints tokens/s and tau after the prefill. Greedy output is
 checked to be the same in every mode. Run it on an otherwise idle machine.
@@ -12,7 +13,6 @@ checked to be the same in every mode. Run it on an otherwise idle machine.
 import argparse
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from core import threads  # noqa: I001 (chooses the OpenMP policy before torch loads)
 
@@ -21,12 +21,15 @@ import torch
 from core.config import GenerationConfig
 from core.engine import Engine
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+def document() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics) if k >= "assignment")
 
 
 def prompt_of(engine: Engine, tokens: int) -> list[dict]:
     tok = engine.target.tokenizer
-    doc = tok.decode(tok(README.read_text(), add_special_tokens=False)["input_ids"][:tokens])
+    doc = tok.decode(tok(document(), add_special_tokens=False)["input_ids"][:tokens])
     return [{"role": "user", "content": f"Here is a document:\n{doc}\nSummarise it in three sentences."}]
 
 
