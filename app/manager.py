@@ -257,9 +257,9 @@ class ModelManager:
         if t.lookup:
             shape += f", plus up to {t.lookup} tokens copied from earlier text when it repeats"
         if t.long_context:  # TreeConfig.at: every tree row attends to the whole chat
-            shape += "; in long chats " + ", ".join(f"{n} nodes from {c:,} tokens" if d >= t.depth else
-                                                   f"depth {d} and {n} nodes from {c:,} tokens"
-                                                   for c, d, n in t.long_context)
+            shape += "; in long chats " + ", ".join(
+                f"plain decoding from {c:,} tokens" if d == 0 else f"{n} nodes from {c:,} tokens" if d >= t.depth
+                else f"depth {d} and {n} nodes from {c:,} tokens" for c, d, n in t.long_context)
         return f"{shape} · {origin}" if origin else shape
 
 

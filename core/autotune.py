@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,13 @@ class Profile:
     top_k: int
     context: int = 256           # context length the costs were measured at
     attend_s: float = 0.0        # extra seconds per call, per token in the call, per context token beyond
+    steps_at: dict = field(default_factory=dict)  # context length -> `steps` calibrated on prompts that long
+
+
+def steps_for(profile: Profile, context: int | None):
+    """The calibration steps for a context: from the longest calibrated prompt not longer."""
+    fits = [c for c in profile.steps_at if context is not None and c <= context]
+    return profile.steps_at[max(fits)] if fits else profile.steps
 
 
 def expected_tokens(steps, depth: int, size: int) -> float:
@@ -100,6 +107,7 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = N
     (None: the profile's), ties (within TIE) going to the tree that accepts more tokens per
     step; pure, for literal tests."""
     extra = profile.attend_s * max(0, (context or profile.context) - profile.context)  # per token in the call
+    steps = steps_for(profile, context)
     candidates = []  # (rate, expected tokens per step, tree)
     for d in depths:
         if d not in profile.draft_s:
@@ -108,7 +116,7 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = N
             if n < 2 or n - 1 > profile.top_k + (d - 1) * profile.top_k ** 2:
                 continue  # more nodes than the tree can have
             step = profile.draft_s[d] + interpolate(profile.verify_s, n) + extra * n + profile.other_s
-            tokens = expected_tokens(profile.steps, d, n)
+            tokens = expected_tokens(steps, d, n)
             candidates.append((tokens / step, tokens, TreeConfig(depth=d, top_k=profile.top_k, total_tokens=n)))
     best_rate = max(rate for rate, _, _ in candidates)
     rate, _, tree = max((c for c in candidates if c[0] >= (1 - TIE) * best_rate), key=lambda c: (c[1], c[0]))
@@ -118,12 +126,17 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = N
 def long_context_caps(profile: Profile, tree: TreeConfig, max_context: int,
                       depths=DEPTHS, sizes=SIZES) -> tuple[tuple[int, int, int], ...]:
     """TreeConfig.long_context for `tree`: at each of LONG_CONTEXTS up to max_context, the tree
-    `choose` picks there, kept where it is smaller than the one before; pure."""
+    `choose` picks there, kept where it is smaller than the one before, or plain decoding
+    ([c, 0, 0], then to the end) where it beats the best tree; pure."""
     caps, last = [], (tree.depth, tree.total_tokens)
     for c in LONG_CONTEXTS:
         if c >= max_context or c <= profile.context:
             continue
-        t, _ = choose(profile, depths, sizes, context=c)
+        t, rate = choose(profile, depths, sizes, context=c)
+        plain = 1.0 / (interpolate(profile.verify_s, 1) + profile.attend_s * (c - profile.context))
+        if rate < (1 - TIE) * plain:  # clearly slower than plain decoding (a tie keeps speculating)
+            caps.append((c, 0, 0))
+            break
         shape = (min(t.depth, last[0]), min(t.total_tokens, last[1]))
         if shape != last:
             caps.append((c, *shape))
@@ -191,12 +204,44 @@ def calibrate(engine: Engine, top_k: int, max_new_tokens: int = 48, prompts=CALI
     big = TreeConfig(depth=max(DEPTHS), top_k=top_k, total_tokens=max(SIZES) + 16)
     record = lambda tree, result: steps.append((tuple(tree.depths.tolist()), tuple(tree.scores.tolist()),
                                                 result.path))
-    for prompt in tqdm(prompts, desc="acceptance calibration", leave=False):
+    for prompt in tqdm(prompts, desc="acceptance calibration", leave=False):  # strings or chat messages
         for ev in engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, tree=big),
                                   on_step=record):
             if ev.tree_size:
                 other.append(ev.other_s)
     return tuple(steps), statistics.median(other) if other else 0.0
+
+
+LONG_CALIBRATION = (2048, 4096)  # context lengths whose acceptance is calibrated on prompts that long
+
+
+def long_document() -> str:
+    """A fixed long text for long-context prompts: the Python language reference topics that ship
+    with the interpreter (`pydoc_data.topics`, from "assignment" on)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics) if k >= "assignment")
+
+
+def long_prompt(engine: Engine, tokens: int, skip: int = 0) -> list[dict]:
+    """A chat asking for a summary of `tokens` tokens of `long_document()`, after the first `skip`."""
+    tok = engine.target.tokenizer
+    doc = tok.decode(tok(long_document(), add_special_tokens=False)["input_ids"][skip:skip + tokens])
+    return [{"role": "user", "content": f"Here is a document:\n{doc}\nSummarise it in three sentences."}]
+
+
+def calibrate_long(engine: Engine, top_k: int, max_new_tokens: int = 48) -> dict:
+    """Acceptance on long prompts (the head accepts less deep in long contexts than after short
+    prompts): context length -> calibration steps, for the LONG_CALIBRATION lengths that fit."""
+    out = {}
+    for c in LONG_CALIBRATION:
+        if c + max_new_tokens + max(SIZES) + 64 >= engine.max_context:
+            continue
+        prompts = (long_prompt(engine, c - 64), long_prompt(engine, c - 64, skip=c))  # two documents
+        steps, _ = calibrate(engine, top_k, max_new_tokens, prompts=prompts)
+        if steps:
+            out[c] = steps
+    return out
 
 
 def cached_tree(engine: Engine) -> TreeConfig | None:
@@ -214,7 +259,8 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
         return tree
     verify, drafts, attend = measure_costs(engine, top_k)
     steps, other = calibrate(engine, top_k)
-    profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k, attend_s=attend)
+    profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k, attend_s=attend,
+                      steps_at=calibrate_long(engine, top_k))
     tree, rate = choose(profile)
     tree = replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,

@@ -35,8 +35,9 @@ class TreeConfig:
     under the root as one more path, beyond `total_tokens` and `depth`; 0 = off.
     long_context: caps for long contexts, ((min_context, depth, total_tokens), ...) with
     min_context ascending: once the context holds min_context tokens the tree keeps at most
-    that depth and that many tokens (`at`). Every tree row attends to the whole context, so a
-    row's cost grows with it; core.autotune measures by how much and fits these caps.
+    that depth and that many tokens (`at`); (min_context, 0, 0) means plain decoding from
+    there on (`speculates_at`). Every tree row attends to the whole context, so a row's cost
+    grows with it; core.autotune measures by how much and fits these caps.
     """
 
     depth: int = 6
@@ -54,10 +55,10 @@ class TreeConfig:
                 raise ConfigError(f"tree long_context must be a list of [min_context, depth, total_tokens], "
                                   f"got {self.long_context!r}") from e
         starts = [c[0] for c in self.long_context]
-        _check(all(len(c) == 3 and c[0] >= 1 and 1 <= c[1] <= 32 and 2 <= c[2] <= 512 for c in self.long_context)
-               and starts == sorted(set(starts)),
-               f"tree long_context must hold [min_context >= 1, depth 1..32, total_tokens 2..512] entries with "
-               f"ascending distinct min_context, got {self.long_context!r}")
+        _check(all(len(c) == 3 and c[0] >= 1 and (1 <= c[1] <= 32 and 2 <= c[2] <= 512 or c[1:] == (0, 0))
+                   for c in self.long_context) and starts == sorted(set(starts)),
+               f"tree long_context must hold [min_context >= 1, depth 1..32, total_tokens 2..512] entries "
+               f"(or [min_context, 0, 0]: plain decoding) with ascending distinct min_context, got {self.long_context!r}")
         _check(isinstance(self.depth, int) and 1 <= self.depth <= 32,
                f"tree depth must be an integer in 1..32, got {self.depth!r}")
         _check(isinstance(self.top_k, int) and 1 <= self.top_k <= 64,
@@ -81,10 +82,14 @@ class TreeConfig:
     def is_static(self) -> bool:
         return self.static_paths is not None
 
+    def speculates_at(self, context: int) -> bool:
+        """False once the context reaches a plain-decoding cap ([min_context, 0, 0])."""
+        return not any(c[0] <= context and c[1] == 0 for c in self.long_context)
+
     def at(self, context: int) -> "TreeConfig":
         """The tree for a step whose context holds `context` tokens: this one, capped by the last
         long_context entry that applies (static trees and trees without caps are unchanged)."""
-        caps = [c for c in self.long_context if c[0] <= context]
+        caps = [c for c in self.long_context if c[0] <= context and c[1] > 0]
         if not caps or self.is_static:
             return self
         _, depth, total = caps[-1]

@@ -333,6 +333,8 @@ class _Run:
         self.forwards += 1
         t1 = self.now()
         event = self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
+        if self.cfg.speculative and not self.cfg.tree.speculates_at(len(self.ids)):
+            self.cfg = replace(self.cfg, speculative=False)  # a plain cap: no head catch-up on a long prompt
         if self.cfg.speculative and not event.finished:
             self.root_hidden = self.catch_up(torch.cat([self.ids[1:], torch.tensor([self.token], device=self.device)]),
                                              features)
@@ -345,10 +347,10 @@ class _Run:
         return hidden
 
     def next_step(self) -> StepEvent:
-        if self.cfg.speculative and self.fits_tree():
+        if self.cfg.speculative and self.fits_tree() and self.cfg.tree.speculates_at(kv.cache_length(self.cache)):
             return self.spec_step()
         event = self.plain_step()
-        if self.cfg.speculative and not event.finished:  # near the context end: stay plain
+        if self.cfg.speculative and not event.finished:  # near the context end, or a plain cap: stay plain
             self.cfg = replace(self.cfg, speculative=False)
         return event
 

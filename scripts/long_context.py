@@ -1,6 +1,6 @@
 """Speculation in a long chat (README "Long chats"): plain against eagle at several context lengths.
 
-    python scripts/long_context.py [--contexts 256,1024,2048,2800] [--tokens 64] [--reps 2]
+    python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2]
 
 Each prompt asks for a summary of the first N tokens of a fixed document: the Python language
 reference topics that ship with the interpreter (`pydoc_data.topics`, from "assignment" on),
@@ -18,20 +18,9 @@ from core import threads  # noqa: I001 (chooses the OpenMP policy before torch l
 
 import torch
 
+from core.autotune import long_prompt
 from core.config import GenerationConfig
 from core.engine import Engine
-
-def document() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics) if k >= "assignment")
-
-
-def prompt_of(engine: Engine, tokens: int) -> list[dict]:
-    tok = engine.target.tokenizer
-    doc = tok.decode(tok(document(), add_special_tokens=False)["input_ids"][:tokens])
-    return [{"role": "user", "content": f"Here is a document:\n{doc}\nSummarise it in three sentences."}]
-
 
 def answer(engine: Engine, messages, config: GenerationConfig) -> tuple[float, int, int, list[int]]:
     """-> (seconds after the prefill, tokens after the prefill, steps after the prefill, all tokens)."""
@@ -48,7 +37,7 @@ def answer(engine: Engine, messages, config: GenerationConfig) -> tuple[float, i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="256,1024,2048,2800")
+    p.add_argument("--contexts", default="1024,2048,2800,4096", help="document tokens (the chat template adds about 45)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
@@ -62,7 +51,7 @@ def main() -> None:
     print(f"tree: {tree}")
     with torch.inference_mode():
         for length in (int(c) for c in a.contexts.split(",")):
-            messages = prompt_of(engine, length)
+            messages = long_prompt(engine, length)
             context = engine.count_tokens(messages)
             totals = {m: [0.0, 0, 0] for m in modes}
             outputs = set()
@@ -74,8 +63,9 @@ def main() -> None:
                     totals[m][2] += steps
                     outputs.add(tuple(out))
             row = "  ".join(f"{m} {t[1] / t[0]:.1f} tok/s tau {t[1] / max(t[2], 1):.2f}" for m, t in totals.items())
-            print(f"context {context:5d} (tree there: depth {tree.at(context).depth}, "
-                  f"{tree.at(context).total_tokens} tokens): {row}; identical: {len(outputs) == 1}")
+            there = (f"depth {tree.at(context).depth}, {tree.at(context).total_tokens} tokens"
+                     if tree.speculates_at(context) else "plain decoding")
+            print(f"context {context:5d} (tree there: {there}): {row}; identical: {len(outputs) == 1}")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,10 @@ def test_long_context_caps_shrink_the_tree_as_each_row_attends_to_more():
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)  # each entry shrinks it
     assert caps[-1][2] < tree.total_tokens
     last = (tree.depth, tree.total_tokens)
-    for c, depth, total in caps:  # each cap is what the chooser picks at that context, never growing
+    for k, (c, depth, total) in enumerate(caps):  # each cap is the chooser's pick there, never growing
+        if depth == 0:  # plain decoding beats every tree from here: the last entry
+            assert k == len(caps) - 1 and total == 0
+            continue
         picked, _ = choose(dear, context=c)
         assert (depth, total) == (min(picked.depth, last[0]), min(picked.total_tokens, last[1]))
         last = (depth, total)
@@ -114,3 +117,26 @@ def test_tree_at_applies_the_last_cap_reached():
     for bad in ([[0, 3, 8]], [[100, 3, 8], [100, 2, 4]], [[200, 3, 8], [100, 2, 4]], [[100, 0, 8]], [[100, 3]], "x"):
         with pytest.raises(ConfigError, match="long_context"):
             TreeConfig(long_context=bad)
+
+
+def test_long_context_caps_end_in_plain_decoding_where_no_tree_pays():
+    """Acceptance calibrated on long prompts (steps_at): where the head accepts nothing there, no
+    tree beats a plain step, and the caps say plain decoding from that context on."""
+    from core.autotune import long_context_caps, steps_for
+
+    base = _profile(verify_slope=0.0001)
+    tree, _ = choose(base)
+    rejected = tuple((d, s, (0,)) for d, s, _ in base.steps)  # nothing accepted in long prompts
+    long = Profile(**{**base.__dict__, "attend_s": 1e-6, "steps_at": {2048: rejected}})
+    assert steps_for(long, 1000) is base.steps and steps_for(long, 3000) is rejected
+    caps = long_context_caps(long, tree, max_context=8192)
+    assert caps[-1] == (2048, 0, 0) and all(c[0] < 2048 for c in caps[:-1])
+    assert long_context_caps(Profile(**{**base.__dict__, "steps_at": {2048: base.steps}}), tree, 8192) == ()
+
+
+def test_plain_caps_in_a_tree():
+    tree = TreeConfig(depth=3, top_k=8, total_tokens=12, long_context=[[1024, 3, 8], [4096, 0, 0]])
+    assert tree.speculates_at(4095) and not tree.speculates_at(4096)
+    assert tree.at(5000) == TreeConfig(depth=3, top_k=8, total_tokens=8)  # the last tree cap still shapes
+    with pytest.raises(ConfigError, match="long_context"):
+        TreeConfig(long_context=[[100, 0, 5]])

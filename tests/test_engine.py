@@ -291,3 +291,16 @@ def test_long_context_caps_shrink_the_tree_and_output_stays_plain():
         sizes[caps] = [ev.tree_size for ev in events[1:] if ev.tree_size]
     assert max(sizes[()]) == 8
     assert sizes[((16, 1, 2),)][0] == 8 and max(sizes[((16, 1, 2),)][-3:]) == 2  # capped once 16 are in context
+
+
+def test_a_plain_cap_turns_speculation_off_and_output_stays_plain():
+    target = tiny_target()
+    eng = Engine(target, random_head(target))
+    prompt = PROMPTS[2]  # 12 tokens
+    for caps, speculative_steps in ((((20, 0, 0),), lambda n: 0 < n), (((5, 0, 0),), lambda n: n == 0)):
+        tree = TreeConfig(depth=3, top_k=3, total_tokens=8, long_context=caps)
+        tokens, events = run(eng, prompt, GenerationConfig(max_new_tokens=24, tree=tree))
+        assert tokens == plain_ids(eng, prompt, 24)
+        spec = [ev for ev in events[1:] if ev.tree_size]
+        assert speculative_steps(len(spec))
+        assert all(ev.tree_size == 0 for ev in events[1 + len(spec):])  # plain to the end once it switches
