@@ -147,6 +147,18 @@ def long_context_caps(profile: Profile, tree: TreeConfig, max_context: int,
 LONGER = 1024  # context tokens added to measure what a row's attention costs per context token
 
 
+def monotone(costs: dict[int, float]) -> dict[int, float]:
+    """Measured cost per call by rows -> the same, made non-decreasing in rows (a call with more
+    rows never costs less; on a noisy machine one can measure less, e.g. 4 rows 33.6 ms after 3
+    rows 27.4 here, and the chooser would then favour that size for nothing): each cost is lifted
+    to the largest one measured at fewer rows; pure."""
+    out, top = {}, 0.0
+    for n in sorted(costs):
+        top = max(top, costs[n])
+        out[n] = top
+    return out
+
+
 def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5) -> tuple[dict, dict, float]:
     """Target cost per call against tokens in the call, draft cost per depth, and the extra
     target cost per token in the call and per context token beyond `context`."""
@@ -177,6 +189,7 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
 
         for n in tqdm((1,) + SIZES, desc="target cost per call", leave=False):  # 1 = plain decoding
             verify[n] = cost(n, context)
+        verify = monotone(verify)
         # every row attends to the whole context: the extra cost per row and context token,
         # from 16 rows against 1 at `context` and at `context + LONGER` tokens
         longer = min(LONGER, engine.max_context - context - 64)

@@ -140,3 +140,11 @@ def test_plain_caps_in_a_tree():
     assert tree.at(5000) == TreeConfig(depth=3, top_k=8, total_tokens=8)  # the last tree cap still shapes
     with pytest.raises(ConfigError, match="long_context"):
         TreeConfig(long_context=[[100, 0, 5]])
+
+
+def test_measured_costs_are_made_non_decreasing_in_rows():
+    from core.autotune import monotone
+
+    assert monotone({1: 0.02, 2: 0.025, 4: 0.021, 8: 0.03, 16: 0.028, 32: 0.05}) == \
+        {1: 0.02, 2: 0.025, 4: 0.025, 8: 0.03, 16: 0.03, 32: 0.05}
+    assert monotone({}) == {}
