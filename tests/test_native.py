@@ -235,3 +235,13 @@ def test_argmax_usable_only_for_what_the_kernel_computes():
     assert native.argmax_usable(x) == native.status().available
     assert not native.argmax_usable(x.float())
     assert not native.argmax_usable(x.t())  # unit stride along the vocabulary is needed
+
+
+@needs_kernel
+def test_attention_with_more_than_64_query_heads_per_kv_head():
+    """Multi-query models (e.g. 71 heads over one kv head) put every head in one task: the
+    per-head softmax sums must not live in a fixed-size buffer."""
+    q, key, value, anc, counts = _tree_case(30, 72, 1, 32, seed=3)
+    out = native.attention(q, key, value, 30, anc, counts, 32 ** -0.5)
+    ref = native.reference_attention(q, key, value, 30, anc, counts, 32 ** -0.5)
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)

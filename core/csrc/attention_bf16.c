@@ -32,32 +32,25 @@ static inline __m512 exp512(__m512 x) {  // Cephes expf on [-87, 88]; |rel err| 
     return _mm512_scalef_ps(p, n);
 }
 
-// p @ V for TN heads x CN value vectors (16 lanes each) over keys 0 .. count-1, accumulators in
-// registers: o[t * CN + c] += e_t[j] * v_j[c0 + c] in key order (s: TN rows of e, `cap` apart).
-#define PV(TN, CN)                                                                                  \
-static inline void pv_##TN##x##CN(__m512 *o, const float *s, int64_t cap, const uint16_t *vh,      \
-                                  int64_t kv_pos, int c0, int64_t count, int64_t L, const int64_t *anc_row) { \
-    __m512 acc[TN * CN];                                                                            \
-    for (int a = 0; a < TN * CN; a++) acc[a] = o[a];                                                \
-    for (int64_t j = 0; j < count; j++) {                                                           \
-        const uint16_t *vr = vh + key_slot(j, L, anc_row) * kv_pos + 16 * c0;                       \
-        __m512 vv[CN];                                                                              \
-        for (int c = 0; c < CN; c++) vv[c] = bf16x16_to_ps(vr + 16 * c);                            \
-        for (int t = 0; t < TN; t++) {                                                              \
-            __m512 e = _mm512_set1_ps(s[t * cap + j]);                                              \
-            for (int c = 0; c < CN; c++) acc[t * CN + c] = _mm512_fmadd_ps(e, vv[c], acc[t * CN + c]); \
-        }                                                                                           \
-    }                                                                                               \
-    for (int a = 0; a < TN * CN; a++) o[a] = acc[a];                                                \
+// p @ V for tn heads x cn value vectors (16 lanes each, tn * cn <= 16) over keys 0 .. count-1:
+// o[t * cn + c] += e_t[j] * v_j[c0 + c] in key order (s: tn rows of e, `cap` apart). Always
+// inlined, so the calls with constant shapes below get their accumulators in registers.
+static inline __attribute__((always_inline)) void pv(int tn, int cn, __m512 *o, const float *s, int64_t cap,
+                                                     const uint16_t *vh, int64_t kv_pos, int c0, int64_t count,
+                                                     int64_t L, const int64_t *anc_row) {
+    __m512 acc[16];
+    for (int a = 0; a < tn * cn; a++) acc[a] = o[a];
+    for (int64_t j = 0; j < count; j++) {
+        const uint16_t *vr = vh + key_slot(j, L, anc_row) * kv_pos + 16 * c0;
+        __m512 vv[16];
+        for (int c = 0; c < cn; c++) vv[c] = bf16x16_to_ps(vr + 16 * c);
+        for (int t = 0; t < tn; t++) {
+            __m512 e = _mm512_set1_ps(s[t * cap + j]);
+            for (int c = 0; c < cn; c++) acc[t * cn + c] = _mm512_fmadd_ps(e, vv[c], acc[t * cn + c]);
+        }
+    }
+    for (int a = 0; a < tn * cn; a++) o[a] = acc[a];
 }
-
-PV(3, 4)  // SmolLM2: 3 query heads per kv head, head_dim 64
-PV(4, 4)  // Llama-3.1-8B: 4 per kv head, head_dim 128 (two passes)
-PV(2, 4)
-PV(2, 8)
-PV(1, 4)
-PV(1, 8)  // Vicuna / Llama-2 7B: no GQA, head_dim 128
-PV(1, 16)
 
 // q (n, nh, hd) with strides (qs_row, qs_head); k, v (kvh, T, hd) with strides (kv_head, kv_pos);
 // anc (n, anc_stride) int64 cache-slot offsets past L; na (n,) counts; out (n, nh, hd) contiguous.
@@ -73,6 +66,7 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
     {
         int64_t cap = 0;
         float *s = NULL;  // g rows of `cap` scores
+        float *inv = (float *)malloc(g * sizeof(float));  // 1 / softmax denominator per head
 #pragma omp for schedule(static)
         for (int unit = 0; unit < n * kvh; unit++) {
             int i = unit / kvh, kh_i = unit % kvh;
@@ -83,7 +77,6 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 s = (float *)malloc(cap * g * sizeof(float));
             }
             const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
-            float inv[64];
             for (int t = 0; t < g; t++) {
                 int h = kh_i * g + t;
                 float *st = s + t * cap;
@@ -126,22 +119,16 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     for (int a = 0; a < tn * cn; a++) o[a] = _mm512_setzero_ps();
                     const float *e0 = s + t0 * cap;
                     const int64_t *ar = anc + i * anc_stride;
-                    if (tn == 3 && cn == 4) pv_3x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 4 && cn == 4) pv_4x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 2 && cn == 4) pv_2x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 2 && cn == 8) pv_2x8(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 1 && cn == 4) pv_1x4(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 1 && cn == 8) pv_1x8(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 1 && cn == 16) pv_1x16(o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else for (int64_t j = 0; j < count; j++) {  // other shapes: the same sums, not unrolled
-                        const uint16_t *vr = vh + key_slot(j, L, anc + i * anc_stride) * kv_pos + 16 * c0;
-                        __m512 vv[16];
-                        for (int c = 0; c < cn; c++) vv[c] = bf16x16_to_ps(vr + 16 * c);
-                        for (int t = 0; t < tn; t++) {
-                            __m512 e = _mm512_set1_ps(s[(t0 + t) * cap + j]);
-                            for (int c = 0; c < cn; c++) o[t * cn + c] = _mm512_fmadd_ps(e, vv[c], o[t * cn + c]);
-                        }
-                    }
+                    // constant shapes: SmolLM2 (3 heads per kv head, head_dim 64), Llama-3.1-8B (4, 128:
+                    // two passes), Vicuna / Llama-2 7B (no GQA, 128), and the other small ones
+                    if (tn == 3 && cn == 4) pv(3, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 4 && cn == 4) pv(4, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 2 && cn == 4) pv(2, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 2 && cn == 8) pv(2, 8, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 1 && cn == 4) pv(1, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 1 && cn == 8) pv(1, 8, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else if (tn == 1 && cn == 16) pv(1, 16, o, e0, cap, vh, kv_pos, c0, count, L, ar);
+                    else pv(tn, cn, o, e0, cap, vh, kv_pos, c0, count, L, ar);  // the same sums, not unrolled
                     for (int t = 0; t < tn; t++) {
                         uint16_t *dst = out + ((int64_t)i * nh + kh_i * g + t0 + t) * hd + 16 * c0;
                         __m512 iv = _mm512_set1_ps(inv[t0 + t]);
@@ -152,5 +139,6 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
             }
         }
         free(s);
+        free(inv);
     }
 }
