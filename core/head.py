@@ -147,11 +147,9 @@ def head_mask(allowed: torch.Tensor | None, past: int, n: int, dtype: torch.dtyp
     a fifth to a half of sdpa's time. Tree rounds (8 rows, a tree mask) and the prompt's
     catch-up keep sdpa, which is as fast there (and the layout grows with rows squared).
     """
-    hd = config.dim_per_head
-    native_ok = (dtype is torch.bfloat16 and torch.device(device).type == "cpu" and not torch.is_grad_enabled()
-                 and hd % 32 == 0 and hd <= 256 and config.num_attention_heads % config.num_key_value_heads == 0
-                 and native.status().available)
-    if allowed is None and n <= NATIVE_CATCH_UP_ROWS and native_ok:
+    if (allowed is None and n <= NATIVE_CATCH_UP_ROWS and not torch.is_grad_enabled()
+            and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
+                                        config.num_key_value_heads)):
         return KeyLayout.causal(n, past, device)
     return additive(causal_allowed(n, past, device) if allowed is None else allowed, dtype)
 

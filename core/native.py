@@ -247,10 +247,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def attention_usable(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether `attention` serves this call: bf16 on the CPU, head_dim a multiple of 32 up to 256."""
-    hd = query.shape[-1]
-    return (query.dtype == torch.bfloat16 and key.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and hd % 32 == 0 and hd <= 256 and query.shape[1] % key.shape[1] == 0
-            and _library()[0] is not None)
+    return (query.dtype == key.dtype and attention_serves(query.dtype, query.device, query.shape[-1],
+                                                          query.shape[1], key.shape[1]))
+
+
+def attention_serves(dtype: torch.dtype, device, head_dim: int, heads: int, kv_heads: int) -> bool:
+    """`attention_usable` from the shapes alone (for callers that decide before the tensors exist)."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and head_dim % 32 == 0
+            and head_dim <= 256 and heads % kv_heads == 0 and _library()[0] is not None)
 
 
 def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed: int,
