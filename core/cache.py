@@ -96,21 +96,13 @@ def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) ->
     contiguous = torch.equal(path, torch.arange(n))  # accepted nodes already in place: just cut
     slots = {}  # device -> the kept entries' cache slots
     for layer in cache.layers:
-        if isinstance(layer, BufferedLayer):
-            if not layer.is_initialized:
-                continue
-            if contiguous:
-                layer._set_length(committed + n)
-            else:
-                device = layer.keys.device
-                if device not in slots:
-                    slots[device] = (committed + path).to(device)
-                layer.keep(committed, slots[device])
+        assert isinstance(layer, BufferedLayer), "keep() serves caches from new_cache()"
+        if not layer.is_initialized:
             continue
         if contiguous:
-            layer.keys, layer.values = layer.keys[:, :, :committed + n], layer.values[:, :, :committed + n]
+            layer._set_length(committed + n)
             continue
-        idx = (committed + path).to(layer.keys.device)
-        # keys/values: (1, kvh, L, hd)
-        layer.keys = torch.cat([layer.keys[:, :, :committed], layer.keys[:, :, idx]], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :committed], layer.values[:, :, idx]], dim=2)
+        device = layer.keys.device
+        if device not in slots:
+            slots[device] = (committed + path).to(device)
+        layer.keep(committed, slots[device])
