@@ -2,12 +2,12 @@
 
     python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2]
 
-Each prompt asks for a summary of the first N tokens of a fixed document: the Python language
-reference topics that ship with the interpreter (`pydoc_data.topics`, from "assignment" on),
-which the answer may quote from, as long chats do. For each length it answers with plain decoding, with the
-shipped tree (its long_context caps applied: `tree.at(context)`) and with the same tree without
-caps, interleaved and repeated, and prints tokens/s and tau after the prefill. Greedy output is
-checked to be the same in every mode. Run it on an otherwise idle machine.
+Each prompt asks for a summary of the first N tokens of a fixed document (`core.autotune.long_prompt`:
+the Python language reference topics that ship with the interpreter), which the answer may quote
+from, as long chats do. For each length it answers with plain decoding, with the shipped tree (its
+long_context caps applied: `tree.at(context)`, plain decoding past a plain cap) and with the same
+tree without caps, interleaved and repeated, and prints tokens/s and tau after the prefill.
+Greedy output is checked to be the same in every mode. Run it on an otherwise idle machine.
 """
 
 import argparse
@@ -21,6 +21,7 @@ import torch
 from core.autotune import long_prompt
 from core.config import GenerationConfig
 from core.engine import Engine
+
 
 def answer(engine: Engine, messages, config: GenerationConfig) -> tuple[float, int, int, list[int]]:
     """-> (seconds after the prefill, tokens after the prefill, steps after the prefill, all tokens)."""
