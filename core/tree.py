@@ -116,23 +116,41 @@ def catch_up(drafter: Drafter, cache: HeadCache, tokens: torch.Tensor, features:
 
 
 def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
-                  cfg: TreeConfig) -> DraftTree:
+                  cfg: TreeConfig, *, prune: bool = True) -> DraftTree:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, then keep the best overall.
 
     root_hidden: (H,) head output predicting the root's children. The head's cache is
     left at its committed length on return (draft entries are temporary).
+
+    Rounds that cannot change the result are skipped: a descendant never outscores its
+    ancestor, so a frontier node whose score is at most the `keep`-th best score so far can
+    have no descendant in the final selection (and ties go to the earlier candidate). Such
+    nodes are not fed, and when no frontier node is left drafting stops early. The tree is
+    the one drafting every level would select; a deep tree costs a head call per level only
+    while the head is confident enough for deeper nodes to make the cut. `prune=False`
+    drafts every level (the reference the tests compare with).
     """
     committed, k, device = cache.length, cfg.top_k, root_hidden.device
+    keep = cfg.total_tokens - 1
     lp = drafter.log_probs(root_hidden[None])[0]  # (Vd,)
     scores, idx = lp.topk(min(k, lp.shape[0]))  # (k,)
     cand_tokens, cand_parents, cand_scores = [drafter.to_target_ids(idx)], [torch.full_like(idx, -1)], [scores]
     cand_depths = [torch.ones_like(idx)]
     frontier = torch.arange(idx.shape[0], device=device)  # candidate ids of the nodes to feed next
+    frontier_scores = scores
     frontier_feat = root_hidden.expand(idx.shape[0], -1)  # (k, H): output that proposed each node
     fed_anc = torch.zeros(0, 0, dtype=torch.bool, device=device)  # ancestry among fed nodes
     fed_parent_slot = torch.full((idx.shape[0],), -1, device=device)  # fed slot of each frontier's parent
     n_cand = idx.shape[0]
     for d in range(1, cfg.depth):
+        if prune and n_cand >= keep:  # prune frontier nodes whose subtrees cannot make the cut
+            all_scores = torch.cat(cand_scores) if len(cand_scores) > 1 else cand_scores[0]
+            cut = all_scores.topk(keep).values[-1]
+            live = frontier_scores > cut  # (f,)
+            if not bool(live.any()):
+                break
+            if not bool(live.all()):
+                frontier, frontier_feat, fed_parent_slot = frontier[live], frontier_feat[live], fed_parent_slot[live]
         tokens = torch.cat(cand_tokens)[frontier]
         f = frontier.shape[0]
         n_fed = fed_anc.shape[0]
@@ -153,14 +171,14 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
         cand_parents.append(child_parent)
         cand_scores.append(child_scores)
         cand_depths.append(torch.full_like(child_parent, d + 1))
-        best = child_scores.topk(min(k, child_scores.shape[0])).indices  # (k,) among new children
+        frontier_scores, best = child_scores.topk(min(k, child_scores.shape[0]))  # (k,) among new children
         frontier_feat = out[best // child_idx.shape[1]]
         fed_parent_slot = n_fed + best // child_idx.shape[1]
         frontier = n_cand + best
         n_cand += child_scores.shape[0]
     cache.truncate(committed)
     return _select(torch.cat(cand_tokens), torch.cat(cand_parents), torch.cat(cand_scores),
-                   torch.cat(cand_depths), root_token, cfg.total_tokens - 1)
+                   torch.cat(cand_depths), root_token, keep)
 
 
 def _select(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,

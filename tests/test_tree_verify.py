@@ -191,3 +191,44 @@ def test_greedy_tokens_is_bf16_argmax_with_the_first_maximum_on_ties():
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     assert int(greedy_tokens(logits)[3]) == 7
     assert int(greedy_tokens(logits[5])) == int(logits[5].argmax())
+
+
+# ----------------------------------------------------------------------------- pruned drafting
+
+@pytest.mark.parametrize("shape", [(6, 3, 6), (5, 4, 10), (3, 8, 12), (8, 2, 5)])
+def test_pruned_drafting_selects_the_full_tree_and_skips_rounds(shape, monkeypatch):
+    """Drafting skips frontier nodes that cannot make the cut; the selected tree is exactly the
+    one drafting every level selects, and deep trees stop early where the head is unsure."""
+    from core.config import TreeConfig
+    from core.head import HeadCache
+    from core.tree import Drafter, catch_up, draft_dynamic
+    from tests.tiny import random_head, tiny_target
+
+    target = tiny_target()  # float64
+    head = random_head(target, seed=3, scale=0.15)
+    drafter = Drafter(head=head, embed=target.model.get_input_embeddings(),
+                      lm_weight=target.model.lm_head.weight, vocab=None)
+    fed = []
+    feed = Drafter.feed
+    monkeypatch.setattr(Drafter, "feed", lambda self, *a, **k: fed.append(a[1].shape[0]) or feed(self, *a, **k))
+    depth, top_k, total = shape
+    cfg = TreeConfig(depth=depth, top_k=top_k, total_tokens=total)
+    rows = {True: 0, False: 0}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for trial in range(12):
+            ids = torch.randint(1, 96, (7,), generator=gen)
+            feats = target.model.model(input_ids=ids[None]).last_hidden_state[0]  # (7, H)
+            trees = {}
+            for prune in (True, False):
+                cache = HeadCache(head.config, torch.float64, torch.device("cpu"))
+                root = catch_up(drafter, cache, ids[1:], feats[:-1])
+                fed.clear()
+                trees[prune] = draft_dynamic(drafter, cache, int(ids[-1]), root, cfg, prune=prune)
+                assert cache.length == 6
+                rows[prune] += sum(fed)
+            for field in ("tokens", "parents", "depths"):
+                assert torch.equal(getattr(trees[True], field), getattr(trees[False], field)), (trial, field)
+            torch.testing.assert_close(trees[True].scores, trees[False].scores, rtol=0, atol=0)
+    if total - 1 > top_k:  # the cut exists after the first round: something was skipped
+        assert rows[True] < rows[False], rows
