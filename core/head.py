@@ -118,7 +118,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-NATIVE_CATCH_UP_ROWS = 32  # causal head calls up to this many rows use the native attention
+NATIVE_ROWS = 32  # head calls up to this many rows use the native attention
 
 
 @dataclass(frozen=True)
@@ -136,21 +136,37 @@ class KeyLayout:
         slots = torch.arange(n, device=device)
         return cls(past, slots.expand(n, n).contiguous(), slots + 1)
 
+    @classmethod
+    def tree(cls, rows: torch.Tensor, committed: int) -> "KeyLayout":
+        """rows: bool (n, T), which of the T keys after `committed` each row sees (itself included)."""
+        n, t = rows.shape
+        slots = torch.arange(t, device=rows.device).expand(n, t)
+        counts = rows.sum(1)  # (n,)
+        seen_first = torch.where(rows, slots, slots + t).sort(dim=1).values  # seen slots first, ascending
+        return cls(committed, seen_first[:, :int(counts.max())].contiguous(), counts)
+
 
 def head_mask(allowed: torch.Tensor | None, past: int, n: int, dtype: torch.dtype, config: "HeadConfig",
               device: torch.device):
-    """The mask of a head call on n new rows after `past` cached keys; allowed: bool (n, past + n),
-    None = causal.
+    """The mask of a head call on n new rows after `past` cached keys.
 
-    Short causal calls (catch-up: the few tokens one step accepted) go through the native
-    attention kernel where it serves the head (bf16 decoding on the CPU): at 1-4 rows it takes
-    a fifth to a half of sdpa's time. Tree rounds (8 rows, a tree mask) and the prompt's
-    catch-up keep sdpa, which is as fast there (and the layout grows with rows squared).
+    allowed: None = causal; bool (n, past + n), every key; or bool (n, T) with T < past + n,
+    the tree part: every key before the last T is seen, and `allowed` says which of the last T
+    each row sees (a draft round: the committed context, then the fed draft nodes).
+    Calls up to NATIVE_ROWS rows (catch-up: the few tokens a step accepted; draft rounds: the
+    frontier) go through the native attention kernel where it serves the head (bf16 decoding
+    on the CPU): at 1-8 rows sdpa took 60-260 us a call, the kernel a fifth to a half of that.
+    Longer calls (the prompt's catch-up) and training keep sdpa.
     """
-    if (allowed is None and n <= NATIVE_CATCH_UP_ROWS and not torch.is_grad_enabled()
+    tree_part = allowed is not None and allowed.shape[1] < past + n
+    if (n <= NATIVE_ROWS and not torch.is_grad_enabled() and (allowed is None or tree_part)
             and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
                                         config.num_key_value_heads)):
-        return KeyLayout.causal(n, past, device)
+        if allowed is None:
+            return KeyLayout.causal(n, past, device)
+        return KeyLayout.tree(allowed, past + n - allowed.shape[1])
+    if tree_part:
+        allowed = torch.cat([torch.ones(n, past + n - allowed.shape[1], dtype=torch.bool, device=device), allowed], 1)
     return additive(causal_allowed(n, past, device) if allowed is None else allowed, dtype)
 
 
@@ -211,7 +227,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache):
         x = x + self.self_attn(x, cos, sin, mask, cache)
@@ -245,7 +261,7 @@ class EagleHead(nn.Module):
         return x
 
 
-def _rotary(c: HeadConfig) -> nn.Module:
+def _rotary(c: HeadConfig) -> "RotaryTable":
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -256,7 +272,45 @@ def _rotary(c: HeadConfig) -> nn.Module:
     lc = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                      head_dim=c.dim_per_head, max_position_embeddings=c.max_position_embeddings,
                      rope_parameters=rope)
-    return LlamaRotaryEmbedding(lc)
+    return RotaryTable(LlamaRotaryEmbedding(lc), rope["rope_type"])
+
+
+class RotaryTable(nn.Module):
+    """transformers' rotary embedding, looked up in a table of cos / sin (fp32, grown by
+    doubling) instead of recomputed per call: the 10-odd small ops it takes were a tenth of a
+    draft round's head call. The table holds what the module computes (one product per
+    angle, so bit for bit the same). Rope types whose frequencies depend on the sequence
+    length (dynamic, longrope) and non-CPU devices compute per call."""
+
+    STATIC = ("default", "linear", "llama3")
+
+    def __init__(self, rotary: nn.Module, rope_type: str):
+        super().__init__()
+        self.rotary = rotary
+        self.static = rope_type in self.STATIC
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (P, hd) fp32; not state
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: (..., n, ·) for dtype and device; positions (1, n) -> cos, sin (1, n, hd) in x's dtype
+        if not self.static or x.device.type != "cpu":
+            return self.rotary(x, positions)
+        need = int(positions.max()) + 1
+        if self._table is None or self._table[0].shape[0] < need:
+            size = max(need, 256, 2 * (0 if self._table is None else self._table[0].shape[0]))
+            cos, sin = self.rotary(x.new_empty(0, dtype=torch.float32), torch.arange(size, device=x.device)[None])
+            self._table = cos[0], sin[0]
+        cos, sin = self._table
+        return cos[positions].to(x.dtype), sin[positions].to(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same weight, the same key) whose inference runs core.native's kernel on
+    bf16 CPU rows: one call instead of torch's six ops (about 50 us a head call)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.eps is not None and native.norm_usable(x, self.weight):
+            return native.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 def causal_mask(n: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 
 from core import native
 from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
-                       _rotary, _rotate_half, causal_mask, head_mask, read_checkpoint)
+                       RMSNorm, _rotary, _rotate_half, causal_mask, head_mask, read_checkpoint)
 from core.invariant import swap_linears
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -107,10 +107,10 @@ class MidLayer(nn.Module):
 
     def __init__(self, c: HeadConfig):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.self_attn = Attention3(c)
-        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.mlp = MLP(c)
 
     def attn_input(self, emb: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ class Eagle3Head(nn.Module):
         self.config = config
         self.fc = nn.Linear(config.fused_size, config.hidden_size, bias=False)
         self.midlayer = MidLayer(config)
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
@@ -319,8 +319,8 @@ class Drafter3:
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (m,); features (m, 3Ht) fused target features (catch-up) or (m, H) head
-        states (tree rounds) -> head states (m, H). `allowed` (m, cache length + m) is the
-        tree mask; None = causal after the cache."""
+        states (tree rounds) -> head states (m, H). `allowed`: the tree mask, whole
+        (m, cache length + m) or its tree part (m, T) (core.head.head_mask); None = causal."""
         m = tokens.shape[0]
         dtype = self.head.fc.weight.dtype
         emb = self.embed(tokens)[None].to(dtype)  # (1, m, H)

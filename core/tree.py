@@ -96,7 +96,8 @@ class Drafter:
              positions: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Run the head on m new inputs; tokens (m,), features (m, H) -> next features (m, H).
 
-        `allowed` (m, cache length + m) is the tree mask; None = causal after the cache.
+        `allowed`: None = causal after the cache; bool (m, cache length + m), the whole mask; or
+        bool (m, T), the tree part (the last T keys; every earlier key is seen): see head_mask.
         """
         emb = self.embed(tokens)[None].to(features.dtype)  # (1, m, H)
         mask = head_mask(allowed, cache.length, tokens.shape[0], features.dtype, self.head.config, features.device)
@@ -160,9 +161,8 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
         rows[has_parent, :n_fed] = fed_anc[fed_parent_slot[has_parent]]
         rows[:, n_fed:] = torch.eye(f, dtype=torch.bool, device=device)
         fed_anc = torch.cat([torch.cat([fed_anc, torch.zeros(n_fed, f, dtype=torch.bool, device=device)], 1), rows])
-        allowed = torch.cat([torch.ones(f, committed, dtype=torch.bool, device=device), rows], 1)
         positions = torch.full((f,), committed + d - 1, device=device)
-        out = drafter.feed(cache, tokens, frontier_feat, positions, allowed)  # (f, H)
+        out = drafter.feed(cache, tokens, frontier_feat, positions, rows)  # (f, H); rows: the tree part
         lp = drafter.log_probs(out)  # (f, Vd)
         child_lp, child_idx = lp.topk(min(k, lp.shape[1]), dim=-1)  # (f, k)
         child_scores = (torch.cat(cand_scores)[frontier][:, None] + child_lp).flatten()  # (f*k,)
@@ -241,10 +241,9 @@ def draft_static(drafter: Drafter, cache: HeadCache, root_token: int, root_hidde
             anc_rows.append(rows[r])
         anc_rows = [torch.cat([a, torch.zeros(n_fed + f - a.shape[0], dtype=torch.bool, device=device)])
                     for a in anc_rows]
-        allowed = torch.cat([torch.ones(f, committed, dtype=torch.bool, device=device), rows], 1)
         feats = torch.stack([hidden[p[:-1]] for p in to_feed])
         toks = torch.tensor([tokens[index[p]] for p in to_feed], device=device)
-        out = drafter.feed(cache, toks, feats, torch.full((f,), committed + d - 1, device=device), allowed)
+        out = drafter.feed(cache, toks, feats, torch.full((f,), committed + d - 1, device=device), rows)
         for r, p in enumerate(to_feed):
             hidden[p] = out[r]
     cache.truncate(committed)

@@ -145,9 +145,10 @@ def test_head_cache_grows_for_a_write_longer_than_twice_its_capacity():
     assert cache.length == 24 and torch.equal(keys[:, :, 21:], k[:, :, :3])
 
 
-def test_catch_up_through_the_native_attention_matches_sdpa():
-    """bf16 decoding sends causal head calls (catch-up) through core.native's attention kernel
-    (KeyLayout); it computes what sdpa with the causal mask computes."""
+def test_head_calls_through_the_native_attention_match_sdpa():
+    """bf16 decoding sends short head calls through core.native's attention kernel
+    (KeyLayout): causal ones (catch-up) and draft rounds given the tree part of their mask.
+    They compute what sdpa with the whole additive mask computes."""
     from core import native
     from core.head import EagleHead, HeadConfig, KeyLayout, additive, causal_allowed, head_mask
 
@@ -157,18 +158,60 @@ def test_catch_up_through_the_native_attention_matches_sdpa():
                      vocab_size=100)  # head_dim 32
     torch.manual_seed(0)
     head = EagleHead(cfg).to(torch.bfloat16).eval()
-    emb, feats = torch.randn(1, 40, 128).bfloat16(), torch.randn(1, 40, 128).bfloat16()
+    emb, feats = torch.randn(1, 42, 128).bfloat16(), torch.randn(1, 42, 128).bfloat16()
+    # a draft round: 3 new rows after 35 committed keys and 2 fed draft nodes (slots 35, 36);
+    # row 0 sees node 0 and itself, row 1 node 1 and itself, row 2 only itself
+    tree = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    whole = torch.cat([torch.ones(3, 35, dtype=torch.bool), tree], 1)
     with torch.inference_mode():
-        outs = {}
-        for name in ("native", "sdpa"):
-            cache = HeadCache(cfg, torch.bfloat16, torch.device("cpu"))
-            head(emb[:, :37], feats[:, :37], torch.arange(37), cache=cache)
-            mask = head_mask(None, 37, 3, torch.bfloat16, cfg, "cpu")
-            assert isinstance(mask, KeyLayout)
-            if name == "sdpa":
-                mask = additive(causal_allowed(3, 37, "cpu"), torch.bfloat16)
-            outs[name] = head(emb[:, 37:], feats[:, 37:], torch.arange(37, 40), mask=mask, cache=cache).float()
-    assert torch.allclose(outs["native"], outs["sdpa"], atol=0.05, rtol=0.02)
-    # tree rounds and training keep the additive mask
+        for past, allowed, reference in ((37, None, causal_allowed(3, 37, "cpu")), (37, tree, whole)):
+            outs = {}
+            for name in ("native", "sdpa"):
+                cache = HeadCache(cfg, torch.bfloat16, torch.device("cpu"))
+                head(emb[:, :past], feats[:, :past], torch.arange(past), cache=cache)
+                mask = head_mask(allowed, past, 3, torch.bfloat16, cfg, "cpu")
+                assert isinstance(mask, KeyLayout)
+                if name == "sdpa":
+                    mask = additive(reference, torch.bfloat16)
+                    assert torch.equal(head_mask(allowed, past, 3, torch.float32, cfg, "cpu"),
+                                       additive(reference, torch.float32))  # no kernel: the whole mask
+                outs[name] = head(emb[:, past:past + 3], feats[:, past:past + 3], torch.arange(past, past + 3),
+                                  mask=mask, cache=cache).float()
+            assert torch.allclose(outs["native"], outs["sdpa"], atol=0.05, rtol=0.02), allowed
+    layout = KeyLayout.tree(tree, 35)
+    assert layout.committed == 35 and layout.counts.tolist() == [2, 2, 1]
+    assert [row[:c].tolist() for row, c in zip(layout.ancestors, layout.counts)] == [[0, 2], [1, 3], [4]]
+    # training and whole masks keep the additive mask
     assert not isinstance(head_mask(torch.ones(3, 40, dtype=torch.bool), 37, 3, torch.bfloat16, cfg, "cpu"), KeyLayout)
     assert not isinstance(head_mask(None, 37, 3, torch.float32, cfg, "cpu"), KeyLayout)
+    with torch.enable_grad():
+        assert not isinstance(head_mask(None, 37, 3, torch.bfloat16, cfg, "cpu"), KeyLayout)
+
+
+def test_rotary_table_and_native_norm_compute_what_transformers_and_torch_do():
+    """The head looks cos / sin up in a table (bit for bit transformers' rotary embedding) and
+    runs its RMSNorms through the native kernel in bf16 inference (torch's result to bf16
+    rounding); training (grad) and fp32 take torch's path."""
+    from core import native
+    from core.head import HeadConfig, RMSNorm, RotaryTable, _rotary
+
+    cfg = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=100, rope_theta=50000.0)
+    table = _rotary(cfg)
+    assert isinstance(table, RotaryTable) and table.static
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, 3, 128, dtype=dtype)
+        for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[700, 700, 3000]]), torch.tensor([[5, 9, 255]])):
+            got, want = table(x, positions), table.rotary(x, positions)
+            assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))
+    assert table._table[0].shape[0] >= 3001
+    norm = RMSNorm(128, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(128) + 0.5)
+    x = torch.randn(5, 128) * 3
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (128,), norm.weight, 1e-5))
+    if native.status().available:
+        with torch.inference_mode():
+            got = norm.bfloat16()(x.bfloat16())
+        torch.testing.assert_close(got.float(), torch.nn.functional.rms_norm(x, (128,), norm.weight.float(), 1e-5),
+                                   atol=0.05, rtol=0.02)
