@@ -14,6 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from core import native
+
 MIN_CAPACITY = 256  # first buffer, in positions; it doubles when full
 
 
@@ -90,19 +92,25 @@ def cache_length(cache: DynamicCache) -> int:
 
 
 def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) -> None:
-    """Keep entries [0, committed) and committed + path[i], in that order; drop the rest."""
+    """Keep entries [0, committed) and committed + path[i], in that order; drop the rest.
+
+    CPU caches move the kept rows of every layer in one native call (core.native.move_rows:
+    about 20 us against 0.5 ms for two indexed copies per layer); elsewhere each layer gathers.
+    """
     path = torch.as_tensor(path, dtype=torch.long).cpu()  # a few ints: decide on the host
     n = path.shape[0]
-    contiguous = torch.equal(path, torch.arange(n))  # accepted nodes already in place: just cut
-    slots = {}  # device -> the kept entries' cache slots
-    for layer in cache.layers:
-        assert isinstance(layer, BufferedLayer), "keep() serves caches from new_cache()"
-        if not layer.is_initialized:
-            continue
-        if contiguous:
-            layer._set_length(committed + n)
-            continue
-        device = layer.keys.device
-        if device not in slots:
-            slots[device] = (committed + path).to(device)
-        layer.keep(committed, slots[device])
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    assert all(isinstance(layer, BufferedLayer) for layer in cache.layers), "keep() serves caches from new_cache()"
+    if not torch.equal(path, torch.arange(n)):  # else the accepted nodes are already in place: just cut
+        buffers = [t for layer in layers for t in (layer._k, layer._v)]
+        if native.move_rows_usable(buffers):
+            native.move_rows(buffers, committed + path, committed + torch.arange(n))
+        else:
+            slots = {}  # device -> the kept entries' cache slots
+            for layer in layers:
+                device = layer.keys.device
+                if device not in slots:
+                    slots[device] = (committed + path).to(device)
+                layer.keep(committed, slots[device])
+    for layer in layers:
+        layer._set_length(committed + n)

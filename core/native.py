@@ -89,6 +89,7 @@ class _Kernels:
     attention: ctypes._CFuncPtr
     rms_norm: ctypes._CFuncPtr
     argmax: ctypes._CFuncPtr
+    move_rows: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -104,13 +105,14 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16)
+    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows)
     kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
     kernels.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]
     kernels.argmax.argtypes = [ptr, i64, ptr, i32, i32, i32]
-    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax):
+    kernels.move_rows.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32]
+    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows):
         fn.restype = None
     problem = _self_test(kernels)
     if problem:
@@ -298,3 +300,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     k = _library()[0]
     assert k is not None, "check native.norm_usable(x, weight) first"
     return _rms_norm(k, x, weight, eps)
+
+
+def move_rows_usable(buffers: list[torch.Tensor]) -> bool:
+    """Whether `move_rows` serves these buffers: CPU tensors (1, heads, capacity, head_dim), each
+    head's rows contiguous, all with the same shape and strides (a KV cache's layers)."""
+    if not buffers or _library()[0] is None:
+        return False
+    first = buffers[0]
+    return (first.dim() == 4 and first.shape[0] == 1 and first.stride(-1) == 1 and first.stride(-2) == first.shape[-1]
+            and all(b.is_cpu and b.shape == first.shape and b.stride() == first.stride() and b.dtype == first.dtype
+                    for b in buffers))
+
+
+def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In every buffer (1, heads, capacity, head_dim) and head, row src[i] -> row dst[i], in place,
+    in order of i (safe when dst[i] <= src[i] and src ascends: KV cache compaction)."""
+    k = _library()[0]
+    assert k is not None, "check native.move_rows_usable(buffers) first"
+    first = buffers[0]
+    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+    item = first.element_size()
+    k.move_rows(bases.data_ptr(), len(buffers), first.shape[1], first.stride(1) * item, first.shape[-1] * item,
+                src.data_ptr(), dst.data_ptr(), src.shape[0])

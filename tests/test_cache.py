@@ -1,14 +1,17 @@
 """core.cache: the buffered KV cache behaves exactly like transformers' DynamicCache (plus `keep`)."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 from core import cache as kv
+from core import native
 
 
 def _entries(n, start, kvh=2, hd=4):
-    # (1, kvh, n, hd) keys whose values name their position
+    # (1, kvh, n, hd) keys whose values name their position, head and lane
     k = torch.arange(start, start + n, dtype=torch.float32)[None, None, :, None].expand(1, kvh, n, hd).clone()
+    k += 0.25 * torch.arange(kvh)[None, :, None, None] + 0.0625 * torch.arange(hd)
     return k, -k
 
 
@@ -16,8 +19,18 @@ def _reference_keep(keys, committed, path):
     return torch.cat([keys[:, :, :committed], keys[:, :, [committed + p for p in path]]], dim=2)
 
 
-def test_updates_and_keeps_match_a_concatenating_cache():
-    """Prefill, tree writes and keeps (moved and in-place paths), past the first buffer's size."""
+@pytest.mark.parametrize("mover", ["native", "torch"])
+def test_updates_and_keeps_match_a_concatenating_cache(mover, monkeypatch):
+    """Prefill, tree writes and keeps (moved and in-place paths), past the first buffer's size;
+    keep moves rows in one native call for every layer where it can, else layer by layer."""
+    if mover == "native" and not native.status().available:
+        pytest.skip(f"core.native unavailable here: {native.status().reason}")
+    calls = []
+    if mover == "torch":
+        monkeypatch.setattr(native, "move_rows_usable", lambda buffers: False)
+    else:
+        move = native.move_rows
+        monkeypatch.setattr(native, "move_rows", lambda *a: calls.append(1) or move(*a))
     mine, ref = kv.new_cache(None), DynamicCache()
     k, v = _entries(200, 0)
     for cache in (mine, ref):
@@ -39,6 +52,7 @@ def test_updates_and_keeps_match_a_concatenating_cache():
     for a, b in zip(mine.layers, ref.layers):
         assert isinstance(a, kv.BufferedLayer)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert len(calls) == (16 if mover == "native" else 0)  # one per moved keep (24 of 40 keep in place)
 
 
 def test_crop_and_reset():
