@@ -1,9 +1,11 @@
 """Fit the draft tree to the hardware (after Sequoia, arXiv 2402.12374).
 
-    tokens/s(d, n) = E[tokens per step | depth d, tree size n] / (t_draft(d) + t_verify(n) + t_other)
+    tokens/s(d, n) = E[tokens per step | depth d, tree size n] / (t_draft(d, n) + t_verify(n) + t_other)
 
-t_verify(n): measured cost of one target forward over n new tokens; t_draft(d): measured
-cost of the head's catch-up plus d levels of drafting; E[tokens per step]: from one
+t_verify(n): measured cost of one target forward over n new tokens; t_draft(d, n): measured
+cost of the head's catch-up and first level plus each further level's round, weighted by how
+often drafting runs that round for an n-node tree (core.tree.draft_dynamic skips rounds whose
+nodes cannot make the cut; `round_fractions` replays that); E[tokens per step]: from one
 calibration run with a large tree, replaying which smaller trees would have held the
 accepted path (a smaller EAGLE-2 tree keeps the best n - 1 candidates of depth <= d, a
 subset of the large tree's candidates, and greedy acceptance of a node depends only on
@@ -28,7 +30,7 @@ from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
 from core.lookup import DEFAULT_TOKENS
-from core.tree import catch_up, draft, tree_from_parents
+from core.tree import catch_up, draft_dynamic, tree_from_parents
 from core.treestore import TREE_FILE, save_tuned, shipped_tree, tuned_path, tuned_tree  # noqa: F401 (re-exported)
 
 CALIBRATION_PROMPTS = (
@@ -79,6 +81,38 @@ def expected_tokens(steps, depth: int, size: int) -> float:
     return total / max(1, len(steps))
 
 
+def round_fractions(steps, depths, sizes) -> dict[tuple[int, int], float]:
+    """(r, n) -> the fraction of steps in which drafting an n-node tree runs round r (feeds the
+    depth-r frontier for depth r + 1 candidates). core.tree.draft_dynamic runs it only when the
+    best depth-r candidate scores above the (n - 1)-th best candidate of depth <= r; replayed
+    on the calibration trees (where those hold too few shallow nodes, the round counts as run)."""
+    out = {}
+    rounds = range(1, max(depths, default=1))
+    for r in rounds:
+        ran = {n: 0 for n in sizes}
+        for depths_, scores, _ in steps:
+            d = torch.tensor(depths_[1:])
+            s = torch.tensor(scores[1:], dtype=torch.float64)
+            shallow = s[d <= r].sort(descending=True).values
+            at_r = s[d == r]
+            best = float(at_r.max()) if at_r.numel() else float("-inf")
+            for n in sizes:
+                keep = n - 1
+                ran[n] += 1 if keep < 1 or shallow.numel() < keep else int(best > float(shallow[keep - 1]))
+        for n in sizes:
+            out[(r, n)] = ran[n] / max(1, len(steps))
+    return out
+
+
+def draft_cost(profile: "Profile", fractions: dict, depth: int, size: int) -> float:
+    """Seconds to draft a (depth, size) tree: catch-up and the first level, then each further
+    level's round (`draft_s[r + 1] - draft_s[r]`, measured running every round) as often as it runs."""
+    cost = profile.draft_s[1]
+    for r in range(1, depth):
+        cost += fractions.get((r, size), 1.0) * max(0.0, profile.draft_s[r + 1] - profile.draft_s[r])
+    return cost
+
+
 def interpolate(table: dict[int, float], n: int) -> float:
     xs = sorted(table)
     if n <= xs[0]:
@@ -109,14 +143,14 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = N
     step; pure, for literal tests."""
     extra = profile.attend_s * max(0, (context or profile.context) - profile.context)  # per token in the call
     steps = steps_for(profile, context)
+    depths = [d for d in depths if all(e in profile.draft_s for e in range(1, d + 1))]
+    fractions = round_fractions(steps, depths, sizes)
     candidates = []  # (rate, expected tokens per step, tree)
     for d in depths:
-        if d not in profile.draft_s:
-            continue
         for n in sizes:
             if n < 2 or n - 1 > profile.top_k + (d - 1) * profile.top_k ** 2:
                 continue  # more nodes than the tree can have
-            step = profile.draft_s[d] + interpolate(profile.verify_s, n) + extra * n + profile.other_s
+            step = draft_cost(profile, fractions, d, n) + interpolate(profile.verify_s, n) + extra * n + profile.other_s
             tokens = expected_tokens(steps, d, n)
             candidates.append((tokens / step, tokens, TreeConfig(depth=d, top_k=profile.top_k, total_tokens=n)))
     best_rate = max(rate for rate, _, _ in candidates)
@@ -204,11 +238,11 @@ def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5)
         root_hidden = catch_up(engine.drafter, head_cache, ids[1:], features[:-1])
         catch = _fastest(lambda: (catch_up(engine.drafter, head_cache, ids[:3], features[:3]),
                                       head_cache.truncate(context - 1)), reps)
-        drafts = {}
+        drafts = {}  # every round run (no pruning): round_fractions says how often each one is
         for d in tqdm(DEPTHS, desc="draft cost per depth", leave=False):
             cfg = TreeConfig(depth=d, top_k=top_k, total_tokens=min(512, 1 + top_k + (d - 1) * top_k))
-            drafts[d] = catch + _fastest(lambda: draft(engine.drafter, head_cache, int(ids[-1]),
-                                                           root_hidden, cfg), reps)
+            drafts[d] = catch + _fastest(lambda: draft_dynamic(engine.drafter, head_cache, int(ids[-1]),
+                                                                   root_hidden, cfg, prune=False), reps)
     return verify, drafts, attend
 
 

@@ -19,6 +19,23 @@ def test_expected_tokens_replays_smaller_trees():
     assert expected_tokens(steps, depth=3, size=5) == 3  # keeps 1,2,3,4: path 2,4 then 5 is cut
 
 
+def test_round_fractions_replay_pruned_drafting():
+    """A round runs only where its best frontier node beats the (n - 1)-th best shallower
+    candidate; the draft cost counts each round as often as it runs."""
+    from core.autotune import draft_cost, round_fractions
+
+    f = round_fractions((STEP,), depths=(1, 2, 3), sizes=(2, 3, 4, 5, 6))
+    # round 1 (depth-1 frontier, best -0.5): cut = 1st / 2nd best of depth <= 1 (-0.5 / -1.0)
+    assert (f[(1, 2)], f[(1, 3)]) == (0.0, 1.0)
+    # round 2 (best depth-2 node -1.2): cuts -1.0, -1.2 (a tie: the earlier node wins), -1.6;
+    # 6 nodes need 5 of depth <= 2, only 4 exist: it runs
+    assert [f[(2, n)] for n in (3, 4, 5, 6)] == [0.0, 0.0, 1.0, 1.0]
+    profile = Profile(verify_s={2: 0.01}, draft_s={1: 0.003, 2: 0.005, 3: 0.008}, other_s=0.0, steps=(STEP,), top_k=2)
+    assert draft_cost(profile, f, 3, 3) == pytest.approx(0.003 + 0.002)  # round 2 skipped
+    assert draft_cost(profile, f, 3, 5) == pytest.approx(0.008)
+    assert draft_cost(profile, f, 2, 2) == pytest.approx(0.003)  # round 1 skipped
+
+
 def _profile(verify_slope: float) -> Profile:
     # a deep, always-accepted chain (scores fall slowly) plus weak siblings at every depth
     depths, scores, parents = [0], [0.0], []
