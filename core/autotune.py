@@ -137,10 +137,9 @@ TIE = 0.05
 LONG_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = None) -> tuple[TreeConfig, float]:
-    """The (depth, size) with the highest predicted tokens/s at `context` tokens of context
-    (None: the profile's), ties (within TIE) going to the tree that accepts more tokens per
-    step; pure, for literal tests."""
+def rank(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = None) -> list[tuple[float, float, TreeConfig]]:
+    """Every feasible (depth, size) as (predicted tokens/s, expected tokens per step, tree),
+    fastest first, at `context` tokens of context (None: the profile's); pure."""
     extra = profile.attend_s * max(0, (context or profile.context) - profile.context)  # per token in the call
     steps = steps_for(profile, context)
     depths = [d for d in depths if all(e in profile.draft_s for e in range(1, d + 1))]
@@ -153,9 +152,38 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = N
             step = draft_cost(profile, fractions, d, n) + interpolate(profile.verify_s, n) + extra * n + profile.other_s
             tokens = expected_tokens(steps, d, n)
             candidates.append((tokens / step, tokens, TreeConfig(depth=d, top_k=profile.top_k, total_tokens=n)))
-    best_rate = max(rate for rate, _, _ in candidates)
+    return sorted(candidates, key=lambda c: -c[0])
+
+
+def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = None) -> tuple[TreeConfig, float]:
+    """The (depth, size) with the highest predicted tokens/s at `context` tokens of context
+    (None: the profile's), ties (within TIE) going to the tree that accepts more tokens per
+    step; pure, for literal tests."""
+    candidates = rank(profile, depths, sizes, context)
+    best_rate = candidates[0][0]
     rate, _, tree = max((c for c in candidates if c[0] >= (1 - TIE) * best_rate), key=lambda c: (c[1], c[0]))
     return tree, rate
+
+
+def confirm(engine: Engine, trees: list[TreeConfig], prompts=CALIBRATION_PROMPTS, max_new_tokens: int = 128,
+            reps: int = 2) -> tuple[TreeConfig, dict[TreeConfig, float]]:
+    """End to end: every tree answers every prompt `reps` times, interleaved (each prompt starts
+    the rotation at another tree; odd repetitions run it backwards), so a slow phase of the
+    machine falls on all trees alike. The fastest in total tokens/s wins. On a noisy machine
+    the cost model's ranking can swap trees within a few percent of each other; this is what
+    the user's answers would see."""
+    totals = {t: [0, 0.0] for t in trees}
+    with tqdm(total=reps * len(prompts) * len(trees), desc="end-to-end check", leave=False) as bar:
+        for rep in range(reps):
+            for i, prompt in enumerate(prompts):
+                order = trees[i % len(trees):] + trees[:i % len(trees)]
+                for tree in order[::-1] if rep % 2 else order:
+                    events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, tree=tree)))
+                    totals[tree][0] += sum(ev.accepted_length for ev in events)
+                    totals[tree][1] += events[-1].elapsed_s
+                    bar.update()
+    rates = {t: n / max(s, 1e-9) for t, (n, s) in totals.items()}
+    return max(trees, key=lambda t: rates[t]), rates
 
 
 def long_context_caps(profile: Profile, tree: TreeConfig, max_context: int,
@@ -303,9 +331,12 @@ def cached_tree(engine: Engine) -> TreeConfig | None:
     return choice.tree if choice else None
 
 
-def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int = DEFAULT_TOKENS) -> TreeConfig:
+def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int = DEFAULT_TOKENS,
+                confirm_top: int = 0) -> TreeConfig:
     """Measure (or reuse) the cost and acceptance profile and return the fastest tree, with
-    `lookup` context-lookup tokens (core.lookup; the head's tree is chosen without them)."""
+    `lookup` context-lookup tokens (core.lookup; the head's tree is chosen without them).
+    confirm_top > 1: the model's choice and the best-predicted trees of the next sizes, that
+    many in all, answer the calibration prompts end to end (`confirm`) and the fastest wins."""
     if not engine.has_head:
         raise ValueError("choosing a tree needs a draft head")
     if not refresh and (tree := cached_tree(engine)) is not None:
@@ -315,10 +346,21 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
     profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k, attend_s=attend,
                       steps_at=calibrate_long(engine, top_k))
     tree, rate = choose(profile)
+    confirmed = {}
+    if confirm_top > 1:
+        trees = [tree]  # then the best depth of each next-best size: size is what costs
+        for _, _, t in rank(profile):
+            if len(trees) < confirm_top and all(t.total_tokens != u.total_tokens for u in trees):
+                trees.append(t)
+        with_lookup = [replace(t, lookup=lookup) for t in trees]
+        best, rates = confirm(engine, with_lookup)
+        tree = trees[with_lookup.index(best)]
+        confirmed = {f"{t.depth},{t.total_tokens}": r for t, r in zip(trees, (rates[w] for w in with_lookup))}
     tree = replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
                               "other_s": other, "attend_s_per_row_and_context_token": attend,
                               "numerics": engine.numerics.describe(),
+                              "end_to_end_tokens_per_s": confirmed,
                               "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
                                                   for d in DEPTHS for n in SIZES}})
     engine.tree_choice = tuned_tree(engine) or engine.tree_choice
@@ -339,13 +381,18 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--lookup", type=int, default=DEFAULT_TOKENS,
                    help=f"context-lookup tokens in the chosen tree (0 = off; default {DEFAULT_TOKENS})")
+    p.add_argument("--confirm", type=int, default=4, metavar="N",
+                   help="answer the calibration prompts end to end with the model's N best trees and keep "
+                        "the fastest (0 = trust the cost model; default 4)")
     p.add_argument("--ship", action="store_true", help=f"also write the choice to {TREE_FILE} beside the head")
     a = p.parse_args(argv)
     set_threads(a.threads)
     engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
     print(f"numerics: {engine.numerics.describe()}")
-    tree = choose_tree(engine, top_k=a.top_k, refresh=True, lookup=a.lookup)
+    tree = choose_tree(engine, top_k=a.top_k, refresh=True, lookup=a.lookup, confirm_top=a.confirm)
     report = json.loads(tuned_path(engine).read_text())
+    if report.get("end_to_end_tokens_per_s"):
+        print("end to end, tokens/s by depth,size:", {k: round(v, 1) for k, v in report["end_to_end_tokens_per_s"].items()})
     print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} lookup={tree.lookup} "
           f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s for the head's tree alone)")
     plain = 1.0 / (report["verify_s"]["1"] + report["other_s"])

@@ -85,6 +85,29 @@ def test_choose_tree_measures_once_and_caches(tmp_path, monkeypatch):
         choose_tree(Engine(target))
 
 
+def test_end_to_end_check_picks_the_fastest_candidate(tmp_path, monkeypatch):
+    """confirm_top: the cost model's choice and the next sizes answer the calibration prompts,
+    interleaved; the fastest by measured tokens/s is kept and the rates are reported."""
+    import json
+
+    from core import autotune
+
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
+    target = tiny_target()
+    engine = Engine(target, random_head(target))
+    trees = [TreeConfig(depth=1, top_k=2, total_tokens=2), TreeConfig(depth=2, top_k=2, total_tokens=4)]
+    best, rates = autotune.confirm(engine, trees, prompts=("a b c", "d e"), max_new_tokens=6, reps=1)
+    assert set(rates) == set(trees) and all(r > 0 for r in rates.values())
+    assert best == max(trees, key=rates.get)
+    seen = []
+    monkeypatch.setattr(autotune, "confirm", lambda eng, ts: (seen.append(ts) or ts[-1], {t: 1.0 + i for i, t in enumerate(ts)}))
+    tree = choose_tree(engine, top_k=2, refresh=True, confirm_top=3)
+    assert len(seen[0]) == 3 and len({t.total_tokens for t in seen[0]}) == 3  # three sizes
+    assert (tree.depth, tree.total_tokens) == (seen[0][-1].depth, seen[0][-1].total_tokens)
+    report = json.loads(autotune.tuned_path(engine).read_text())
+    assert len(report["end_to_end_tokens_per_s"]) == 3
+
+
 def test_shipped_tree_beside_head(tmp_path):
     from core.autotune import shipped_tree
     from core.head import HeadLoadError

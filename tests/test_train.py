@@ -83,6 +83,8 @@ def test_loss_hand_computed():
     ce = 0.5 * math.log(1 + math.exp(-1)) + 0.5 * math.log(1 + math.e)
     got = eagle_loss(pred, target, lm, rows, ce_weight=0.1)
     assert got.item() == pytest.approx(0.25 + 0.1 * ce, abs=1e-6)
+    # --reg-weight 0 --ce-weight 1: the token loss alone (EAGLE-3's objective)
+    assert eagle_loss(pred, target, lm, rows, ce_weight=1.0, reg_weight=0.0).item() == pytest.approx(ce, abs=1e-6)
 
 
 def test_loss_rows_and_unroll_mask_literal():

@@ -116,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
                    help="eagle3: CE against the target's greedy token instead of its distribution")
     g.add_argument("--ce-weight", type=float, default=0.1,
                    help="eagle1: weight of the token loss against the feature regression's 1 (EAGLE-1: 0.1)")
+    g.add_argument("--reg-weight", type=float, default=1.0,
+                   help="eagle1: weight of the feature regression (0 = token loss only)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--bf16", action="store_true", help="bf16 autocast for the head's matmuls")
     g = p.add_argument_group("eval")
@@ -300,7 +302,8 @@ def stage_train(args) -> None:
     fz = Frozen.from_target(target.model, vocab)
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
                       autocast_bf16=args.bf16, noise=0.1 if args.head_kind == "eagle1" else 0.0,
-                      soft_targets=not args.greedy_targets, ce_weight=args.ce_weight)
+                      soft_targets=not args.greedy_targets, ce_weight=args.ce_weight,
+                      reg_weight=args.reg_weight)
     n_tok = sum(int(s.loss_mask.sum()) for s in seqs)
     print(f"train: {args.head_kind}, {len(seqs)} sequences, {n_tok} assistant tokens, draft vocab {len(vocab)}, "
           f"{cfg}", flush=True)

@@ -10,7 +10,7 @@ Glossary (one sequence t_0..t_{n-1}, target features f_0..f_{n-1}, m = n - 1 row
   drafting (EAGLE-3's "training-time test"). Tokens are teacher-forced, so depth-d
   accuracy is conditioned on the draft path so far being right, as acceptance is.
 - loss (per depth, weight decay^(d-1)):
-  SmoothL1(f^, f) + ce_weight * CE(softmax(target logits), head logits), both logits
+  reg_weight * SmoothL1(f^, f) + ce_weight * CE(softmax(target logits), head logits), both logits
   over the draft vocabulary (the tokens the engine drafts from), on rows where t_{a+1}..
   t_{p+2} are all assistant tokens.
 """
@@ -47,6 +47,7 @@ class TrainConfig:
     batch_size: int = 8  # sequences per step
     noise: float = 0.1  # U(-noise, noise) added to the true input features
     ce_weight: float = 0.1
+    reg_weight: float = 1.0  # feature regression's weight (0: token loss only, as EAGLE-3 trains)
     unroll: int = 1  # depths trained (1 = plain EAGLE-1)
     unroll_decay: float = 0.8
     ckpt_every_s: float = 300.0
@@ -175,8 +176,8 @@ def unrolled_forward(head: EagleHead, fz: Frozen, batch: Batch, depth: int, nois
 
 
 def eagle_loss(pred: torch.Tensor, target: torch.Tensor, lm_rows: torch.Tensor,
-               rows: torch.Tensor, ce_weight: float) -> torch.Tensor:
-    """SmoothL1(f^, f) + ce_weight * CE(softmax(f W^T), f^ W^T) over the scored rows.
+               rows: torch.Tensor, ce_weight: float, reg_weight: float = 1.0) -> torch.Tensor:
+    """reg_weight * SmoothL1(f^, f) + ce_weight * CE(softmax(f W^T), f^ W^T) over the scored rows.
 
     pred, target: (B, m, H); lm_rows: (V, H); rows: (B, m) bool."""
     p, t = pred[rows], target[rows]  # (R, H)
@@ -186,7 +187,7 @@ def eagle_loss(pred: torch.Tensor, target: torch.Tensor, lm_rows: torch.Tensor,
     with torch.no_grad():
         target_p = torch.softmax(t @ lm_rows.T, dim=-1)  # (R, V)
     ce = -(target_p * torch.log_softmax(p @ lm_rows.T, dim=-1)).sum(-1).mean()
-    return reg + ce_weight * ce
+    return reg_weight * reg + ce_weight * ce
 
 
 def token_hits(pred: torch.Tensor, fz: Frozen, want: torch.Tensor, k: int = 3) -> tuple[int, int]:
@@ -203,7 +204,8 @@ def step_loss(head, fz: Frozen, batch: Batch, cfg: TrainConfig, noise: float) ->
     total, top1, top3, count = 0.0, [], [], []
     for d, pred in enumerate(outs, start=1):
         rows = loss_rows(batch.amask, d)
-        total = total + cfg.unroll_decay ** (d - 1) * eagle_loss(pred, target, fz.lm_rows, rows, cfg.ce_weight)
+        loss = eagle_loss(pred, target, fz.lm_rows, rows, cfg.ce_weight, cfg.reg_weight)
+        total = total + cfg.unroll_decay ** (d - 1) * loss
         with torch.no_grad():
             h1, h3 = token_hits(pred[rows], fz, want[rows])
         r = int(rows.sum())
