@@ -429,14 +429,18 @@ def write_plot(result: dict, path: str | Path) -> Path:
 # ---------------------------------------------------------------------------- CLI
 
 def auto_tree(engine: Engine) -> tuple[TreeConfig, str]:
-    """The tree `core.autotune` fits to this machine; TreeConfig defaults until it exists."""
+    """The tree the app drafts with: tuned on this machine (`python -m core.autotune`), else the
+    one shipped beside the head; only where neither exists is one tuned now (cost model plus the
+    end-to-end check of its best trees), and TreeConfig defaults where autotune is missing."""
+    if engine.tree_origin != "built-in default":
+        return engine.default_tree, f"auto ({engine.tree_origin})"
     try:
         from core.autotune import choose_tree
     except ModuleNotFoundError as e:
         if e.name != "core.autotune":
             raise
         return TreeConfig(), "auto unavailable (no core.autotune): TreeConfig defaults"
-    return choose_tree(engine), "auto"
+    return choose_tree(engine, confirm_top=4), "auto (tuned now)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
