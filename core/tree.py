@@ -138,16 +138,15 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
     cand_tokens, cand_parents, cand_scores = [drafter.to_target_ids(idx)], [torch.full_like(idx, -1)], [scores]
     cand_depths = [torch.ones_like(idx)]
     frontier = torch.arange(idx.shape[0], device=device)  # candidate ids of the nodes to feed next
-    frontier_scores = scores
     frontier_feat = root_hidden.expand(idx.shape[0], -1)  # (k, H): output that proposed each node
     fed_anc = torch.zeros(0, 0, dtype=torch.bool, device=device)  # ancestry among fed nodes
     fed_parent_slot = torch.full((idx.shape[0],), -1, device=device)  # fed slot of each frontier's parent
     n_cand = idx.shape[0]
     for d in range(1, cfg.depth):
+        all_scores = torch.cat(cand_scores)  # (n_cand,)
         if prune and n_cand >= keep:  # prune frontier nodes whose subtrees cannot make the cut
-            all_scores = torch.cat(cand_scores) if len(cand_scores) > 1 else cand_scores[0]
             cut = all_scores.topk(keep).values[-1]
-            live = frontier_scores > cut  # (f,)
+            live = all_scores[frontier] > cut  # (f,)
             if not bool(live.any()):
                 break
             if not bool(live.all()):
@@ -165,13 +164,13 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
         out = drafter.feed(cache, tokens, frontier_feat, positions, rows)  # (f, H); rows: the tree part
         lp = drafter.log_probs(out)  # (f, Vd)
         child_lp, child_idx = lp.topk(min(k, lp.shape[1]), dim=-1)  # (f, k)
-        child_scores = (torch.cat(cand_scores)[frontier][:, None] + child_lp).flatten()  # (f*k,)
+        child_scores = (all_scores[frontier][:, None] + child_lp).flatten()  # (f*k,)
         child_parent = frontier[:, None].expand_as(child_idx).flatten()
         cand_tokens.append(drafter.to_target_ids(child_idx.flatten()))
         cand_parents.append(child_parent)
         cand_scores.append(child_scores)
         cand_depths.append(torch.full_like(child_parent, d + 1))
-        frontier_scores, best = child_scores.topk(min(k, child_scores.shape[0]))  # (k,) among new children
+        best = child_scores.topk(min(k, child_scores.shape[0])).indices  # (k,) among new children
         frontier_feat = out[best // child_idx.shape[1]]
         fed_parent_slot = n_fed + best // child_idx.shape[1]
         frontier = n_cand + best
