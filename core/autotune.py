@@ -86,22 +86,19 @@ def round_fractions(steps, depths, sizes) -> dict[tuple[int, int], float]:
     depth-r frontier for depth r + 1 candidates). core.tree.draft_dynamic runs it only when the
     best depth-r candidate scores above the (n - 1)-th best candidate of depth <= r; replayed
     on the calibration trees (where those hold too few shallow nodes, the round counts as run)."""
-    out = {}
     rounds = range(1, max(depths, default=1))
-    for r in rounds:
-        ran = {n: 0 for n in sizes}
-        for depths_, scores, _ in steps:
-            d = torch.tensor(depths_[1:])
-            s = torch.tensor(scores[1:], dtype=torch.float64)
+    ran = {(r, n): 0 for r in rounds for n in sizes}
+    for depths_, scores, _ in steps:
+        d = torch.tensor(depths_[1:])
+        s = torch.tensor(scores[1:], dtype=torch.float64)
+        for r in rounds:
             shallow = s[d <= r].sort(descending=True).values
             at_r = s[d == r]
             best = float(at_r.max()) if at_r.numel() else float("-inf")
             for n in sizes:
                 keep = n - 1
-                ran[n] += 1 if keep < 1 or shallow.numel() < keep else int(best > float(shallow[keep - 1]))
-        for n in sizes:
-            out[(r, n)] = ran[n] / max(1, len(steps))
-    return out
+                ran[(r, n)] += 1 if keep < 1 or shallow.numel() < keep else int(best > float(shallow[keep - 1]))
+    return {key: count / max(1, len(steps)) for key, count in ran.items()}
 
 
 def draft_cost(profile: "Profile", fractions: dict, depth: int, size: int) -> float:
@@ -159,7 +156,12 @@ def choose(profile: Profile, depths=DEPTHS, sizes=SIZES, context: int | None = N
     """The (depth, size) with the highest predicted tokens/s at `context` tokens of context
     (None: the profile's), ties (within TIE) going to the tree that accepts more tokens per
     step; pure, for literal tests."""
-    candidates = rank(profile, depths, sizes, context)
+    return pick(rank(profile, depths, sizes, context))
+
+
+def pick(candidates: list[tuple[float, float, TreeConfig]]) -> tuple[TreeConfig, float]:
+    """`choose` on ranked candidates: the fastest, a near tie (within TIE) going to the tree
+    that accepts more tokens per step."""
     best_rate = candidates[0][0]
     rate, _, tree = max((c for c in candidates if c[0] >= (1 - TIE) * best_rate), key=lambda c: (c[1], c[0]))
     return tree, rate
@@ -345,16 +347,18 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
     steps, other = calibrate(engine, top_k)
     profile = Profile(verify_s=verify, draft_s=drafts, other_s=other, steps=steps, top_k=top_k, attend_s=attend,
                       steps_at=calibrate_long(engine, top_k))
-    tree, rate = choose(profile)
+    candidates = rank(profile)
+    tree, rate = pick(candidates)
     confirmed = {}
     if confirm_top > 1:
         trees = [tree]  # then the best depth of each next-best size: size is what costs
-        for _, _, t in rank(profile):
+        for _, _, t in candidates:
             if len(trees) < confirm_top and all(t.total_tokens != u.total_tokens for u in trees):
                 trees.append(t)
         with_lookup = [replace(t, lookup=lookup) for t in trees]
         best, rates = confirm(engine, with_lookup)
         tree = trees[with_lookup.index(best)]
+        rate = next(r for r, _, t in candidates if t == tree)  # the model's prediction for the tree kept
         confirmed = {f"{t.depth},{t.total_tokens}": r for t, r in zip(trees, (rates[w] for w in with_lookup))}
     tree = replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
