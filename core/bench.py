@@ -42,6 +42,7 @@ from core.engine import Engine, EngineError, uses_exact_kernels
 from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError, load_target
+from core.treestore import BUILT_IN
 
 BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
 MODE_NAMES = ("plain", "eagle", "eagle-head", "hf", "hf-fp32", "hf-lookup")
@@ -432,7 +433,7 @@ def auto_tree(engine: Engine) -> tuple[TreeConfig, str]:
     """The tree the app drafts with: tuned on this machine (`python -m core.autotune`), else the
     one shipped beside the head; only where neither exists is one tuned now (cost model plus the
     end-to-end check of its best trees), and TreeConfig defaults where autotune is missing."""
-    if engine.tree_origin != "built-in default":
+    if engine.tree_origin != BUILT_IN:
         return engine.default_tree, f"auto ({engine.tree_origin})"
     try:
         from core.autotune import choose_tree

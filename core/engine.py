@@ -32,7 +32,7 @@ from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry
 from core.probe import ProbeResult, probe
 from core.text import TextStream
 from core.tree import DraftTree, catch_up, draft
-from core.treestore import TreeChoice, default_tree
+from core.treestore import BUILT_IN, TreeChoice, default_tree
 from core.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
 
 
@@ -207,7 +207,7 @@ class Engine:
         self.numerics = numerics or Numerics(str(target.dtype).removeprefix("torch."),
                                              "exact" if uses_exact_kernels(target.model) else
                                              target.model.config._attn_implementation, None)
-        self.tree_choice = TreeChoice(TreeConfig(), "built-in default")  # Engine.load: tuned / shipped
+        self.tree_choice = TreeChoice(TreeConfig(), BUILT_IN)  # Engine.load: tuned / shipped
 
     @classmethod
     def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype: str = "auto",

@@ -24,6 +24,7 @@ from core.config import TreeConfig
 from core.head import HeadLoadError
 from core.models import cache_home, write_atomic
 
+BUILT_IN = "built-in default"  # TreeChoice.origin when neither a tuned nor a shipped tree exists
 TREE_FILE = "tree.json"  # beside a head: the tree tuned on the machine that trained it
 
 
@@ -92,4 +93,4 @@ def default_tree(engine, head_folder) -> TreeChoice:
     shipped = shipped_tree(head_folder) if head_folder else None
     if shipped is not None:
         return TreeChoice(shipped, "shipped with the head")
-    return TreeChoice(TreeConfig(), "built-in default")
+    return TreeChoice(TreeConfig(), BUILT_IN)
