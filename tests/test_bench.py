@@ -195,3 +195,21 @@ def test_cli_refuses_bad_input_before_loading_a_model(args, message, capsys, mon
 def test_eagle_without_a_head_is_refused(engine):
     with pytest.raises(BenchError, match="needs a draft head"):
         run_benchmark(Engine(engine.target), prompts(), "plain,eagle", BenchSettings(warmup=False))
+
+
+def test_auto_tree_is_the_apps_tree_and_tunes_only_without_one(tmp_path, monkeypatch):
+    """--tree auto drafts with the tree the app uses (tuned here, else shipped beside the head);
+    only an engine with neither tunes, with the end-to-end check."""
+    import core.autotune as autotune
+    from core.treestore import BUILT_IN, TreeChoice
+
+    target = tiny_target()
+    eng = Engine(target, random_head(target))
+    shipped = TreeConfig(depth=2, top_k=3, total_tokens=5, lookup=4)
+    eng.tree_choice = TreeChoice(shipped, "shipped with the head")
+    tuned = []
+    monkeypatch.setattr(autotune, "choose_tree", lambda e, **kw: tuned.append(kw) or TreeConfig(depth=1, top_k=2, total_tokens=2))
+    assert bench.auto_tree(eng) == (shipped, "auto (shipped with the head)") and tuned == []
+    eng.tree_choice = TreeChoice(TreeConfig(), BUILT_IN)
+    assert bench.auto_tree(eng) == (TreeConfig(depth=1, top_k=2, total_tokens=2), "auto (tuned now)")
+    assert tuned == [{"confirm_top": 4}]
