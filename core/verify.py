@@ -74,20 +74,32 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verification:
     """tree of n nodes, logits (n, V) of the target at every node -> accepted path + bonus.
 
-    Loop-free over nodes: a node is on the accepted path iff it and all its ancestors
-    match the target's argmax at their parents; siblings hold distinct tokens, so those
-    nodes form one path.
+    A node is accepted iff it and all its ancestors match the target's argmax at their
+    parents; siblings hold distinct tokens, so the accepted nodes form one path, and the
+    deepest of them (the first, were two equally deep) ends it. The walk over the n nodes
+    runs on Python lists: a tree is a few dozen nodes, and the dozen small tensor ops the
+    same logic takes cost more than the argmax itself.
     """
     assert logits.shape[0] == tree.size
-    pred = greedy_tokens(logits)  # (n,)
-    match = tree.tokens == pred[tree.parents.clamp(min=0)]  # (n,)
-    match[0] = True
-    accepted = (tree.mask & ~match[None, :]).sum(-1) == 0  # (n,) all ancestors match
-    depth = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
-    last = int(depth.argmax())
-    path = tree.mask[last].nonzero().flatten()  # ancestors of `last`, topological order
-    tokens = tree.tokens[path[1:]].tolist() + [int(pred[last])]
-    return Verification(path=tuple(path.tolist()), tokens=tuple(tokens))
+    pred = greedy_tokens(logits).tolist()  # (n,)
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+
+    def accepted(i: int) -> bool:
+        while i > 0:
+            if tokens[i] != pred[parents[i]]:
+                return False
+            i = parents[i]
+        return True
+
+    last = 0
+    for i in range(1, len(tokens)):
+        if depths[i] > depths[last] and accepted(i):
+            last = i
+    path = [last]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    path.reverse()  # root first
+    return Verification(path=tuple(path), tokens=tuple([tokens[i] for i in path[1:]] + [pred[last]]))
 
 
 def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Verification:

@@ -70,6 +70,32 @@ def test_greedy_full_path_takes_bonus_at_leaf():
     assert result == Verification(path=(0, 1, 3, 6), tokens=(11, 13, 16, 4))
 
 
+def _accepted_path_by_masks(tree, pred: torch.Tensor) -> tuple[int, ...]:
+    """The acceptance rule in tensor form: a node is accepted iff every node on its root path
+    matches the target's argmax at its parent; the deepest accepted node (first on ties) ends it."""
+    match = tree.tokens == pred[tree.parents.clamp(min=0)]
+    match[0] = True
+    ok = (tree.mask & ~match[None, :]).sum(-1) == 0
+    last = int(torch.where(ok, tree.depths, torch.full_like(tree.depths, -1)).argmax())
+    return tuple(tree.mask[last].nonzero().flatten().tolist())
+
+
+def test_greedy_walk_matches_the_mask_rule_on_random_trees():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n, vocab = int(torch.randint(1, 30, (), generator=g)), 6  # few tokens: many matches
+        parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
+        tokens = [int(t) for t in torch.randint(0, vocab, (n,), generator=g)]
+        for i in range(1, n):  # siblings hold distinct tokens (as drafting and graft keep them)
+            while tokens[i] in [tokens[j] for j in range(1, i) if parents[j] == parents[i]]:
+                tokens[i] = (tokens[i] + 1) % (vocab * 5)
+        tree = tree_from_parents(tokens, parents)
+        pred = torch.randint(0, vocab, (n,), generator=g)
+        result = verify_greedy(tree, _logits_with_argmax(pred.tolist(), vocab * 5))
+        assert result.path == _accepted_path_by_masks(tree, pred), trial
+        assert result.tokens == tuple(tokens[i] for i in result.path[1:]) + (int(pred[result.path[-1]]),)
+
+
 def test_target_probs_matches_manual_processing():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     p = target_probs(logits, SamplingConfig(temperature=0.5, top_p=0.9, top_k=4))
