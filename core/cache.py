@@ -41,9 +41,28 @@ class BufferedLayer(DynamicLayer):
             v[..., :self.length, :] = self._v[..., :self.length, :]
         self._k, self._v = k, v
 
+    # `keys` / `values`: views of the buffers' first `length` positions, made when read (an
+    # update returns them) rather than on every length change (keep() changes 30 layers' a step)
+    @property
+    def keys(self) -> torch.Tensor | None:
+        k = getattr(self, "_k", None)
+        return None if k is None else k.narrow(-2, 0, self.length)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        _only_clears(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        v = getattr(self, "_v", None)
+        return None if v is None else v.narrow(-2, 0, self.length)
+
+    @values.setter
+    def values(self, value) -> None:
+        _only_clears(value)
+
     def _set_length(self, length: int) -> None:
         self.length = length
-        self.keys, self.values = self._k[..., :length, :], self._v[..., :length, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: (B, kvh, n, hd) -> all keys / values so far, (B, kvh, length, hd)
@@ -79,6 +98,13 @@ class BufferedLayer(DynamicLayer):
         super().reset()
 
 
+def _only_clears(value) -> None:
+    """transformers' DynamicLayer assigns keys / values only to clear them (None, or an empty
+    tensor at initialization); anything else would bypass the buffers."""
+    if value is not None and value.numel() != 0:
+        raise RuntimeError("a BufferedLayer's keys and values live in its buffers: write through update()")
+
+
 def new_cache(model) -> DynamicCache:
     # No config: plain full-attention layers even for sliding-window models; our own 4D
     # masks decide what each token sees, and `keep` can move entries in every layer the same way.
@@ -103,7 +129,7 @@ def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) ->
     assert all(isinstance(layer, BufferedLayer) for layer in cache.layers), "keep() serves caches from new_cache()"
     if not torch.equal(path, torch.arange(n)):  # else the accepted nodes are already in place: just cut
         buffers = [t for layer in layers for t in (layer._k, layer._v)]
-        if native.move_rows_usable(buffers):
+        if _native_moves(cache, buffers):
             native.move_rows(buffers, committed + path, committed + torch.arange(n))
         else:
             slots = {}  # device -> the kept entries' cache slots
@@ -114,3 +140,14 @@ def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) ->
                 layer.keep(committed, slots[device])
     for layer in layers:
         layer._set_length(committed + n)
+
+
+def _native_moves(cache: DynamicCache, buffers: list[torch.Tensor]) -> bool:
+    """native.move_rows_usable(buffers), checked again only when a buffer was reallocated (the
+    check compares 60-odd shapes and strides: a fifth of keep()'s time when run every step)."""
+    key = tuple(b.data_ptr() for b in buffers)
+    seen = getattr(cache, "_native_moves", None)
+    if seen is None or seen[0] != key:
+        seen = (key, native.move_rows_usable(buffers))
+        cache._native_moves = seen
+    return seen[1]

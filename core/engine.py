@@ -120,7 +120,7 @@ def forward_tree(model, tree: DraftTree, cache, committed: int,
     positions = tree.positions(committed)  # (n,)
     kwargs = {}
     if uses_exact_kernels(model):
-        kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, tree.mask, committed)
+        kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, committed)
     else:
         allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask], 1)
         key_pos = torch.cat([torch.arange(committed, device=device), positions])

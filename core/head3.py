@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core import native
@@ -310,8 +309,16 @@ class Drafter3:
         return self.head.target_ids()
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: (m, H) head states -> (m, Vd); clamp as core.tree.Drafter (connected trees)
-        return F.log_softmax(self.head.logits(hidden).float(), dim=-1).clamp(max=0.0)
+        # hidden: (m, H) head states -> (m, Vd), as core.tree.Drafter
+        from core.tree import log_probs
+
+        return log_probs(self.head.logits(hidden))
+
+    def top_log_probs(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: (m, H) -> the k best draft log-probabilities (m, k) and their draft ids
+        from core.tree import top_log_probs
+
+        return top_log_probs(self.head.logits(hidden), k)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx + self.head.d2t[idx]

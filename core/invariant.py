@@ -61,15 +61,18 @@ class TreeLayout:
     ancestors: torch.Tensor  # (n, D + 1) int64: the node at each depth on row i's path, root first
 
     @classmethod
-    def from_tree(cls, parents: torch.Tensor, depths: torch.Tensor, ancestor_mask: torch.Tensor,
-                  committed: int) -> "TreeLayout":
-        # parents, depths: (n,); ancestor_mask: bool (n, n), row i marks i and its ancestors
-        n, max_depth = depths.shape[0], int(depths.max())
+    def from_tree(cls, parents: torch.Tensor, depths: torch.Tensor, committed: int) -> "TreeLayout":
+        # parents, depths: (n,) int64, parents in topological order (root first, parents[0] == -1)
+        par, dep = parents.tolist(), depths.tolist()
+        max_depth = max(dep)
         assert max_depth < BLOCK, f"trees deeper than {BLOCK - 1} are not supported"
-        anc = torch.full((n, max_depth + 1), -1, dtype=torch.long, device=depths.device)
-        rows, cols = ancestor_mask.nonzero(as_tuple=True)
-        anc[rows, depths[cols]] = cols  # (n, D + 1): the row's ancestor at each depth, -1 past its own
-        return cls._build(committed, anc, depths, max_depth)
+        anc = [[-1] * (max_depth + 1) for _ in par]  # the row's ancestor at each depth, -1 past its own
+        for i, row in enumerate(anc):  # a few dozen nodes: a walk up on lists beats a tensor ancestry mask
+            node = i
+            while node >= 0:
+                row[dep[node]] = node
+                node = par[node]
+        return cls._build(committed, torch.tensor(anc, device=depths.device), depths, max_depth)
 
     @classmethod
     def single(cls, committed: int, device) -> "TreeLayout":

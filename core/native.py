@@ -1,4 +1,5 @@
-"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM, attention, RMSNorm, argmax.
+"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM, attention, RMSNorm, argmax,
+KV-row moves, and the draft's top-k log-probabilities.
 
 Why: a decoding step multiplies 1 to a few dozen rows by every weight matrix, so its cost is
 streaming the weights. On this project's CPUs oneDNN's bf16 GEMM moves them at 10-15 GB/s
@@ -90,6 +91,7 @@ class _Kernels:
     rms_norm: ctypes._CFuncPtr
     argmax: ctypes._CFuncPtr
     move_rows: ctypes._CFuncPtr
+    topk: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -105,14 +107,16 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows)
+    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows,
+                       lib.topk_logprobs_bf16)
     kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
     kernels.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]
     kernels.argmax.argtypes = [ptr, i64, ptr, i32, i32, i32]
     kernels.move_rows.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32]
-    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows):
+    kernels.topk.argtypes = [ptr, i64, ptr, ptr, i32, i32, i32, i32]
+    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk):
         fn.restype = None
     problem = _self_test(kernels)
     if problem:
@@ -174,6 +178,15 @@ def _argmax(k: _Kernels, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _topk_log_probs(k: _Kernels, x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # x (m, V) bf16 logits -> (m, top) fp32 log-probabilities, best first; (m, top) int64 indices
+    rows, m, ldx = _rows(x)
+    vals = torch.empty(m, top, dtype=torch.float32, device=x.device)
+    idx = torch.empty(m, top, dtype=torch.int64, device=x.device)
+    k.topk(rows.data_ptr(), ldx, vals.data_ptr(), idx.data_ptr(), m, x.shape[-1], top, torch.get_num_threads())
+    return vals, idx
+
+
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm.forward, the formula `rms_norm` computes."""
     h = x.float()
@@ -228,6 +241,11 @@ def _self_test(k: _Kernels) -> str | None:
     logits[3, 5] = float("nan")
     if not torch.equal(_argmax(k, logits), torch.tensor([int(logits[0].float().argmax()), 7, 0, 5])):
         return "wrong argmax results"
+    vals, idx = _topk_log_probs(k, logits[:2], 8)
+    ref = torch.log_softmax(logits[:2].float(), -1).clamp(max=0.0).topk(8)
+    if not (torch.allclose(vals, ref.values, atol=1e-5) and int(idx[1, 0]) == 7 and int(idx[1, 1]) == 900
+            and torch.equal(idx[0], ref.indices[0])):
+        return "wrong top-k log-probabilities"
     return None
 
 
@@ -285,6 +303,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     k = _library()[0]
     assert k is not None, "check native.argmax_usable(x) first"
     return _argmax(k, x)
+
+
+TOPK_MAX = 64  # csrc/topk_bf16.c's MAX_K
+
+
+def topk_usable(x: torch.Tensor, top: int) -> bool:
+    """Whether `topk_log_probs` serves this call: bf16 rows (m, V) on the CPU, unit stride along
+    the vocabulary, 1 <= top <= min(V, TOPK_MAX)."""
+    return (x.dtype is torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(-1) == 1
+            and 1 <= top <= min(x.shape[-1], TOPK_MAX) and x.shape[-1] < 2**31 and _library()[0] is not None)
+
+
+def topk_log_probs(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`log_softmax(x.float(), -1).clamp(max=0).topk(top)` in one call, for drafting: x (m, V) bf16
+    logits -> values (m, top) fp32 (within 1e-6 of torch's) and indices (m, top) int64, best first,
+    the lower index first on equal logits. The exponentials are a polynomial (relative error
+    about 1e-7), so this is for draft scores only, never for the target's choices."""
+    k = _library()[0]
+    assert k is not None, "check native.topk_usable(x, top) first"
+    return _topk_log_probs(k, x, top)
 
 
 def norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

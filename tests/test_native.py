@@ -245,3 +245,26 @@ def test_attention_with_more_than_64_query_heads_per_kv_head():
     out = native.attention(q, key, value, 30, anc, counts, 32 ** -0.5)
     ref = native.reference_attention(q, key, value, 30, anc, counts, 32 ** -0.5)
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,v,k", [(1, 8192, 8), (8, 8192, 8), (3, 49152, 10), (4, 100, 64), (2, 17, 17)])
+def test_topk_log_probs_is_torchs_log_softmax_topk(m, v, k):
+    """Draft scores: torch's log_softmax + clamp + topk, values within 1e-6 (relative), the same tokens (the
+    same logits where bf16 ties make the order arbitrary), best first, ties to the lower index."""
+    from core.tree import log_probs, top_log_probs
+
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    x = (torch.randn(m, v, generator=g) * 3).bfloat16()
+    x[0, 5] = x[0, 3] = 40.0  # a tie at the top: index 3 first
+    vals, idx = native.topk_log_probs(x, k)
+    ref = log_probs(x).topk(k, dim=-1)
+    torch.testing.assert_close(vals, ref.values, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x.gather(1, idx), x.gather(1, ref.indices))  # the same logits, in order
+    assert idx[0, :2].tolist() == [3, 5]
+    assert bool((vals <= 0).all()) and bool((vals[:, :-1] >= vals[:, 1:]).all())
+    assert all(len(set(row)) == k for row in idx.tolist())
+    got = top_log_probs(x, k)  # the drafting entry point takes the kernel for bf16 rows
+    assert torch.equal(got[0], vals) and torch.equal(got[1], idx)
+    assert native.topk_usable(x, k) and not native.topk_usable(x.float(), k)
+    assert not native.topk_usable(x, v + 1) and not native.topk_usable(x, native.TOPK_MAX + 1)
