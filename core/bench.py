@@ -41,6 +41,7 @@ from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfi
 from core.engine import Engine, EngineError, uses_exact_kernels
 from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
+from core.head3 import draft_weights
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError, load_target
 from core.treestore import BUILT_IN
 
@@ -304,6 +305,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
         "device": str(engine.target.device),
         "dtype": str(engine.target.dtype).removeprefix("torch."),
         "numerics": engine.numerics.describe(),
+        "draft_weights": draft_weights(engine.drafter) if engine.has_head else None,
         "threads": torch.get_num_threads(),
         "thread_policy": THREAD_POLICY.describe(),
         "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
@@ -384,7 +386,8 @@ def format_table(result: dict) -> str:
         lines.append("eagle time: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in split.items()) +
                      f" (draft share {split['draft_s'] / eagle['seconds']:.0%}); tree {result['settings']['tree']}; "
                      f"accepted lengths {eagle['accepted_length_histogram']}")
-    lines.append(f"numerics: {result.get('numerics', '?')}")
+    lines.append(f"numerics: {result.get('numerics', '?')}"
+                 + (f"; draft head weights: {result['draft_weights']}" if result.get("draft_weights") else ""))
     if "thread_policy" in result:
         lines.append(f"threads: {result['threads']} ({result['thread_policy']})")
     return "\n".join(lines)

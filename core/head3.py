@@ -31,7 +31,7 @@ from torch import nn
 from core import native
 from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
                        RMSNorm, _rotary, _rotate_half, causal_mask, head_mask, read_checkpoint)
-from core.invariant import swap_linears
+from core.invariant import draft_int8_enabled, quantize_linears, swap_linears
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 MAP_KEYS = ("d2t", "t2d")  # absent from checkpoints whose draft vocabulary is the full one
@@ -336,17 +336,34 @@ class Drafter3:
 
 
 def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None):
-    """The drafting seam for either kind of head on `target_model` (a *ForCausalLM)."""
+    """The drafting seam for either kind of head on `target_model` (a *ForCausalLM).
+
+    On CPUs with the int8 kernel the head's linear layers and its LM head draft from int8
+    copies of their weights (core.invariant.quantize_linears; EAGLE_CHAT_DRAFT_INT8=0 turns
+    it off): drafting streams those weights from memory every round, so half the bytes make a
+    round cheaper. The target is untouched, so the output is the same either way; only which
+    tokens the tree proposes can change (about 1% error on a draft logit)."""
     if native.status().available:  # drafting is decoding-sized GEMMs too: the faster kernel
         swap_linears(head)
+    quantize_linears(head)
     if isinstance(head, Eagle3Head):
         return Drafter3(head=head, embed=target_model.get_input_embeddings())
     from core.tree import Drafter
 
     weight = target_model.lm_head.weight
-    lm_weight = weight if vocab is None else weight[vocab].clone()
-    return Drafter(head=head, embed=target_model.get_input_embeddings(), lm_weight=lm_weight.to(weight.dtype),
-                   vocab=vocab)
+    lm_weight = (weight if vocab is None else weight[vocab].clone()).to(weight.dtype)
+    lm_int8 = native.quantize(lm_weight) if draft_int8_enabled(lm_weight) else None
+    return Drafter(head=head, embed=target_model.get_input_embeddings(), lm_weight=lm_weight, vocab=vocab,
+                   lm_int8=lm_int8)
+
+
+def draft_weights(drafter) -> str:
+    """How a drafter's head multiplies: 'int8' (copies of its weights, drafter_for) or its dtype."""
+    from core.invariant import Int8DraftLinear
+
+    if any(isinstance(m, Int8DraftLinear) for m in drafter.head.modules()):
+        return "int8"
+    return str(drafter.head.fc.weight.dtype).removeprefix("torch.")
 
 
 def load_any_head(folder: str | Path, target_model, *, dtype: torch.dtype = torch.float32,

@@ -35,6 +35,7 @@ and receives the tree layout as a keyword argument of the model's forward; witho
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +221,43 @@ def swap_linears(model: torch.nn.Module) -> int:
     return swapped
 
 
+class Int8DraftLinear(InvariantLinear):
+    """A draft head's linear layer that runs decoding-sized calls on an int8 copy of its weight
+    (core.native.linear_s8: half the bytes to stream, about 1% error); longer calls (a prompt's
+    catch-up) and anything the int8 kernel does not serve keep the bf16 weight. The parameters
+    and state_dict are the layer's own; the int8 copy is derived from them (`quantize_linears`)."""
+
+    int8: native.Int8Weight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and native.linear_s8_usable(x, self.int8):
+            return native.linear_s8(x, self.int8, self.bias)
+        return super().forward(x)
+
+
+DRAFT_INT8_ENV = "EAGLE_CHAT_DRAFT_INT8"  # "0": draft with the bf16 weights
+
+
+def draft_int8_enabled(weight: torch.Tensor) -> bool:
+    """Whether a draft head with this (bf16, CPU) weight drafts from int8 copies: the int8 kernel
+    runs here and EAGLE_CHAT_DRAFT_INT8 is not 0."""
+    return (os.environ.get(DRAFT_INT8_ENV, "1") != "0" and weight.dtype is torch.bfloat16 and weight.is_cpu
+            and native.int8_available())
+
+
+def quantize_linears(module: torch.nn.Module) -> int:
+    """Turn a draft head's linear layers into Int8DraftLinear, each with an int8 copy of its
+    weight; returns the number quantized (0 where the int8 kernel does not run)."""
+    done = 0
+    for parent in list(module.modules()):
+        for child in parent.children():
+            if type(child) in (torch.nn.Linear, InvariantLinear) and draft_int8_enabled(child.weight):
+                child.__class__ = Int8DraftLinear
+                child.int8 = native.quantize(child.weight)
+                done += 1
+    return done
+
+
 def make_invariant(model: torch.nn.Module) -> int:
     """Swap in InvariantLinear (`swap_linears`) and select the exact attention; returns the
     number of layers swapped."""
@@ -231,7 +269,7 @@ def make_invariant(model: torch.nn.Module) -> int:
 
 def undo_invariant(model: torch.nn.Module, attention: str = "sdpa") -> None:
     for module in model.modules():
-        if type(module) is InvariantLinear:
+        if type(module) in (InvariantLinear, Int8DraftLinear):
             module.__class__ = torch.nn.Linear
         elif "native_base" in vars(type(module)):  # a _native_norm subclass
             module.__class__ = type(module).native_base

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
 # Calls with more rows use torch's GEMM (a long prefill, where oneDNN's compute-bound kernels
 # win). It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
 # lookup chain), so every tree row and every plain step goes through this kernel.
@@ -92,6 +92,8 @@ class _Kernels:
     argmax: ctypes._CFuncPtr
     move_rows: ctypes._CFuncPtr
     topk: ctypes._CFuncPtr
+    quantize_s8: ctypes._CFuncPtr
+    gemm_s8: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -108,7 +110,7 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows,
-                       lib.topk_logprobs_bf16)
+                       lib.topk_logprobs_bf16, lib.quantize_weight_s8, lib.gemm_s8)
     kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
@@ -116,7 +118,10 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     kernels.argmax.argtypes = [ptr, i64, ptr, i32, i32, i32]
     kernels.move_rows.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32]
     kernels.topk.argtypes = [ptr, i64, ptr, ptr, i32, i32, i32, i32]
-    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk):
+    kernels.quantize_s8.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]
+    kernels.gemm_s8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk,
+               kernels.quantize_s8, kernels.gemm_s8):
         fn.restype = None
     problem = _self_test(kernels)
     if problem:
@@ -187,6 +192,38 @@ def _topk_log_probs(k: _Kernels, x: torch.Tensor, top: int) -> tuple[torch.Tenso
     return vals, idx
 
 
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight (N, K) as int8 with one fp32 scale per output row, and each row's integer sum."""
+
+    q: torch.Tensor      # (N, K) int8, contiguous
+    scale: torch.Tensor  # (N,) float32: weight[n] ~ scale[n] * q[n]
+    sums: torch.Tensor   # (N,) int32: q[n].sum()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+def _quantize(k: _Kernels, weight: torch.Tensor) -> Int8Weight:
+    n, kdim = weight.shape
+    q = torch.empty(n, kdim, dtype=torch.int8)
+    scale, sums = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32)
+    k.quantize_s8(weight.data_ptr(), weight.stride(0), q.data_ptr(), scale.data_ptr(), sums.data_ptr(), n, kdim,
+                  torch.get_num_threads())
+    return Int8Weight(q, scale, sums)
+
+
+def _linear_s8(k: _Kernels, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    # x (..., K) bf16 -> (..., N) bf16, approximately x @ weight.T + bias
+    rows, m, ldx = _rows(x)
+    n = w.q.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device=x.device)
+    k.gemm_s8(rows.data_ptr(), ldx, w.q.data_ptr(), w.scale.data_ptr(), w.sums.data_ptr(),
+              None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
+              torch.get_num_threads())
+    return y
+
+
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm.forward, the formula `rms_norm` computes."""
     h = x.float()
@@ -246,6 +283,13 @@ def _self_test(k: _Kernels) -> str | None:
     if not (torch.allclose(vals, ref.values, atol=1e-5) and int(idx[1, 0]) == 7 and int(idx[1, 1]) == 900
             and torch.equal(idx[0], ref.indices[0])):
         return "wrong top-k log-probabilities"
+    if "avx512_vnni" in _cpu_flags():
+        w = torch.randn(40, 100, generator=gen).bfloat16()
+        x = torch.randn(5, 100, generator=gen).bfloat16()
+        ref = x.float() @ w.float().T
+        y = _linear_s8(k, x, _quantize(k, w), None).float()
+        if not torch.allclose(y, ref, atol=0.05 * float(ref.abs().max())):
+            return "wrong int8 GEMM results"
     return None
 
 
@@ -303,6 +347,40 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     k = _library()[0]
     assert k is not None, "check native.argmax_usable(x) first"
     return _argmax(k, x)
+
+
+S8_MAX_ROWS = 64  # int8 drafting GEMM: decoding-sized calls only (a prompt's catch-up keeps bf16)
+
+
+@functools.cache
+def int8_available() -> bool:
+    """Whether the int8 drafting GEMM runs here (the kernels, and VNNI's vpdpbusd)."""
+    return _library()[0] is not None and "avx512_vnni" in _cpu_flags()
+
+
+def quantize(weight: torch.Tensor) -> Int8Weight:
+    """A bf16 CPU weight (N, K) -> Int8Weight: per output row, scale max|w| / 127, round to nearest."""
+    k = _library()[0]
+    assert k is not None and int8_available(), "check native.int8_available() first"
+    weight = weight.detach().to(torch.bfloat16).contiguous()
+    return _quantize(k, weight)
+
+
+def linear_s8_usable(x: torch.Tensor, w: Int8Weight) -> bool:
+    """Whether `linear_s8` serves this call: bf16 rows on the CPU (at most S8_MAX_ROWS), no autograd."""
+    return (x.dtype is torch.bfloat16 and x.is_cpu and x.shape[-1] == w.q.shape[1]
+            and x.numel() <= S8_MAX_ROWS * x.shape[-1]
+            and not (torch.is_grad_enabled() and x.requires_grad) and int8_available())
+
+
+def linear_s8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Approximately F.linear(x, weight, bias) from the int8 weight, for drafting: x (..., K) bf16
+    -> (..., N) bf16. Each x row is quantized to int8 on the fly (scale max|x| / 127); the
+    integer dot products are exact, so a row's result does not depend on the others. Relative
+    error about 1% of the output's scale: drafts only, never the target."""
+    k = _library()[0]
+    assert k is not None, "check native.linear_s8_usable(x, w) first"
+    return _linear_s8(k, x, w, bias)
 
 
 TOPK_MAX = 64  # csrc/topk_bf16.c's MAX_K

@@ -95,12 +95,15 @@ class Drafter:
     embed: torch.nn.Embedding     # the target's input embedding
     lm_weight: torch.Tensor       # (Vd, H): rows of the target's LM head the draft scores
     vocab: torch.Tensor | None    # (Vd,) target ids of those rows, None when Vd == V
+    lm_int8: native.Int8Weight | None = None  # lm_weight as int8, where drafting uses it (drafter_for)
     # which target hidden states the head reads: None = the last one (after the final norm);
     # an EAGLE-3 drafter (core.head3.Drafter3) names the fused layers instead
     feature_layers = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: (m, H) -> (m, Vd) draft logits
+        if self.lm_int8 is not None and native.linear_s8_usable(hidden, self.lm_int8):
+            return native.linear_s8(hidden, self.lm_int8)
         return native.linear(hidden, self.lm_weight) if native.usable(hidden, self.lm_weight) else hidden @ self.lm_weight.T
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -268,3 +268,70 @@ def test_topk_log_probs_is_torchs_log_softmax_topk(m, v, k):
     assert torch.equal(got[0], vals) and torch.equal(got[1], idx)
     assert native.topk_usable(x, k) and not native.topk_usable(x.float(), k)
     assert not native.topk_usable(x, v + 1) and not native.topk_usable(x, native.TOPK_MAX + 1)
+
+
+needs_int8 = pytest.mark.skipif(not native.int8_available(), reason="no int8 drafting kernel (needs avx512_vnni)")
+
+
+def _reference_s8(x: torch.Tensor, w: torch.Tensor, bias=None):
+    """What csrc/gemm_s8.c computes, in torch: per-row symmetric int8 weights and inputs, exact
+    integer dot products (float64), rescaled in fp32."""
+    wf = w.float()
+    ws = wf.abs().amax(1) / 127.0
+    ws = torch.where(ws > 0, ws, torch.ones_like(ws))
+    wq = (wf / ws[:, None]).round().clamp(-127, 127)
+    xf = x.float()
+    xs = xf.abs().amax(1) / 127.0
+    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+    xq = (xf * (1.0 / xs)[:, None]).round().clamp(-127, 127)
+    dots = (xq.double() @ wq.double().T).float()
+    y = (xs[:, None] * ws[None, :]) * dots
+    if bias is not None:
+        y = y + bias.float()
+    return wq.to(torch.int8), ws, wq.sum(1).to(torch.int32), y
+
+
+@needs_int8
+@pytest.mark.parametrize("m,n,k", [(1, 8192, 576), (3, 96, 576), (8, 1536, 576), (5, 576, 1536), (13, 37, 70), (4, 40, 64)])
+def test_int8_linear_is_its_integer_reference_and_near_the_bf16_product(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    qw = native.quantize(w)
+    wq, ws, sums, ref = _reference_s8(x, w, bias)
+    assert torch.equal(qw.q, wq) and torch.equal(qw.scale, ws) and torch.equal(qw.sums, sums)
+    y = native.linear_s8(x, qw, bias)
+    assert y.dtype is torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-3)
+    exact = x.float() @ w.float().T + bias.float()
+    assert float((y.float() - exact).norm() / exact.norm()) < 0.03  # about 1% error: for drafts only
+    for i in range(m):  # integer sums: a row's result does not depend on the rest of the call
+        assert torch.equal(native.linear_s8(x[i:i + 1], qw, bias)[0], y[i])
+
+
+@needs_int8
+def test_draft_heads_draft_from_int8_copies_and_keep_their_weights(monkeypatch):
+    from core.head3 import drafter_for
+    from core.invariant import Int8DraftLinear
+    from tests.tiny import random_head, tiny_target
+
+    target = tiny_target(dtype=torch.bfloat16)
+    head = random_head(target, seed=3)
+    keys = {name: p.clone() for name, p in head.state_dict().items()}
+    drafter = drafter_for(head, target.model)
+    assert type(head.fc) is Int8DraftLinear and type(head.layers[0].mlp.down_proj) is Int8DraftLinear
+    assert drafter.lm_int8 is not None
+    state = head.state_dict()  # the published layout and values, untouched
+    assert state.keys() == keys.keys() and all(torch.equal(state[name], keys[name]) for name in keys)
+    fc = head.fc
+    few = torch.randn(3, fc.in_features).bfloat16()
+    assert torch.equal(fc(few), native.linear_s8(few, fc.int8, fc.bias))  # drafting-sized: int8
+    many = torch.randn(native.S8_MAX_ROWS + 1, fc.in_features).bfloat16()
+    assert torch.equal(fc(many), native.linear(many, fc.weight, fc.bias))  # a prompt's catch-up: bf16
+    hidden = torch.randn(2, target.model.config.hidden_size).bfloat16()
+    assert torch.equal(drafter.logits(hidden), native.linear_s8(hidden, drafter.lm_int8))
+
+    monkeypatch.setenv("EAGLE_CHAT_DRAFT_INT8", "0")
+    plain = drafter_for(random_head(target, seed=3), target.model)
+    assert type(plain.head.fc) is not Int8DraftLinear and plain.lm_int8 is None
