@@ -245,13 +245,16 @@ def draft_int8_enabled(weight: torch.Tensor) -> bool:
             and native.int8_available())
 
 
-def quantize_linears(module: torch.nn.Module) -> int:
+def quantize_linears(module: torch.nn.Module, keep: tuple[str, ...] = ("fc",)) -> int:
     """Turn a draft head's linear layers into Int8DraftLinear, each with an int8 copy of its
-    weight; returns the number quantized (0 where the int8 kernel does not run)."""
+    weight, except those named in `keep`; returns the number quantized (0 where the int8
+    kernel does not run). The default keeps `fc` in bf16: its input is the target's features
+    (with the token embedding), whose outlier channels make one int8 scale per row too coarse;
+    quantizing it cost 2.3% of held-out tau against 0.4-0.7% for the rest together."""
     done = 0
     for parent in list(module.modules()):
-        for child in parent.children():
-            if type(child) in (torch.nn.Linear, InvariantLinear) and draft_int8_enabled(child.weight):
+        for name, child in parent.named_children():
+            if name not in keep and type(child) in (torch.nn.Linear, InvariantLinear) and draft_int8_enabled(child.weight):
                 child.__class__ = Int8DraftLinear
                 child.int8 = native.quantize(child.weight)
                 done += 1

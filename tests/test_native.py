@@ -317,21 +317,22 @@ def test_draft_heads_draft_from_int8_copies_and_keep_their_weights(monkeypatch):
     from tests.tiny import random_head, tiny_target
 
     target = tiny_target(dtype=torch.bfloat16)
-    head = random_head(target, seed=3)
+    head = random_head(target, seed=3).requires_grad_(False)  # as load_head returns it
     keys = {name: p.clone() for name, p in head.state_dict().items()}
     drafter = drafter_for(head, target.model)
-    assert type(head.fc) is Int8DraftLinear and type(head.layers[0].mlp.down_proj) is Int8DraftLinear
+    assert type(head.layers[0].mlp.down_proj) is Int8DraftLinear and type(head.layers[0].self_attn.q_proj) is Int8DraftLinear
+    assert type(head.fc) is not Int8DraftLinear  # its input is the target's features: kept in bf16
     assert drafter.lm_int8 is not None
     state = head.state_dict()  # the published layout and values, untouched
     assert state.keys() == keys.keys() and all(torch.equal(state[name], keys[name]) for name in keys)
-    fc = head.fc
+    fc = head.layers[0].mlp.up_proj
     few = torch.randn(3, fc.in_features).bfloat16()
-    assert torch.equal(fc(few), native.linear_s8(few, fc.int8, fc.bias))  # drafting-sized: int8
+    assert torch.equal(fc(few), native.linear_s8(few, fc.int8))  # drafting-sized: int8
     many = torch.randn(native.S8_MAX_ROWS + 1, fc.in_features).bfloat16()
-    assert torch.equal(fc(many), native.linear(many, fc.weight, fc.bias))  # a prompt's catch-up: bf16
+    assert torch.equal(fc(many), native.linear(many, fc.weight))  # a prompt's catch-up: bf16
     hidden = torch.randn(2, target.model.config.hidden_size).bfloat16()
     assert torch.equal(drafter.logits(hidden), native.linear_s8(hidden, drafter.lm_int8))
 
     monkeypatch.setenv("EAGLE_CHAT_DRAFT_INT8", "0")
     plain = drafter_for(random_head(target, seed=3), target.model)
-    assert type(plain.head.fc) is not Int8DraftLinear and plain.lm_int8 is None
+    assert type(plain.head.layers[0].mlp.up_proj) is not Int8DraftLinear and plain.lm_int8 is None
