@@ -146,18 +146,46 @@ class KeyLayout:
         return cls(committed, seen_first[:, :int(counts.max())].contiguous(), counts)
 
 
-def head_mask(allowed: torch.Tensor | None, past: int, n: int, dtype: torch.dtype, config: "HeadConfig",
+@dataclass(frozen=True)
+class TreeRows:
+    """The tree part of a draft round's mask as lists (drafting keeps its tree on lists):
+    row i sees the slots rows[i] (ascending) of the last `width` keys, and every key before."""
+
+    rows: tuple[tuple[int, ...], ...]
+    width: int
+
+    def dense(self, device) -> torch.Tensor:
+        """bool (n, width), the tensor form head_mask also takes."""
+        out = torch.zeros(len(self.rows), self.width, dtype=torch.bool, device=device)
+        for i, row in enumerate(self.rows):
+            out[i, list(row)] = True
+        return out
+
+    def layout(self, committed: int, device) -> KeyLayout:
+        longest = max(len(row) for row in self.rows)
+        slots = [list(row) + [0] * (longest - len(row)) for row in self.rows]
+        return KeyLayout(committed, torch.tensor(slots, dtype=torch.long, device=device),
+                         torch.tensor([len(row) for row in self.rows], dtype=torch.long, device=device))
+
+
+def head_mask(allowed: "torch.Tensor | TreeRows | None", past: int, n: int, dtype: torch.dtype, config: "HeadConfig",
               device: torch.device):
     """The mask of a head call on n new rows after `past` cached keys.
 
-    allowed: None = causal; bool (n, past + n), every key; or bool (n, T) with T < past + n,
-    the tree part: every key before the last T is seen, and `allowed` says which of the last T
+    allowed: None = causal; bool (n, past + n), every key; or bool (n, T) with T < past + n
+    (or TreeRows, its list form), the tree part: every key before the last T is seen, and `allowed` says which of the last T
     each row sees (a draft round: the committed context, then the fed draft nodes).
     Calls up to NATIVE_ROWS rows (catch-up: the few tokens a step accepted; draft rounds: the
     frontier) go through the native attention kernel where it serves the head (bf16 decoding
     on the CPU): at 1-8 rows sdpa took 60-260 us a call, the kernel a fifth to a half of that.
     Longer calls (the prompt's catch-up) and training keep sdpa.
     """
+    if isinstance(allowed, TreeRows):
+        if (n <= NATIVE_ROWS and not torch.is_grad_enabled()
+                and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
+                                            config.num_key_value_heads)):
+            return allowed.layout(past + n - allowed.width, device)
+        allowed = allowed.dense(device)
     tree_part = allowed is not None and allowed.shape[1] < past + n
     if (n <= NATIVE_ROWS and not torch.is_grad_enabled() and (allowed is None or tree_part)
             and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
@@ -197,16 +225,41 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache: HeadCache | None):
-        # x: (1, n, H); cos/sin: (1, n, hd); mask: additive (1, 1, n, L) or None (= causal)
+        # x: (1, n, H); cos/sin: (1, n, hd); mask: KeyLayout, additive (1, 1, n, L) or None (= causal)
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)  # (1, nh, n, hd)
-        k = self.k_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)  # (1, kvh, n, hd)
-        v = self.v_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if isinstance(mask, KeyLayout) and cache is not None and b == 1:
+            return self._decode(x[0], cos[0], sin[0], mask, cache)[None]
+        q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.write(k, v)  # (1, kvh, L, hd)
         return self.o_proj(attend(q, k, v, mask).reshape(b, n, self.nh * self.hd))
+
+    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, n, in); cos/sin: (B, n, hd) -> q (B, nh, n, hd), k, v (B, kvh, n, hd), rotated."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _decode(self, x, cos, sin, mask: KeyLayout, cache: HeadCache) -> torch.Tensor:
+        """A drafting call through the native kernels: x (n, H), cos/sin (n, hd) -> (n, H).
+        The same values as the general path (the rotary kernel is transformers' bf16 formula bit
+        for bit), in two kernel calls instead of the twenty-odd view, rotate and copy ops."""
+        n = x.shape[0]
+        q, k = self.q_proj(x), self.k_proj(x)  # (n, nh * hd), (n, kvh * hd)
+        v = self.v_proj(x).view(n, self.kvh, self.hd)
+        if native.rotary_usable(q, cos, sin, self.nh) and native.rotary_usable(k, cos, sin, self.kvh):
+            q, k = native.rotary(q, cos, sin, self.nh), native.rotary(k, cos, sin, self.kvh)  # (n, heads, hd)
+        else:
+            q, k = q.view(n, self.nh, self.hd), k.view(n, self.kvh, self.hd)
+            c, s = cos[:, None], sin[:, None]
+            q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        keys, values = cache.write(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # (1, kvh, L, hd)
+        out = native.attention(q, keys[0], values[0], mask.committed, mask.ancestors, mask.counts,
+                               self.hd ** -0.5)  # (n, nh, hd)
+        return self.o_proj(out.reshape(n, self.nh * self.hd))
 
 
 class MLP(nn.Module):

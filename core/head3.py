@@ -30,7 +30,7 @@ from torch import nn
 
 from core import native
 from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
-                       RMSNorm, _rotary, _rotate_half, causal_mask, head_mask, read_checkpoint)
+                       RMSNorm, _rotary, causal_mask, head_mask, read_checkpoint)
 from core.invariant import draft_int8_enabled, quantize_linears, swap_linears
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -90,15 +90,6 @@ class Attention3(Attention):
         self.q_proj = nn.Linear(2 * c.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(2 * c.hidden_size, self.kvh * self.hd, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, self.kvh * self.hd, bias=False)
-
-    def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, n, 2H); cos/sin: (B, n, hd) -> q (B, nh, n, hd), k, v (B, kvh, n, hd), rotated."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
 class MidLayer(nn.Module):

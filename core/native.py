@@ -94,6 +94,7 @@ class _Kernels:
     topk: ctypes._CFuncPtr
     quantize_s8: ctypes._CFuncPtr
     gemm_s8: ctypes._CFuncPtr
+    rotary: ctypes._CFuncPtr
 
 
 @functools.cache
@@ -110,7 +111,8 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows,
-                       lib.topk_logprobs_bf16, lib.quantize_weight_s8, lib.gemm_s8)
+                       lib.topk_logprobs_bf16, lib.quantize_weight_s8, lib.gemm_s8,
+                       lib.rotary_bf16)
     kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
@@ -120,8 +122,9 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     kernels.topk.argtypes = [ptr, i64, ptr, ptr, i32, i32, i32, i32]
     kernels.quantize_s8.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]
     kernels.gemm_s8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    kernels.rotary.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i32, i32, i32]
     for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk,
-               kernels.quantize_s8, kernels.gemm_s8):
+               kernels.quantize_s8, kernels.gemm_s8, kernels.rotary):
         fn.restype = None
     problem = _self_test(kernels)
     if problem:
@@ -222,6 +225,15 @@ def _linear_s8(k: _Kernels, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor |
               None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
               torch.get_num_threads())
     return y
+
+
+def _rotary(k: _Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    # x (n, heads * hd) bf16, unit stride; cos, sin (n, hd) bf16, same strides -> (n, heads, hd) bf16
+    n, width = x.shape
+    hd = width // heads
+    out = torch.empty(n, heads, hd, dtype=torch.bfloat16, device=x.device)
+    k.rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), n, heads, hd)
+    return out
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -347,6 +359,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     k = _library()[0]
     assert k is not None, "check native.argmax_usable(x) first"
     return _argmax(k, x)
+
+
+def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> bool:
+    """Whether `rotary` serves this call: bf16 x (n, heads * hd) and cos, sin (n, hd) on the CPU,
+    unit strides, an even hd, no autograd."""
+    return (x.dtype is torch.bfloat16 and cos.dtype is torch.bfloat16 and sin.dtype is torch.bfloat16
+            and x.is_cpu and x.dim() == 2 and cos.dim() == 2 and x.shape[1] % heads == 0
+            and cos.shape == sin.shape == (x.shape[0], x.shape[1] // heads) and cos.shape[1] % 2 == 0
+            and x.stride(1) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride()
+            and not (torch.is_grad_enabled() and x.requires_grad) and _library()[0] is not None)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' rotary embedding in bf16, bit for bit, in one call: x (n, heads * hd) (a
+    projection's output rows), cos, sin (n, hd) -> (n, heads, hd) = x * cos + rotate_half(x) * sin."""
+    k = _library()[0]
+    assert k is not None, "check native.rotary_usable(x, cos, sin, heads) first"
+    return _rotary(k, x, cos, sin, heads)
 
 
 S8_MAX_ROWS = 64  # int8 drafting GEMM: decoding-sized calls only (a prompt's catch-up keeps bf16)

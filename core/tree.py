@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from core import native
 from core.config import TreeConfig
-from core.head import EagleHead, HeadCache, head_mask
+from core.head import EagleHead, HeadCache, TreeRows, head_mask
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,12 @@ class Drafter:
         return idx if self.vocab is None else self.vocab[idx]
 
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
-             positions: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+             positions: torch.Tensor, allowed: "torch.Tensor | TreeRows | None" = None) -> torch.Tensor:
         """Run the head on m new inputs; tokens (m,), features (m, H) -> next features (m, H).
 
         `allowed`: None = causal after the cache; bool (m, cache length + m), the whole mask; or
-        bool (m, T), the tree part (the last T keys; every earlier key is seen): see head_mask.
+        the tree part (the last T keys; every earlier key is seen), as bool (m, T) or TreeRows:
+        see head_mask.
         """
         emb = self.embed(tokens)[None].to(features.dtype)  # (1, m, H)
         mask = head_mask(allowed, cache.length, tokens.shape[0], features.dtype, self.head.config, features.device)
@@ -181,15 +182,11 @@ def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidd
                 frontier = [frontier[j] for j in live]
                 source_rows, parent_slot = [source_rows[j] for j in live], [parent_slot[j] for j in live]
         f, n_fed = len(frontier), len(fed_ancestry)
-        rows = [[False] * (n_fed + f) for _ in range(f)]  # (f, n_fed + f): the tree part of the mask
         for j in range(f):
-            path = (fed_ancestry[parent_slot[j]] if parent_slot[j] >= 0 else []) + [n_fed + j]
-            for slot in path:
-                rows[j][slot] = True
-            fed_ancestry.append(path)
+            fed_ancestry.append((fed_ancestry[parent_slot[j]] if parent_slot[j] >= 0 else []) + [n_fed + j])
+        rows = TreeRows(tuple(map(tuple, fed_ancestry[n_fed:])), n_fed + f)  # the tree part of the mask
         out = drafter.feed(cache, torch.tensor([tokens[c] for c in frontier], device=device),
-                           source[source_rows], torch.full((f,), committed + d - 1, device=device),
-                           torch.tensor(rows, device=device))  # (f, H)
+                           source[source_rows], torch.full((f,), committed + d - 1, device=device), rows)  # (f, H)
         lp, idx = drafter.top_log_probs(out, k)  # (f, kk) each
         kk = idx.shape[1]
         child_lp = lp.tolist()

@@ -150,7 +150,7 @@ def test_head_calls_through_the_native_attention_match_sdpa():
     (KeyLayout): causal ones (catch-up) and draft rounds given the tree part of their mask.
     They compute what sdpa with the whole additive mask computes."""
     from core import native
-    from core.head import EagleHead, HeadConfig, KeyLayout, additive, causal_allowed, head_mask
+    from core.head import EagleHead, HeadConfig, KeyLayout, TreeRows, additive, causal_allowed, head_mask
 
     if not native.status().available:
         pytest.skip(f"core.native kernel unavailable here: {native.status().reason}")
@@ -181,6 +181,14 @@ def test_head_calls_through_the_native_attention_match_sdpa():
     layout = KeyLayout.tree(tree, 35)
     assert layout.committed == 35 and layout.counts.tolist() == [2, 2, 1]
     assert [row[:c].tolist() for row, c in zip(layout.ancestors, layout.counts)] == [[0, 2], [1, 3], [4]]
+    # drafting's list form of the same tree part: the same layout, and the same mask without the kernel
+    rows = TreeRows(((0, 2), (1, 3), (4,)), 5)
+    with torch.inference_mode():
+        listed = head_mask(rows, 37, 3, torch.bfloat16, cfg, "cpu")
+    assert listed.committed == 35 and torch.equal(listed.counts, layout.counts)
+    assert [row[:c].tolist() for row, c in zip(listed.ancestors, listed.counts)] == [[0, 2], [1, 3], [4]]
+    assert torch.equal(rows.dense("cpu"), tree)
+    assert torch.equal(head_mask(rows, 37, 3, torch.float32, cfg, "cpu"), additive(whole, torch.float32))
     # training and whole masks keep the additive mask
     assert not isinstance(head_mask(torch.ones(3, 40, dtype=torch.bool), 37, 3, torch.bfloat16, cfg, "cpu"), KeyLayout)
     assert not isinstance(head_mask(None, 37, 3, torch.float32, cfg, "cpu"), KeyLayout)

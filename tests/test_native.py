@@ -336,3 +336,20 @@ def test_draft_heads_draft_from_int8_copies_and_keep_their_weights(monkeypatch):
     monkeypatch.setenv("EAGLE_CHAT_DRAFT_INT8", "0")
     plain = drafter_for(random_head(target, seed=3), target.model)
     assert type(plain.head.layers[0].mlp.up_proj) is not Int8DraftLinear and plain.lm_int8 is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,heads,hd", [(1, 9, 64), (8, 3, 64), (5, 4, 40), (3, 2, 6)])
+def test_rotary_is_transformers_bf16_rotary_bit_for_bit(n, heads, hd):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(n * heads + hd)
+    q = torch.randn(n, heads * hd, generator=g).bfloat16()
+    angles = torch.randn(n, hd // 2, generator=g) * 10
+    cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
+    sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
+    ref, _ = apply_rotary_pos_emb(q.view(1, n, heads, hd).transpose(1, 2), q.view(1, n, heads, hd).transpose(1, 2),
+                                  cos[None], sin[None])  # (1, heads, n, hd)
+    assert native.rotary_usable(q, cos, sin, heads)
+    assert torch.equal(native.rotary(q, cos, sin, heads), ref[0].transpose(0, 1))
+    assert not native.rotary_usable(q.float(), cos, sin, heads) and not native.rotary_usable(q, cos[:, :-2], sin[:, :-2], heads)
