@@ -19,6 +19,25 @@ from core import native
 MIN_CAPACITY = 256  # first buffer, in positions; it doubles when full
 
 
+class _BufferView:
+    """A BufferedLayer's `keys` or `values`: the first `length` positions of its buffer, or None.
+    transformers' DynamicLayer assigns them only to clear them (None, or an empty tensor at
+    initialization); anything else would bypass the buffers, so it is refused."""
+
+    def __init__(self, buffer: str):
+        self.buffer = buffer
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        buf = getattr(layer, self.buffer, None)
+        return None if buf is None else buf.narrow(-2, 0, layer.length)
+
+    def __set__(self, layer, value) -> None:
+        if value is not None and value.numel() != 0:
+            raise RuntimeError("a BufferedLayer's keys and values live in its buffers: write through update()")
+
+
 class BufferedLayer(DynamicLayer):
     """A DynamicLayer over buffers (B, kvh, capacity, hd): `keys` / `values` are views of the
     first `length` positions; an update writes the new entries in place (growing the buffer
@@ -43,23 +62,8 @@ class BufferedLayer(DynamicLayer):
 
     # `keys` / `values`: views of the buffers' first `length` positions, made when read (an
     # update returns them) rather than on every length change (keep() changes 30 layers' a step)
-    @property
-    def keys(self) -> torch.Tensor | None:
-        k = getattr(self, "_k", None)
-        return None if k is None else k.narrow(-2, 0, self.length)
-
-    @keys.setter
-    def keys(self, value) -> None:
-        _only_clears(value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        v = getattr(self, "_v", None)
-        return None if v is None else v.narrow(-2, 0, self.length)
-
-    @values.setter
-    def values(self, value) -> None:
-        _only_clears(value)
+    keys = _BufferView("_k")
+    values = _BufferView("_v")
 
     def _set_length(self, length: int) -> None:
         self.length = length
@@ -96,13 +100,6 @@ class BufferedLayer(DynamicLayer):
         self._k = self._v = None
         self.length = 0
         super().reset()
-
-
-def _only_clears(value) -> None:
-    """transformers' DynamicLayer assigns keys / values only to clear them (None, or an empty
-    tensor at initialization); anything else would bypass the buffers."""
-    if value is not None and value.numel() != 0:
-        raise RuntimeError("a BufferedLayer's keys and values live in its buffers: write through update()")
 
 
 def new_cache(model) -> DynamicCache:

@@ -66,3 +66,11 @@ def test_crop_and_reset():
     assert kv.cache_length(cache) == 0
     keys, _ = cache.update(*_entries(3, 9), 0)
     assert torch.equal(keys, _entries(3, 9)[0])
+    # keys / values are views of the buffers, cut at the current length; only clearing them is allowed
+    layer = cache.layers[0]
+    cache.crop(-1)
+    assert layer.keys.shape[-2] == 2 and layer.keys.data_ptr() == layer._k.data_ptr()
+    with pytest.raises(RuntimeError, match="write through update"):
+        layer.keys = _entries(2, 0)[0]
+    layer.values = None  # what transformers' reset does: nothing to clear, the buffers stay
+    assert layer.values.shape[-2] == 2

@@ -1,27 +1,10 @@
 // Draft scoring: per row of bf16 logits, the k best tokens as log-probabilities (log-softmax,
 // clamped at 0) and their indices, best first; on equal logits the lower index comes first.
 // One pass finds the maximum and the k best, a second sums the exponentials. Drafting only:
-// the target's own choices never go through it (they are core.verify's exact argmax), so the
-// exponential may be a polynomial (relative error about 1e-7).
+// the target's own choices never go through it (they are core.verify's exact argmax).
 #include "common.h"
 
 #define MAX_K 64
-
-// e^x for x <= 0 (underflows to 0 below -87): 2^n * 2^f, f in [-0.5, 0.5], 2^f by its
-// degree-6 Taylor polynomial in f ln 2 (truncation below 2e-7).
-static inline __m512 exp_ps(__m512 x) {
-    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.0f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 // Insert (v, i) into the descending list of `*count` entries (at most k kept); an equal
 // value goes after the ones already there (they have lower indices).
@@ -62,7 +45,7 @@ static void topk_row(const uint16_t *x, int N, int k, float *out_v, int64_t *out
     for (int n = 0; n < N; n += 16) {
         __mmask16 valid = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1u);
         __m512 v = bf16x16_to_ps_masked(x + n, valid);
-        sum = _mm512_mask_add_ps(sum, valid, sum, exp_ps(_mm512_sub_ps(v, vm)));
+        sum = _mm512_mask_add_ps(sum, valid, sum, exp512(_mm512_sub_ps(v, vm)));
     }
     float lse = m + logf(_mm512_reduce_add_ps(sum));
     for (int j = 0; j < k; j++) {
