@@ -29,7 +29,7 @@ from core.threads import set_threads
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
-from core.lookup import DEFAULT_TOKENS
+from core.lookup import DEFAULT_TOKENS, chain_tree
 from core.tree import catch_up, draft_dynamic, tree_from_parents
 from core.treestore import TREE_FILE, save_tuned, shipped_tree, tuned_path, tuned_tree  # noqa: F401 (re-exported)
 
@@ -355,12 +355,12 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
         for _, _, t in candidates:
             if len(trees) < confirm_top and all(t.total_tokens != u.total_tokens for u in trees):
                 trees.append(t)
-        with_lookup = [replace(t, lookup=lookup) for t in trees]
+        with_lookup = [chain_tree(replace(t, lookup=lookup)) for t in trees]
         best, rates = confirm(engine, with_lookup)
         tree = trees[with_lookup.index(best)]
         rate = next(r for r, _, t in candidates if t == tree)  # the model's prediction for the tree kept
         confirmed = {f"{t.depth},{t.total_tokens}": r for t, r in zip(trees, (rates[w] for w in with_lookup))}
-    tree = replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context))
+    tree = chain_tree(replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context)))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
                               "other_s": other, "attend_s_per_row_and_context_token": attend,
                               "numerics": engine.numerics.describe(),

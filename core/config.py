@@ -6,7 +6,7 @@ bad value is refused with the same message wherever it comes from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # "exact" = core.invariant's batch-invariant kernels
@@ -33,6 +33,9 @@ class TreeConfig:
     the root's best and second-best child and the best child of the best child.
     lookup: up to this many tokens copied from earlier context (`core.lookup`) are grafted
     under the root as one more path, beyond `total_tokens` and `depth`; 0 = off.
+    lookup_total_tokens: the head's tree on steps that graft a lookup chain (0 = `total_tokens`).
+    The chain's rows cost verification time (past about 12 rows a target forward is
+    compute-bound on a CPU), so those steps may give the head's tree fewer tokens.
     long_context: caps for long contexts, ((min_context, depth, total_tokens), ...) with
     min_context ascending: once the context holds min_context tokens the tree keeps at most
     that depth and that many tokens (`at`); (min_context, 0, 0) means plain decoding from
@@ -45,6 +48,7 @@ class TreeConfig:
     total_tokens: int = 24
     static_paths: tuple[tuple[int, ...], ...] | None = None
     lookup: int = 0
+    lookup_total_tokens: int = 0
     long_context: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -69,6 +73,10 @@ class TreeConfig:
         _check(isinstance(self.lookup, int) and 0 <= self.lookup <= 32,
                f"tree lookup must be an integer in 0..32 (tokens copied from the context, 0 = off), "
                f"got {self.lookup!r}")
+        _check(isinstance(self.lookup_total_tokens, int) and (self.lookup_total_tokens == 0 or
+                                                              2 <= self.lookup_total_tokens <= 512),
+               f"tree lookup_total_tokens must be 0 (= total_tokens) or an integer in 2..512, "
+               f"got {self.lookup_total_tokens!r}")
         if self.static_paths is not None:
             paths = set(self.static_paths)
             _check(len(paths) > 0, "static tree needs at least one path")
@@ -93,10 +101,18 @@ class TreeConfig:
         if not caps or self.is_static:
             return self
         _, depth, total = caps[-1]
-        if depth >= self.depth and total >= self.total_tokens:
+        if depth >= self.depth and total >= max(self.total_tokens, self.lookup_total_tokens):
             return self
         return TreeConfig(depth=min(self.depth, depth), top_k=self.top_k,
-                          total_tokens=min(self.total_tokens, total), lookup=self.lookup)
+                          total_tokens=min(self.total_tokens, total), lookup=self.lookup,
+                          lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0)
+
+    def with_chain(self) -> "TreeConfig":
+        """The head's tree for a step that also verifies a lookup chain (never larger than
+        `total_tokens`: a tree made smaller by hand stays that small)."""
+        if not self.lookup_total_tokens or self.lookup_total_tokens >= self.total_tokens or self.is_static:
+            return self
+        return replace(self, total_tokens=self.lookup_total_tokens)
 
 
 @dataclass(frozen=True)

@@ -376,9 +376,11 @@ class _Run:
         t0 = self.now()
         committed = kv.cache_length(self.cache)
         shape = self.cfg.tree.at(committed)  # smaller trees for long contexts (TreeConfig.long_context)
-        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape)
-        if shape.lookup:
-            tree = graft(tree, lookup_chain(self.context, self.lookup_room(committed)))
+        chain = lookup_chain(self.context, self.lookup_room(committed)) if shape.lookup else []
+        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden,
+                     shape.with_chain() if chain else shape)
+        if chain:
+            tree = graft(tree, chain)
         t1 = self.now()
         features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
         t2 = self.now()

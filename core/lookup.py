@@ -17,45 +17,83 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dataclasses import replace
+
 import torch
 
+from core.config import TreeConfig
 from core.tree import DraftTree
 
-# Measured on SmolLM2's greedy answers to the benchmark prompts (16-token chains, the n-gram
-# tried longest first): a 4-token match was followed by 11.1 correct tokens on average (0.92
-# had at least 1 right), a 3-token match by 2.7, a 2-token match by 1.5 (0.47 at least 1 right).
-# The head's tree already covers the first two or three tokens, so 2-token matches do not pay
-# for their verification rows, and 3-token matches get half the chain.
-MIN_NGRAM = 3
-MAX_NGRAM = 4
-# The chain length core.autotune puts in the trees it chooses. On 6 benchmark prompts x 128
-# tokens (depth 4, 10 nodes, the shipped head) tau went 2.22 (off) -> 2.62 (8) -> 2.74 (16)
-# -> 2.80 (32); past 16 only long loops gain, while every failed chain costs its rows.
-DEFAULT_TOKENS = 16
+# The chain follows the latest earlier occurrence of the longest suffix that occurred before
+# (2 to MAX_NGRAM tokens), and its length grows with that match: `max_tokens` after 4 or more
+# tokens, a third after 3, a quarter after 2. A 2-token match is followed by fewer right tokens
+# than a longer one, but a short chain of it still pays; chains past 24 tokens only help long
+# loops (scripts/lookup_replay.py replays recorded answers under each rule).
+MIN_NGRAM = 2
+MAX_NGRAM = 8
+# The chain length core.autotune puts in the trees it chooses.
+DEFAULT_TOKENS = 24
+# The head's tree on steps that verify a chain (TreeConfig.lookup_total_tokens), as autotune
+# sets it: on a CPU a target forward costs about the same for 1 to 12 rows and about 0.85 ms
+# (4% of a one-row forward) for each row past that, so with a chain of up to 24 rows the head's
+# tree keeps only its 5 best nodes. `scripts/lookup_replay.py` (98 held-out, 16 benchmark and 40
+# training prompts; depth 4, top-k 6, 10 tokens otherwise): these rules are 3.3% / 2.6% / 2.7%
+# faster than the previous ones (no 2-token matches, 16 tokens, the full tree beside a chain),
+# about 1 point of it from the smaller tree.
+CHAIN_TREE_TOKENS = 6
+
+
+def chain_tree(tree: TreeConfig) -> TreeConfig:
+    """`tree` with `lookup_total_tokens` set for its chains (unchanged without lookup)."""
+    if not tree.lookup or tree.is_static:
+        return tree
+    return replace(tree, lookup_total_tokens=min(tree.total_tokens, CHAIN_TREE_TOKENS))
+
+
+def chain_length(match: int, max_tokens: int) -> int:
+    """Tokens to copy after a `match`-token suffix match."""
+    if match >= 4:
+        return max_tokens
+    return max_tokens // 3 if match == 3 else max_tokens // 4 if match == 2 else 0
+
+
+def longest_repeat(context: Sequence[int], max_ngram: int = MAX_NGRAM) -> tuple[int, int]:
+    """(n, end): the longest suffix of `context` (at most max_ngram tokens) that occurred earlier,
+    and where its latest earlier occurrence ends (ties keep the later one); (0, -1) if the last
+    token never occurred before."""
+    ctx = context if isinstance(context, list) else list(context)
+    n_ctx = len(ctx)
+    if n_ctx < 2:
+        return 0, -1
+    last = ctx[-1]
+    best, best_end = 0, -1
+    for end in range(n_ctx - 2, -1, -1):  # candidate ends, latest first
+        if ctx[end] != last:
+            continue
+        n = 1
+        while n < max_ngram and end - n >= 0 and ctx[end - n] == ctx[n_ctx - 1 - n]:
+            n += 1
+        if n > best:
+            best, best_end = n, end
+            if n == max_ngram:
+                break
+    return best, best_end
 
 
 def lookup_chain(context: Sequence[int], max_tokens: int, max_ngram: int = MAX_NGRAM,
                  min_ngram: int = MIN_NGRAM) -> list[int]:
-    """The tokens that followed the latest earlier occurrence of the context's last n tokens
-    (n = max_ngram down to min_ngram), continued round the loop where they run into the
-    present: `max_tokens` of them after a max_ngram match, half as many after a shorter one;
-    [] when none occurred."""
-    ctx = list(context)
+    """The tokens that followed the latest earlier occurrence of the context's longest
+    repeated suffix (min_ngram..max_ngram tokens), continued round the loop where they run
+    into the present; `chain_length` of them; [] when no suffix of min_ngram tokens occurred."""
     if max_tokens < 1:
         return []
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if len(ctx) <= n:
-            continue
-        suffix = ctx[-n:]
-        last = suffix[-1]
-        # latest start s < len - n with ctx[s:s+n] == suffix; scan candidate ends backwards
-        for end in range(len(ctx) - 2, n - 2, -1):
-            if ctx[end] == last and ctx[end - n + 1:end + 1] == suffix:
-                return _continue(ctx, end, max_tokens if n == max_ngram else max_tokens // 2)
-    return []
+    ctx = list(context)
+    n, end = longest_repeat(ctx, max_ngram)
+    k = chain_length(n, max_tokens) if n >= min_ngram else 0
+    return copy_after(ctx, end, k) if k else []
 
 
-def _continue(ctx: list[int], end: int, max_tokens: int) -> list[int]:
+def copy_after(ctx: list[int], end: int, max_tokens: int) -> list[int]:
     """What followed ctx[end]; where that runs into the present, the text is a loop of period
     len(ctx) - 1 - end, and the chain keeps going round it."""
     period = len(ctx) - 1 - end

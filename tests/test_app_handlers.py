@@ -269,3 +269,17 @@ def test_a_tree_capped_by_its_size_is_said_with_the_answer(bigram):
     assert notice == ("Note: Tree size 4 caps the tree at 3 drafted tokens in a row, so depth 8 drafts 5 levels "
                       "that cannot be used.")
     assert answer(h, "w5 w9", [], GREEDY._replace(depth=3, tree_size=4))[-1] == "", "depth 3 fits 4 nodes"
+
+
+def test_the_tuned_tree_keeps_its_chain_size_and_a_hand_set_tree_its_own(bigram):
+    engine = Engine(*bigram)
+    engine.tree_choice = TreeChoice(TreeConfig(depth=3, top_k=2, total_tokens=6, lookup=8, lookup_total_tokens=3),
+                                    "shipped with the head")
+    h = handlers_for(engine)
+    assert h.manager.tree_markdown().startswith(
+        "Default tree: depth 3, top-k 2, 6 nodes, plus up to 8 tokens copied from earlier text when it repeats "
+        "(then 3 nodes)")
+    cfg, _ = h._settings(tuple(GREEDY[:7]), None, [])
+    assert cfg.tree.lookup == 8 and cfg.tree.lookup_total_tokens == 3 and cfg.tree.with_chain().total_tokens == 3
+    cfg, _ = h._settings(tuple(GREEDY._replace(tree_size=9)[:7]), None, [])
+    assert cfg.tree.lookup == 8 and cfg.tree.with_chain().total_tokens == 9

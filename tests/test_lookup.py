@@ -1,6 +1,7 @@
 """Context lookup: the copied chain, its graft onto the head's tree, and exactness end to end."""
 
 import collections
+import sys
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.invariant import make_invariant
-from core.lookup import graft, lookup_chain
+from core.lookup import CHAIN_TREE_TOKENS, chain_length, chain_tree, graft, lookup_chain
 from core.tree import tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
@@ -17,13 +18,36 @@ from tests.tiny import oracle_head, random_head, tiny_target
 def test_chain_literals():
     # a 4-token match: the full chain, from the latest occurrence
     assert lookup_chain([1, 2, 3, 4, 8, 1, 2, 3, 4, 9, 7, 1, 2, 3, 4], 3) == [9, 7, 1]
-    # a 3-token match gets half the chain; a 2-token match none
-    assert lookup_chain([1, 2, 3, 9, 9, 6, 1, 2, 3], 4) == [9, 9]
-    assert lookup_chain([5, 1, 2, 7, 1, 2], 3) == []
+    # a 3-token match gets a third of the chain, a 2-token match a quarter, a 1-token match none
+    assert lookup_chain([1, 2, 3, 9, 9, 6, 1, 2, 3], 6) == [9, 9]
+    assert lookup_chain([5, 1, 2, 7, 6, 3, 4, 1, 2], 8) == [7, 6]
+    assert lookup_chain([5, 1, 2, 7, 1, 2], 3) == []  # a quarter of 3 is 0
+    assert lookup_chain([5, 1, 7, 3, 1], 8) == []
+    # the longest match wins over a later, shorter one; among equals the latest
+    assert lookup_chain([1, 2, 3, 4, 5, 6, 9, 3, 4, 7, 7, 1, 2, 3, 4], 2) == [5, 6]
+    assert lookup_chain([2, 3, 4, 5, 1, 2, 3, 4, 6, 8, 2, 3, 4], 6) == [6, 8]
     # where the copy runs into the present, it goes round the loop
     assert lookup_chain([4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
     assert lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 7) == [1, 2, 3, 4, 1, 2, 3]
     assert lookup_chain([1, 2, 3, 4], 5) == [] and lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 0) == []
+
+
+def test_chain_length_follows_the_match():
+    assert [chain_length(n, 24) for n in (1, 2, 3, 4, 8)] == [0, 6, 8, 24, 24]
+    assert [chain_length(n, 16) for n in (2, 3, 4)] == [4, 5, 16]
+
+
+def test_chain_tree_and_its_caps():
+    t = chain_tree(TreeConfig(depth=4, top_k=6, total_tokens=10, lookup=24, long_context=[[2048, 3, 4]]))
+    assert t.lookup_total_tokens == CHAIN_TREE_TOKENS and t.with_chain().total_tokens == CHAIN_TREE_TOKENS
+    assert chain_tree(TreeConfig(depth=2, top_k=2, total_tokens=4, lookup=8)).lookup_total_tokens == 4
+    assert chain_tree(TreeConfig(depth=2, top_k=2, total_tokens=4)).lookup_total_tokens == 0
+    # never larger than the tree itself, and a long-context cap caps it too
+    assert TreeConfig(total_tokens=4, lookup=8, lookup_total_tokens=6).with_chain().total_tokens == 4
+    assert t.at(4096).total_tokens == 4 and t.at(4096).lookup_total_tokens == 4
+    assert TreeConfig(total_tokens=12, lookup_total_tokens=10, long_context=[[100, 6, 11]]).at(200).total_tokens == 11
+    with pytest.raises(ConfigError, match="tree lookup_total_tokens must be 0"):
+        TreeConfig(lookup_total_tokens=1)
 
 
 def test_graft_shares_the_trees_nodes_and_appends_the_rest():
@@ -62,6 +86,25 @@ def test_greedy_with_lookup_equals_plain_and_copies_loops(head):
         assert spec == plain
         assert max(ev.accepted_length for ev in events) > 2  # only the copied chain reaches past depth 1
         assert all(ev.tree_size <= 2 + 8 for ev in events)
+
+
+def test_steps_with_a_chain_draft_the_smaller_tree_and_stay_exact():
+    target = tiny_target(mix=0.0, seed=4, vocab=24)
+    eng = Engine(target, random_head(target))
+    plain, _ = run(eng, [5, 6], GenerationConfig(max_new_tokens=60, speculative=False))
+    head_nodes = []  # per step: (nodes the head drafted, whether a chain was grafted)
+
+    def on_step(tree, result):
+        s = tree.scores[1:]
+        head_nodes.append((int(torch.isfinite(s).sum()), bool(torch.isinf(s).any())))
+
+    tree = TreeConfig(depth=2, top_k=3, total_tokens=7, lookup=8, lookup_total_tokens=3)
+    spec = [t for ev in eng.generate([5, 6], GenerationConfig(max_new_tokens=60, tree=tree), on_step=on_step)
+            for t in ev.token_ids]
+    assert spec == plain
+    with_chain = [n for n, grafted in head_nodes if grafted]
+    assert with_chain and max(with_chain) <= 2  # root + 2 head nodes
+    assert max(n for n, grafted in head_nodes if not grafted) == 6
 
 
 def test_bf16_exact_kernels_with_lookup_equal_plain():
@@ -120,3 +163,28 @@ def test_sampling_with_lookup_keeps_the_target_distribution():
     assert grafted > 100  # the chain was verified in many answers
     keys = sorted(exact, key=str)
     assert chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys]) > 1e-3
+
+
+def test_replay_walks_answers_under_a_rule():
+    """scripts/lookup_replay.py: a step accepts the longest matching path of its tree or chain."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "lookup_replay.py"
+    spec = importlib.util.spec_from_file_location("lookup_replay", path)
+    replay = importlib.util.module_from_spec(spec)
+    sys.modules["lookup_replay"] = replay  # dataclasses look their module up
+    spec.loader.exec_module(replay)
+    answer = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    # every position's tree: one depth-1 node, right at even positions only
+    trees = [{"tokens": [answer[i + 1] if i % 2 == 0 else 99], "parents": [-1], "depths": [1], "scores": [-0.1]}
+             for i in range(len(answer) - 1)]
+    rec = {"prompt": [7], "answer": answer, "trees": trees}
+    # no lookup: steps at 0 (accepts 1), 2, 4, 6, 8 -> 5 steps + the prefill
+    assert replay.replay_answer(rec, None, 4, 10, 6, 128)[:2] == (10, 6)
+    # the loop is copied once a 2-token end repeats: at position 6 (context 7 1 2 3 4 1 2 3, the
+    # end "1 2 3" occurred before) the chain 4 1 2 takes the rest in one step
+    rule = replay.Rule("test", ((2, 8),), 8)
+    tokens, forwards, ms = replay.replay_answer(rec, rule, 4, 10, 6, 128)
+    assert (tokens, forwards) == (10, 5) and ms > 0
+    assert replay.verify_ms(1) == replay.VERIFY_MS and replay.verify_ms(20) > replay.verify_ms(12) + 6
