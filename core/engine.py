@@ -200,10 +200,14 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
 
 class Engine:
     def __init__(self, target: LoadedModel, head=None, draft_vocab: torch.Tensor | None = None,
-                 numerics: Numerics | None = None):
+                 numerics: Numerics | None = None, drafter=None):
+        """`drafter`: one already built for `head` (Engine.load), else it is built here."""
         self.target = target
         self.head = head
-        self.drafter = None if head is None else drafter_for(head, target.model, draft_vocab)
+        if drafter is None and head is not None:
+            drafter = drafter_for(head, target.model, draft_vocab)
+        assert drafter is None or drafter.head is head, "the drafter must drive the engine's head"
+        self.drafter = drafter
         self.numerics = numerics or Numerics(str(target.dtype).removeprefix("torch."),
                                              "exact" if uses_exact_kernels(target.model) else
                                              target.model.config._attn_implementation, None)
@@ -223,7 +227,7 @@ class Engine:
         folder = Path(head).expanduser() if Path(head).expanduser().exists() else resolve(
             head, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
         drafter = load_any_head(folder, target.model, dtype=target.dtype, device=device)
-        engine = cls(target, drafter.head, getattr(drafter, "vocab", None), numerics)
+        engine = cls(target, drafter.head, getattr(drafter, "vocab", None), numerics, drafter=drafter)
         engine.tree_choice = default_tree(engine, folder)
         return engine
 
