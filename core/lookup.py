@@ -16,7 +16,6 @@ proposal that depends only on the context), so the output stays exactly plain de
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import replace
 
 import torch
