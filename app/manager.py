@@ -256,8 +256,8 @@ class ModelManager:
         shape = f"Default tree: depth {t.depth}, top-k {t.top_k}, {t.total_tokens} nodes"
         if t.lookup:
             shape += f", plus up to {t.lookup} tokens copied from earlier text when it repeats"
-            if t.with_chain().total_tokens < t.total_tokens:
-                shape += f" (then {t.with_chain().total_tokens} nodes)"
+            if (beside := t.with_chain().total_tokens) < t.total_tokens:
+                shape += f" (then {beside} nodes)"
         if t.long_context:  # TreeConfig.at: every tree row attends to the whole chat
             shape += "; in long chats " + ", ".join(
                 f"plain decoding from {c:,} tokens" if d == 0 else f"{n} nodes from {c:,} tokens" if d >= t.depth

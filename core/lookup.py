@@ -36,7 +36,7 @@ DEFAULT_TOKENS = 24
 # sets it: on a CPU a target forward costs about the same for 1 to 12 rows and about 0.85 ms
 # (4% of a one-row forward) for each row past that, so with a chain of up to 24 rows the head's
 # tree keeps only its 5 best nodes. `scripts/lookup_replay.py` (98 held-out, 16 benchmark and 40
-# training prompts; depth 4, top-k 6, 10 tokens otherwise): these rules are 3.3% / 2.6% / 2.7%
+# training prompts; depth 4, top-k 6, 10 tokens otherwise): these rules are 3.0% / 2.5% / 2.6%
 # faster than the previous ones (no 2-token matches, 16 tokens, the full tree beside a chain),
 # about 1 point of it from the smaller tree.
 CHAIN_TREE_TOKENS = 6

@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.lookup import copy_after, longest_repeat
+from core.lookup import CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, copy_after, longest_repeat
 
 # measured here with 2 threads (a chain-shaped tree after a 50-token prompt, min of 12 runs)
 VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS = 22.6, 0.3, 12, 0.85
@@ -36,27 +37,44 @@ RECORD_DEPTH, RECORD_TOP_K = 5, 6
 
 @dataclass(frozen=True)
 class Rule:
-    """A lookup rule: the chain's length after a match of n tokens (`lengths`: ((min n, tokens),
-    ...) longest first), the longest match looked for, and the head tree's size beside a chain."""
+    """A lookup rule: the chain's length after a match of n tokens with `room` tokens left to
+    write (`lengths`), the longest match looked for, and the head tree's size beside a chain."""
 
     name: str
-    lengths: tuple[tuple[int, int], ...]
+    lengths: Callable[[int, int], int]
     max_ngram: int
     chain_tree: int = 0  # 0: the full tree
 
     def chain(self, ctx: list[int], room: int) -> list[int]:
         n, end = longest_repeat(ctx, self.max_ngram)
-        k = next((t for m, t in self.lengths if n >= m), 0)
-        return copy_after(ctx, end, min(k, room)) if k and room > 0 else []
+        k = self.lengths(n, room) if room > 0 else 0
+        return copy_after(ctx, end, k) if k else []
+
+
+def table(*pairs: tuple[int, int]) -> Callable[[int, int], int]:
+    """((min n, tokens), ...), longest first -> a `lengths` function."""
+    return lambda n, room: min(next((t for m, t in pairs if n >= m), 0), room)
+
+
+def previous(n: int, room: int) -> int:
+    """The rule before this one (16 tokens after a 4-token match, half after 3), as it ran."""
+    k = min(16, room)
+    return k if n >= 4 else k // 2 if n == 3 else 0
+
+
+def shipped(n: int, room: int) -> int:
+    """core.lookup's rule, as the engine runs it (lookup_chain with the room-capped setting)."""
+    return chain_length(n, min(DEFAULT_TOKENS, room))
 
 
 RULES = (
-    Rule("previous: 4 -> 16, 3 -> 8 tokens, full tree", ((4, 16), (3, 8)), 4),
-    Rule("+ 2 -> 4 tokens", ((4, 16), (3, 5), (2, 4)), 8),
-    Rule("shipped: 4+ -> 24, 3 -> 8, 2 -> 6 tokens, full tree", ((4, 24), (3, 8), (2, 6)), 8),
-    Rule("shipped: ... and a 6-token tree beside a chain", ((4, 24), (3, 8), (2, 6)), 8, 6),
-    Rule("shipped lengths, a 4-token tree beside a chain", ((4, 24), (3, 8), (2, 6)), 8, 4),
-    Rule("4+ -> 32, 3 -> 10, 2 -> 8 tokens, a 6-token tree beside a chain", ((4, 32), (3, 10), (2, 8)), 8, 6),
+    Rule("previous: 4 -> 16, 3 -> 8 tokens, full tree", previous, 4),
+    Rule("+ 2 -> 4 tokens", table((4, 16), (3, 5), (2, 4)), MAX_NGRAM),
+    Rule(f"shipped lengths ({DEFAULT_TOKENS} tokens after 4+), full tree", shipped, MAX_NGRAM),
+    Rule(f"shipped: and a {CHAIN_TREE_TOKENS}-token tree beside a chain", shipped, MAX_NGRAM, CHAIN_TREE_TOKENS),
+    Rule("shipped lengths, a 4-token tree beside a chain", shipped, MAX_NGRAM, 4),
+    Rule("4+ -> 32, 3 -> 10, 2 -> 8 tokens, a 6-token tree beside a chain", table((4, 32), (3, 10), (2, 8)),
+         MAX_NGRAM, 6),
 )
 
 

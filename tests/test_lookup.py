@@ -9,7 +9,8 @@ import torch
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.invariant import make_invariant
-from core.lookup import CHAIN_TREE_TOKENS, chain_length, chain_tree, graft, lookup_chain
+from core.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, chain_tree, graft,
+                         lookup_chain)
 from core.tree import tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
@@ -184,7 +185,12 @@ def test_replay_walks_answers_under_a_rule():
     assert replay.replay_answer(rec, None, 4, 10, 6, 128)[:2] == (10, 6)
     # the loop is copied once a 2-token end repeats: at position 6 (context 7 1 2 3 4 1 2 3, the
     # end "1 2 3" occurred before) the chain 4 1 2 takes the rest in one step
-    rule = replay.Rule("test", ((2, 8),), 8)
+    rule = replay.Rule("test", replay.table((2, 8)), 8)
     tokens, forwards, ms = replay.replay_answer(rec, rule, 4, 10, 6, 128)
     assert (tokens, forwards) == (10, 5) and ms > 0
+    # its "shipped" rule is the engine's chain, room cap included
+    shipped = replay.Rule("shipped", replay.shipped, MAX_NGRAM)
+    for ctx in ([1, 2, 3, 9, 9, 6, 1, 2, 3], [5, 1, 2, 7, 6, 3, 4, 1, 2], [4] * 40, list(range(30)) * 2):
+        for room in (1, 5, 13, 40):
+            assert shipped.chain(ctx, room) == lookup_chain(ctx, min(DEFAULT_TOKENS, room))
     assert replay.verify_ms(1) == replay.VERIFY_MS and replay.verify_ms(20) > replay.verify_ms(12) + 6
