@@ -189,6 +189,38 @@ def test_prompt_set_heldout_is_disjoint():
     assert {p.category for p in held} == {p.category for p in train}
 
 
+def test_more_prompts_are_new_topics_and_never_held_out():
+    from core.train.data import DOC_MODULES, MORE_DOC_MODULES, is_heldout, more_prompts
+    from core.train.templates import MORE_TOPICS, TOPICS
+
+    cfg = PromptSetConfig()
+    first, held = build_prompts(replace(cfg, sources=("templates",)))
+    more = more_prompts(cfg, per_category=40, docs=40)
+    assert len(more) > 8 * 30 and {p.category for p in more} == set(TOPICS) | {"docs"}
+    assert len({p.id for p in more}) == len(more) and not {p.id for p in more} & {p.id for p in first + held}
+    groups = {p.group for p in more}
+    assert not groups & {p.group for p in first + held}  # new topics only
+    assert not any(is_heldout(g, cfg.heldout_fraction) for g in groups)  # held-out groups are dropped
+    assert not set(MORE_DOC_MODULES) & set(DOC_MODULES)
+    assert {g.split(":", 1)[1] for g in groups if g.startswith("docs:")} <= set(MORE_DOC_MODULES)
+    assert all(not set(MORE_TOPICS[c]) & set(TOPICS[c]) for c in TOPICS)
+    # the prompt-builder writes the second set beside the first, leaving the held-out file alone
+    assert [p.id for p in more_prompts(cfg, per_category=40, docs=40)] == [p.id for p in more]
+
+
+def test_until_is_the_next_time_the_clock_reads_it():
+    from datetime import datetime, timezone
+
+    from core.train.__main__ import next_time
+
+    now = datetime(2026, 12, 1, 23, 40, tzinfo=timezone.utc)
+    assert next_time("00:30", now) == datetime(2026, 12, 2, 0, 30, tzinfo=timezone.utc)  # after midnight
+    assert next_time("23:50", now) == datetime(2026, 12, 1, 23, 50, tzinfo=timezone.utc)
+    for bad in ("25:00", "noon", "12"):
+        with pytest.raises(DataError, match="HH:MM"):
+            next_time(bad, now)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 def features_for(tiny, convs, folder=None, shard_tokens=10**9):

@@ -22,7 +22,7 @@ import argparse
 import hashlib
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from core.models import DEFAULT_HEAD_DIR, ROOT
@@ -78,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
                    help="conversation JSONL (ShareGPT or messages style, .gz ok); repeatable. "
                         "Default: the distilled conversations in the work folder, else the shipped ones")
     p.add_argument("--strict", action="store_true", help="refuse malformed JSONL lines instead of skipping")
+    p.add_argument("--more", action="store_true",
+                   help="prompts: write <work>/prompts_more.jsonl, the second topic set (core.train.templates."
+                        "MORE_TOPICS and more modules' docs), instead of the first set and the held-out split")
     g = p.add_argument_group("distill")
     g.add_argument("--batch-size", type=int, default=24)
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -130,7 +133,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def stage_prompts(args) -> None:
-    from core.train.data import PromptSetConfig, build_prompts, write_jsonl
+    from core.train.data import PromptSetConfig, build_prompts, more_prompts, write_jsonl
+
+    if args.more:  # a second, disjoint prompt set; the held-out file is left alone
+        more = more_prompts(PromptSetConfig())
+        write_jsonl(args.work / "prompts_more.jsonl", [p.to_json() for p in more])
+        print(f"prompts: {len(more)} more training prompts on new topics -> {args.work / 'prompts_more.jsonl'}")
+        return
 
     train, held = build_prompts(PromptSetConfig())
     write_jsonl(args.work / "prompts.jsonl", [p.to_json() for p in train])
@@ -150,10 +159,7 @@ def stage_distill(args, prompt_file: Path | None = None) -> None:
         if explicit:
             raise DataError(f"{prompts_path} does not exist (the followups stage writes <work>/followups.jsonl)")
         stage_prompts(args)
-    deadline = None
-    if args.until:
-        hh, mm = map(int, args.until.split(":"))
-        deadline = datetime.now(timezone.utc).replace(hour=hh, minute=mm, second=0, microsecond=0)
+    deadline = next_time(args.until) if args.until else None
     cfg = DistillConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, deadline=deadline,
                         max_prompts=args.max_prompts)
     target = load_target(args.target, dtype=args.distill_dtype)
@@ -162,6 +168,20 @@ def stage_distill(args, prompt_file: Path | None = None) -> None:
     else:
         n = distill(target, read_prompts(prompts_path), args.work / "distill.jsonl", cfg)
     print(f"distill: wrote {n} new answer tokens")
+
+
+def next_time(hhmm: str, now: datetime | None = None) -> datetime:
+    """The next moment the UTC clock reads HH:MM: today, or tomorrow once that time has passed
+    (`--until 00:30` given at 23:40 means in 50 minutes, not a deadline already gone)."""
+    from core.train.data import DataError
+
+    try:
+        hh, mm = map(int, hhmm.split(":"))
+        now = now or datetime.now(timezone.utc)
+        at = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    except ValueError as e:
+        raise DataError(f"--until takes a UTC time as HH:MM (e.g. 00:30), got {hhmm!r}") from e
+    return at if at > now else at + timedelta(days=1)
 
 
 def stage_followups(args) -> None:

@@ -216,6 +216,18 @@ def build_prompts(cfg: PromptSetConfig) -> tuple[list[Prompt], list[Prompt]]:
     return train, held
 
 
+def more_prompts(cfg: PromptSetConfig, per_category: int = 300, docs: int = 300) -> list[Prompt]:
+    """Training prompts on topics and modules the first prompt set does not have (shuffled).
+    Groups that hash into the held-out split are dropped, not held out: the held-out file
+    stays the one `build_prompts` wrote, so figures measured on it remain comparable."""
+    from core.train.templates import more_templated_prompts
+
+    prompts = more_templated_prompts(per_category, cfg.seed) + docs_prompts(docs, cfg.seed, MORE_DOC_MODULES)
+    prompts = [p for p in prompts if not is_heldout(p.group, cfg.heldout_fraction)]
+    random.Random(cfg.seed + 1).shuffle(prompts)
+    return prompts
+
+
 def _package_dir(name: str) -> Path | None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
@@ -270,6 +282,14 @@ DOC_MODULES = ("json", "os", "os.path", "re", "itertools", "collections", "funct
                "numpy", "yaml", "tqdm", "safetensors.torch", "huggingface_hub", "gradio", "torch", "torch.nn",
                "torch.nn.functional", "requests", "httpx", "packaging.version", "jinja2",
                "pydantic", "fastapi", "PIL.Image", "pytest")
+# More modules for `prompts --more` (standard library and the project's own dependencies, so the
+# prompt file can be rebuilt on any machine that installs eagle-chat[train]).
+MORE_DOC_MODULES = ("tomllib", "zlib", "configparser", "platform", "locale", "weakref", "types", "abc", "numbers",
+                    "cmath", "sched", "signal", "codecs", "unicodedata", "graphlib", "zoneinfo", "ipaddress",
+                    "mimetypes", "smtplib", "wave", "colorsys", "filecmp", "fnmatch", "linecache", "tokenize",
+                    "ast", "dis", "timeit", "traceback", "warnings", "gc", "concurrent.futures",
+                    "multiprocessing", "selectors", "tarfile", "bz2", "lzma", "plistlib", "html.parser",
+                    "urllib.request", "http.server", "transformers", "accelerate", "tokenizers")
 DOC_TEMPLATES = ("What does `{q}` do in Python? Explain its parameters and show a short example.",
                  "How do I use `{q}`? Give a practical example and one common pitfall.",
                  "Here is the documentation of `{q}`:\n\n{doc}\n\nExplain in plain words what it does and "
@@ -278,7 +298,7 @@ DOC_TEMPLATES = ("What does `{q}` do in Python? Explain its parameters and show 
                  "Write a short tutorial section about `{q}` ({pkg}), with a code example.")
 
 
-def docs_prompts(limit: int, seed: int) -> list[Prompt]:
+def docs_prompts(limit: int, seed: int, modules: tuple[str, ...] = DOC_MODULES) -> list[Prompt]:
     """Questions about installed modules' public functions and classes, made from their
     docstrings (category "docs"; one group per module, so a held-out module is unseen)."""
     import importlib
@@ -286,7 +306,7 @@ def docs_prompts(limit: int, seed: int) -> list[Prompt]:
     import warnings
 
     found = []
-    for mod_name in DOC_MODULES:
+    for mod_name in modules:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

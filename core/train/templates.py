@@ -122,6 +122,88 @@ TEMPLATES = {
 }
 
 
+# A second topic set (2026-12-02): new topics only, so the head sees more subjects in each
+# category. `python -m core.train prompts --more` turns them into <work>/prompts_more.jsonl;
+# a topic whose group hashes into the held-out split is dropped there (the held-out file
+# stays as it is), and none of these repeats a topic above.
+MORE_TOPICS = {
+    "writing": ["a snowy cabin", "a forgotten letter", "the first snowfall", "a lighthouse storm", "a lost key",
+                "a bicycle trip", "learning a new language", "a grandmother's garden", "a power outage",
+                "a night market", "a broken clock", "a rooftop concert", "a school reunion", "a desert sunrise",
+                "a stray cat", "working night shifts", "a museum at closing time", "an old photograph",
+                "a first flight", "the end of summer", "a village festival", "a camping trip", "a dragon egg",
+                "a message in a bottle", "a secret tunnel", "a crowded beach", "a hot air balloon",
+                "the sound of rain", "a small bookshop cafe", "a new neighbor", "a mystery package",
+                "a soccer final", "a mountain village", "a jazz club", "an abandoned train", "a kite festival",
+                "a snow day", "a retirement party", "the first phone call home", "a sailing trip",
+                "a talent show", "a garden pond", "a rainy weekend", "a second-hand guitar", "a lunar eclipse",
+                "social media habits", "saving money", "healthy breakfast ideas", "a cooking class",
+                "digital privacy", "learning to swim", "a city at dawn", "an old typewriter", "a fishing trip"],
+    "roleplay": ["a spaceship engineer", "a travel blogger", "a royal chef", "a submarine captain",
+                 "a veterinarian", "a high school principal", "a personal trainer", "a wedding planner",
+                 "a firefighter", "a librarian in a magic school", "a mountain rescue pilot", "an archaeologist",
+                 "a cruise ship captain", "a taxi driver in New York", "a medieval blacksmith", "a news anchor",
+                 "a marine biologist", "a fashion designer", "an airline pilot", "a dance instructor",
+                 "a video game designer", "a pharmacist", "a carpenter", "a chess grandmaster", "a beekeeper",
+                 "a weather forecaster", "a tailor", "a hotel concierge", "a street food vendor",
+                 "a knight's squire", "a dragon trainer", "an elf ranger", "a lighthouse keeper",
+                 "a yoga teacher", "a bank teller", "a real estate agent", "a historian", "a film critic",
+                 "a mail carrier", "an orchestra conductor", "a kindergarten teacher", "a farmer",
+                 "a software engineer", "a personal chef", "a police officer", "a poet"],
+    "reasoning": ["a broken vending machine", "four houses on a street", "a missing cookie", "a ferry schedule",
+                  "a book club vote", "sharing candy fairly", "a weighing scale and coins", "a garden with rows",
+                  "a secret password", "a bus route", "a mystery at a dinner party", "a class election",
+                  "a soccer league table", "a water jug puzzle", "a card game", "a family tree",
+                  "sorting socks in the dark", "a hotel with many rooms", "a treasure map", "a cooking timer",
+                  "a group of hikers", "a spelling bee", "a painting contest", "a locked door and three keys",
+                  "a chain of dominoes", "a lemonade stand", "a seating chart for a wedding",
+                  "a lost wallet", "a leaking tank", "a tiled floor", "a night watchman", "a sliding puzzle",
+                  "a road with traffic lights", "a bakery order", "a library fine", "a pet shop inventory"],
+    "math": ["decimals", "negative numbers", "order of operations", "the area of a triangle", "mean absolute deviation",
+             "simultaneous equations", "inequalities", "functions and graphs", "slope of a line",
+             "the circumference of a circle", "the surface area of a cube", "rounding numbers", "place value",
+             "long division", "multiplying fractions", "scientific notation", "exponential growth",
+             "the binomial theorem", "vectors", "complex numbers", "trigonometry basics", "the sine rule",
+             "polynomials", "factoring", "set theory", "Venn diagrams", "expected value", "standard deviation",
+             "conditional probability", "limits", "the chain rule", "mental arithmetic tricks",
+             "time calculations", "discounts and taxes", "currency exchange", "mixture problems"],
+    "coding": ["a to-do list app", "reading a text file line by line", "a hash map", "insertion sort", "merge sort",
+               "a priority queue", "Dijkstra's algorithm", "string reversal without slicing", "counting vowels",
+               "anagram checking", "a calculator class", "a tic-tac-toe game", "prime number checking",
+               "the sieve of Eratosthenes", "flattening a nested list", "a LRU cache", "a trie",
+               "an iterator class", "context managers", "async functions", "threading basics",
+               "logging setup", "environment variables", "a password generator", "a simple web scraper",
+               "type hints", "dataclasses", "sorting objects by a key", "a binary search tree",
+               "a matrix transpose", "rotating a list", "two-sum", "a countdown timer", "a CSV report",
+               "a JSON config loader", "string compression", "a rate limiter", "a bank account class"],
+    "extraction": ["a customer complaint letter", "a research paper summary", "a police report", "a phone bill",
+                   "a course syllabus", "a concert review", "a product manual", "a rental agreement",
+                   "a patient discharge summary", "a bus timetable", "a conference agenda", "a cover letter",
+                   "a nutrition label", "a shipping notice", "a city council announcement", "a bank statement",
+                   "a podcast description", "a lab report", "an insurance claim", "a museum guide",
+                   "a warranty card", "a football transfer rumor", "a startup pitch", "a train delay notice",
+                   "a library catalog entry", "a job interview transcript", "a school report card",
+                   "a car advertisement"],
+    "stem": ["earthquakes", "the solar system", "tides", "photosynthesis in algae", "the water molecule",
+             "bacteria and viruses", "the carbon cycle", "wind turbines", "solar panels", "nuclear fission",
+             "the theory of relativity", "atoms and molecules", "acids and bases", "the digestive system",
+             "the brain", "muscles and bones", "genetics", "the ozone layer", "weather fronts", "hurricanes",
+             "lasers", "transistors", "the internet's infrastructure", "3D printing", "robotics",
+             "electric motors", "friction", "thermodynamics", "light refraction", "the moon's phases",
+             "stars and galaxies", "exoplanets", "coral reefs", "rainforests", "soil erosion", "blood types",
+             "sleep and the brain", "microscopes", "telescopes", "radioactivity"],
+    "humanities": ["the American Revolution", "the Mongol Empire", "the Aztec civilization", "ancient China",
+                   "the Ottoman Empire", "the Crusades", "the Black Death", "the Age of Exploration",
+                   "the Russian Revolution", "World War I", "World War II", "the United Nations",
+                   "the European Union", "the Harlem Renaissance", "romanticism in literature",
+                   "modern architecture", "the history of cinema", "the Beatles", "stoicism",
+                   "the philosophy of Plato", "Confucianism", "Buddhism", "the Vikings", "the Incas",
+                   "the abolition of slavery", "women's suffrage", "globalization", "the Mughal Empire",
+                   "the history of money", "the scientific revolution", "the history of medicine",
+                   "opera", "the novel as a form", "free speech", "colonialism", "the welfare state",
+                   "the history of the bicycle", "folk tales", "the space race"],
+}
+
 def templated_prompts(per_category: int, seed: int) -> list[Prompt]:
     """Up to `per_category` distinct (template, topic) prompts per category."""
     rng = random.Random(seed)
@@ -132,6 +214,20 @@ def templated_prompts(per_category: int, seed: int) -> list[Prompt]:
         for ti, topic in combos[:per_category]:
             text = TEMPLATES[cat][ti].format(t=topic)
             out.append(Prompt(f"tpl-{cat}-{ti}-{_slug(topic)}", cat, (text,), group=f"{cat}:{topic}"))
+    return out
+
+
+def more_templated_prompts(per_category: int, seed: int) -> list[Prompt]:
+    """Up to `per_category` (template, topic) prompts per category from MORE_TOPICS."""
+    rng = random.Random(seed)
+    out = []
+    for cat, topics in MORE_TOPICS.items():
+        assert not set(topics) & set(TOPICS[cat]), f"MORE_TOPICS[{cat!r}] repeats a topic of TOPICS"
+        combos = [(ti, t) for ti in range(len(TEMPLATES[cat])) for t in topics]
+        rng.shuffle(combos)
+        for ti, topic in combos[:per_category]:
+            text = TEMPLATES[cat][ti].format(t=topic)
+            out.append(Prompt(f"tpl2-{cat}-{ti}-{_slug(topic)}", cat, (text,), group=f"{cat}:{topic}"))
     return out
 
 
