@@ -30,6 +30,7 @@ from core.models import DEFAULT_HEAD_DIR, ROOT
 WORK = ROOT / "runs" / "train"
 HELDOUT = ROOT / "assets" / "heldout_prompts.jsonl"
 CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-distill.jsonl.gz"
+MORE_CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-distill-more.jsonl.gz"  # prompts --more, answered
 HELDOUT_CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-heldout-distill.jsonl.gz"
 EAGLE3_DIR = ROOT / "assets" / "smollm2-135m-eagle3"
 
@@ -217,6 +218,7 @@ def conversation_files(args, split: str = "train") -> list[Path]:
         return list(args.data)
     local = args.work / "distill.jsonl"
     files = [local if local.is_file() else CONVERSATIONS]
+    files += [MORE_CONVERSATIONS] if MORE_CONVERSATIONS.is_file() else []
     return files + ([args.work / "fixed.jsonl"] if (args.work / "fixed.jsonl").is_file() else [])
 
 
