@@ -206,28 +206,25 @@ MORE_TOPICS = {
 
 def templated_prompts(per_category: int, seed: int) -> list[Prompt]:
     """Up to `per_category` distinct (template, topic) prompts per category."""
-    rng = random.Random(seed)
-    out = []
-    for cat, topics in TOPICS.items():
-        combos = [(ti, t) for ti in range(len(TEMPLATES[cat])) for t in topics]
-        rng.shuffle(combos)
-        for ti, topic in combos[:per_category]:
-            text = TEMPLATES[cat][ti].format(t=topic)
-            out.append(Prompt(f"tpl-{cat}-{ti}-{_slug(topic)}", cat, (text,), group=f"{cat}:{topic}"))
-    return out
+    return _templated(TOPICS, per_category, seed, "tpl")
 
 
 def more_templated_prompts(per_category: int, seed: int) -> list[Prompt]:
     """Up to `per_category` (template, topic) prompts per category from MORE_TOPICS."""
-    rng = random.Random(seed)
-    out = []
     for cat, topics in MORE_TOPICS.items():
         assert not set(topics) & set(TOPICS[cat]), f"MORE_TOPICS[{cat!r}] repeats a topic of TOPICS"
+    return _templated(MORE_TOPICS, per_category, seed, "tpl2")
+
+
+def _templated(topic_sets: dict[str, list[str]], per_category: int, seed: int, prefix: str) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for cat, topics in topic_sets.items():
         combos = [(ti, t) for ti in range(len(TEMPLATES[cat])) for t in topics]
         rng.shuffle(combos)
         for ti, topic in combos[:per_category]:
             text = TEMPLATES[cat][ti].format(t=topic)
-            out.append(Prompt(f"tpl2-{cat}-{ti}-{_slug(topic)}", cat, (text,), group=f"{cat}:{topic}"))
+            out.append(Prompt(f"{prefix}-{cat}-{ti}-{_slug(topic)}", cat, (text,), group=f"{cat}:{topic}"))
     return out
 
 
