@@ -1,6 +1,7 @@
 """`python -m core.train <stage> [options]`: prompts, fixed, distill, followups, features, train, eval, all.
 
-prompts: the prompt set and the held-out split; fixed: conversations from text on the
+prompts: the prompt set and the held-out split (`--more`: a second set on new topics, for
+more data; the held-out split is left as it is); fixed: conversations from text on the
 machine; distill: the target answers the prompts; followups: a second question after each
 distilled answer (answer them with `distill --prompt-file <work>/followups.jsonl`, which
 adds multi-turn conversations to the same file); features: one target forward per
