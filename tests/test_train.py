@@ -208,6 +208,26 @@ def test_more_prompts_are_new_topics_and_never_held_out():
     assert [p.id for p in more_prompts(cfg, per_category=40, docs=40)] == [p.id for p in more]
 
 
+def test_third_topic_set_is_new_again_and_never_held_out():
+    from core.train.data import is_heldout, more_prompts
+    from core.train.templates import MORE_TOPICS, THIRD_TOPICS, TOPICS, more_templated_prompts
+
+    cfg = PromptSetConfig()
+    first, held = build_prompts(replace(cfg, sources=("templates",)))
+    second = more_prompts(cfg, per_category=40, docs=40)
+    third = more_prompts(cfg, per_category=40, topic_set=3)
+    assert len(third) > 8 * 30 and {p.category for p in third} == set(TOPICS)  # no docs in set 3
+    assert all(p.id.startswith("tpl3-") for p in third) and len({p.id for p in third}) == len(third)
+    groups = {p.group for p in third}
+    assert not groups & {p.group for p in first + held + second}
+    assert not any(is_heldout(g, cfg.heldout_fraction) for g in groups)
+    earlier = {t for ts in (TOPICS, MORE_TOPICS) for topics in ts.values() for t in topics}
+    assert not {t for topics in THIRD_TOPICS.values() for t in topics} & earlier
+    assert [p.id for p in more_prompts(cfg, per_category=40, topic_set=3)] == [p.id for p in third]
+    with pytest.raises(ValueError, match="topic set 4 does not exist: choose one of \\[2, 3\\]"):
+        more_templated_prompts(10, 0, topic_set=4)
+
+
 def test_until_is_the_next_time_the_clock_reads_it():
     from datetime import datetime, timezone
 

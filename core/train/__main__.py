@@ -31,7 +31,9 @@ from core.models import DEFAULT_HEAD_DIR, ROOT
 WORK = ROOT / "runs" / "train"
 HELDOUT = ROOT / "assets" / "heldout_prompts.jsonl"
 CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-distill.jsonl.gz"
-MORE_CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-distill-more.jsonl.gz"  # prompts --more, answered
+# the later topic sets, answered (prompts --set 2 / --set 3, then distill --prompt-file)
+MORE_CONVERSATIONS = tuple(ROOT / "assets" / "train-data" / f"smollm2-distill-{name}.jsonl.gz"
+                           for name in ("more", "set3"))
 HELDOUT_CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-heldout-distill.jsonl.gz"
 EAGLE3_DIR = ROOT / "assets" / "smollm2-135m-eagle3"
 
@@ -83,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--more", action="store_true",
                    help="prompts: write <work>/prompts_more.jsonl, the second topic set (core.train.templates."
                         "MORE_TOPICS and more modules' docs), instead of the first set and the held-out split")
+    p.add_argument("--set", type=int, default=1, choices=[1, 2, 3],
+                   help="prompts: which topic set to write (1: the first set and the held-out split; 2: as --more; "
+                        "3: core.train.templates.THIRD_TOPICS -> <work>/prompts_set3.jsonl)")
     g = p.add_argument_group("distill")
     g.add_argument("--batch-size", type=int, default=24)
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -137,10 +142,12 @@ def parser() -> argparse.ArgumentParser:
 def stage_prompts(args) -> None:
     from core.train.data import PromptSetConfig, build_prompts, more_prompts, write_jsonl
 
-    if args.more:  # a second, disjoint prompt set; the held-out file is left alone
-        more = more_prompts(PromptSetConfig())
-        write_jsonl(args.work / "prompts_more.jsonl", [p.to_json() for p in more])
-        print(f"prompts: {len(more)} more training prompts on new topics -> {args.work / 'prompts_more.jsonl'}")
+    topic_set = 2 if args.more else args.set
+    if topic_set > 1:  # a later, disjoint prompt set; the held-out file is left alone
+        more = more_prompts(PromptSetConfig(), topic_set=topic_set)
+        out = args.work / ("prompts_more.jsonl" if topic_set == 2 else f"prompts_set{topic_set}.jsonl")
+        write_jsonl(out, [p.to_json() for p in more])
+        print(f"prompts: {len(more)} more training prompts on new topics (set {topic_set}) -> {out}")
         return
 
     train, held = build_prompts(PromptSetConfig())
@@ -219,7 +226,7 @@ def conversation_files(args, split: str = "train") -> list[Path]:
         return list(args.data)
     local = args.work / "distill.jsonl"
     files = [local if local.is_file() else CONVERSATIONS]
-    files += [MORE_CONVERSATIONS] if MORE_CONVERSATIONS.is_file() else []
+    files += [path for path in MORE_CONVERSATIONS if path.is_file()]
     return files + ([args.work / "fixed.jsonl"] if (args.work / "fixed.jsonl").is_file() else [])
 
 

@@ -216,15 +216,17 @@ def build_prompts(cfg: PromptSetConfig) -> tuple[list[Prompt], list[Prompt]]:
     return train, held
 
 
-def more_prompts(cfg: PromptSetConfig, per_category: int = 300, docs: int = 300) -> list[Prompt]:
-    """Training prompts on topics and modules the first prompt set does not have (shuffled).
-    Groups that hash into the held-out split are dropped, not held out: the held-out file
-    stays the one `build_prompts` wrote, so figures measured on it remain comparable."""
+def more_prompts(cfg: PromptSetConfig, per_category: int = 300, docs: int = 300, topic_set: int = 2) -> list[Prompt]:
+    """Training prompts on topics (and, for set 2, modules) the earlier prompt sets do not
+    have (shuffled). Groups that hash into the held-out split are dropped, not held out: the
+    held-out file stays the one `build_prompts` wrote, so figures measured on it remain comparable."""
     from core.train.templates import more_templated_prompts
 
-    prompts = more_templated_prompts(per_category, cfg.seed) + docs_prompts(docs, cfg.seed, MORE_DOC_MODULES)
+    prompts = more_templated_prompts(per_category, cfg.seed, topic_set)
+    if topic_set == 2:
+        prompts += docs_prompts(docs, cfg.seed, MORE_DOC_MODULES)
     prompts = [p for p in prompts if not is_heldout(p.group, cfg.heldout_fraction)]
-    random.Random(cfg.seed + 1).shuffle(prompts)
+    random.Random(cfg.seed + topic_set - 1).shuffle(prompts)
     return prompts
 
 

@@ -204,16 +204,107 @@ MORE_TOPICS = {
                    "the history of the bicycle", "folk tales", "the space race"],
 }
 
+
+# A third topic set (2026-12-02, second session), weighted to the categories where the head
+# accepts least on held-out prompts (reasoning, stem, humanities, roleplay, writing, math).
+# `python -m core.train prompts --set 3` -> <work>/prompts_set3.jsonl; same rules as set 2.
+THIRD_TOPICS = {
+    "writing": ["a paper boat race", "a night train across Europe", "the last day of school", "a foggy harbor",
+                "a runaway balloon", "a family road trip gone wrong", "a tree house", "a midnight snack",
+                "a power cut during a storm", "an empty theater", "a lost umbrella", "a letter to a future child",
+                "the smell of old books", "a volcano island", "a rescue dog", "a wrong turn in the forest",
+                "a birthday in a hospital", "a ghost in the attic", "a spring flood", "a street art mural",
+                "the first day of spring", "a long queue at the post office", "moving out of home",
+                "a robot gardener", "an apple orchard", "a foreign exchange student", "a chess club",
+                "a flea market find", "the quiet after a party", "an overdue library book", "a thunderstorm",
+                "a grandfather's watch", "a school play", "a city bus at midnight", "a frozen lake",
+                "a homemade kite", "a mountain cabin fire", "a wedding toast", "a neighborhood cleanup",
+                "a space station garden", "the sound of the sea", "learning to cook", "a tiny apartment"],
+    "roleplay": ["a zookeeper", "a ship's cook", "a detective in Tokyo", "a museum night guard",
+                 "a wizard's apprentice", "a baker in Paris", "a ski instructor", "a sommelier",
+                 "a flight attendant", "a locksmith", "a court judge", "a gardener at a palace", "a stage magician",
+                 "a street painter", "a football coach", "a photographer", "a nurse on a night shift",
+                 "a Roman senator", "a samurai", "a cowboy", "a tour guide in Egypt", "an ice cream seller",
+                 "a diplomat", "a game show host", "a dentist", "an architect", "a cartographer",
+                 "a ship navigator", "a scientist in Antarctica", "a comic book artist", "a toy maker",
+                 "a village healer", "a climbing instructor", "a bus driver", "a translator", "a clockmaker",
+                 "a deep-sea diver", "a hot air balloon pilot", "a florist", "a tattoo artist"],
+    "reasoning": ["three friends and their pets", "a train leaving two stations", "a birthday paradox",
+                  "two doors and two guards", "a shared pizza", "a clock that loses time", "a river crossing",
+                  "a race between a tortoise and a hare", "ages of siblings", "a coin that might be fake",
+                  "mixing paint colors", "a school timetable clash", "a staircase with missing steps",
+                  "a queue at a ticket office", "a lying witness", "a parking lot puzzle", "a magic square",
+                  "an elevator that stops at odd floors", "a chessboard and dominoes", "a jar of marbles",
+                  "a broken calculator", "counting handshakes", "a bridge at night with one torch",
+                  "a fruit basket mix-up", "a farmer, a wolf, a goat and a cabbage", "a burning rope timer",
+                  "a prisoner's hat puzzle", "a light switch in another room", "a fair way to split a cake",
+                  "a number sequence", "a mislabeled box", "a tournament bracket", "a snail climbing a well",
+                  "a cyclist and a headwind", "a shopping list budget", "a train seat reservation",
+                  "a two-egg drop problem", "a detective's alibi check", "a crossing guard's schedule",
+                  "a school bus with five stops"],
+    "math": ["proportions", "prime factorization", "greatest common divisor", "least common multiple",
+             "the distributive property", "the quadratic formula", "similar triangles", "coordinate geometry",
+             "the distance formula", "determinants", "the normal distribution", "median and mode",
+             "speed, distance and time", "work rate problems", "integration by parts", "derivatives of polynomials",
+             "the area under a curve", "modular arithmetic", "proof by induction", "absolute value",
+             "the Fibonacci sequence", "percent change", "estimating", "Roman numerals", "the area of a trapezoid",
+             "the volume of a sphere", "the volume of a cone", "box plots", "histograms", "the interquartile range",
+             "the slope-intercept form", "systems of inequalities", "rational expressions", "exponential decay",
+             "the unit circle", "radians", "the cosine rule", "the law of large numbers", "the birthday problem",
+             "why division by zero is undefined"],
+    "coding": ["a queue using two stacks", "fizzbuzz", "palindrome checking", "word counting",
+               "a decorator that times a function", "a generator for Fibonacci numbers",
+               "parsing command-line arguments", "reading JSON from a file", "unit tests with pytest",
+               "regular expressions for emails", "a REST API client", "a memoized recursive function",
+               "a simple HTTP server", "a matrix multiplication", "a binary to decimal converter",
+               "validating a date string", "a shopping cart class", "a stopwatch class", "a maze solver",
+               "a URL shortener", "an inventory system", "a simple chatbot", "a markdown to HTML converter",
+               "a temperature converter", "a word guessing game"],
+    "extraction": ["a flight itinerary", "a news article about a flood", "a doctor's appointment letter",
+                   "a recipe card", "a hotel booking confirmation", "an email thread about a project",
+                   "a travel insurance policy", "a job advertisement", "a parking ticket", "a lease renewal letter",
+                   "a tax form summary", "a gym membership contract", "a vaccination record",
+                   "a software release note", "a court summons", "a charity donation receipt",
+                   "a university admission letter", "a power outage notice", "a product recall notice",
+                   "a pet adoption form"],
+    "stem": ["electricity and circuits", "chemical reactions", "the heart", "the lungs",
+             "evolution by natural selection", "ecosystems", "food chains", "glaciers", "GPS", "quantum computing",
+             "wind and air pressure", "cells and organelles", "hormones", "magnets in motors", "fossils",
+             "the kidneys", "the eye and vision", "the ear and hearing", "tsunamis", "tornadoes", "lightning",
+             "clouds", "snowflakes", "the Doppler effect", "buoyancy", "the human skeleton", "stem cells", "CRISPR",
+             "microplastics", "desalination", "hydrogen fuel cells", "superconductors", "the Higgs boson",
+             "dark matter", "comets", "asteroids", "the Sun", "Mars exploration", "water treatment", "composting",
+             "bioluminescence"],
+    "humanities": ["the Roman Republic", "ancient Greece", "the fall of the Berlin Wall", "the Maya civilization",
+                   "feudalism", "impressionism", "Norse mythology", "democracy in Athens", "the history of jazz",
+                   "the invention of the telephone", "the partition of India", "apartheid in South Africa",
+                   "the Meiji era reforms", "the Persian Empire", "the Hundred Years' War",
+                   "the history of chocolate", "the Great Wall of China", "the Spanish Civil War",
+                   "the history of photography", "public education", "the Suez Canal", "Gothic cathedrals",
+                   "the Han dynasty", "the Zulu kingdom", "the Hanseatic League", "the Irish famine",
+                   "the Mexican Revolution", "the Tang dynasty", "the Khmer Empire", "the Phoenicians",
+                   "the history of tea", "the Dutch Golden Age", "baroque music", "surrealism", "the Bauhaus",
+                   "the history of the alphabet", "the Treaty of Versailles", "the Marshall Plan", "the gold rush",
+                   "the history of universities"],
+}
+
+
 def templated_prompts(per_category: int, seed: int) -> list[Prompt]:
     """Up to `per_category` distinct (template, topic) prompts per category."""
     return _templated(TOPICS, per_category, seed, "tpl")
 
 
-def more_templated_prompts(per_category: int, seed: int) -> list[Prompt]:
-    """Up to `per_category` (template, topic) prompts per category from MORE_TOPICS."""
-    for cat, topics in MORE_TOPICS.items():
-        assert not set(topics) & set(TOPICS[cat]), f"MORE_TOPICS[{cat!r}] repeats a topic of TOPICS"
-    return _templated(MORE_TOPICS, per_category, seed, "tpl2")
+def more_templated_prompts(per_category: int, seed: int, topic_set: int = 2) -> list[Prompt]:
+    """Up to `per_category` (template, topic) prompts per category from topic set 2
+    (MORE_TOPICS) or 3 (THIRD_TOPICS); no set repeats a topic of an earlier one."""
+    sets = {2: MORE_TOPICS, 3: THIRD_TOPICS}
+    if topic_set not in sets:
+        raise ValueError(f"topic set {topic_set} does not exist: choose one of {sorted(sets)}")
+    earlier = [TOPICS] + [sets[n] for n in sorted(sets) if n < topic_set]
+    for cat, topics in sets[topic_set].items():
+        repeated = set(topics) & {t for ts in earlier for t in ts.get(cat, [])}
+        assert not repeated, f"topic set {topic_set} repeats {sorted(repeated)} in {cat!r}"
+    return _templated(sets[topic_set], per_category, seed, "tpl2" if topic_set == 2 else f"tpl{topic_set}")
 
 
 def _templated(topic_sets: dict[str, list[str]], per_category: int, seed: int, prefix: str) -> list[Prompt]:
