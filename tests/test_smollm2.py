@@ -77,3 +77,28 @@ def test_cli_bad_input_is_one_clear_line():
     out = subprocess.run([sys.executable, "-m", "core.generate", "  ", "--plain", "--max-new-tokens", "2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "the prompt is empty" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_ab_script_compares_trees_and_checks_identity(capsys, tmp_path):
+    """scripts/ab.py: contenders interleaved on real prompts, answers checked against the shipped one."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "ab.py"
+    spec = importlib.util.spec_from_file_location("ab_script", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": c, "turns": [t]}) + "\n"
+                               for i, (c, t) in enumerate([("chat", PROMPTS[0]), ("coding", PROMPTS[1])])))
+    skip = tmp_path / "skip.jsonl"
+    skip.write_text(json.dumps({"id": "p0", "category": "chat", "turns": [PROMPTS[0]]}) + "\n")
+    rc = ab.main([str(prompts), "--tree", "2,2,3", "--exclude", str(skip), "--max-new-tokens", "12", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "identical to the shipped contender: 1 / 1" in out
+    assert "tree 2,2,3: tau" in out and "coding" in out and "chat" not in out
+    with pytest.raises(SystemExit):
+        ab.main([str(prompts), "--tree", "3-8-12", "--threads", "1"])
+    assert "--tree '3-8-12': expected DEPTH,TOP_K,TOTAL_TOKENS" in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""Two or more heads or trees through the real engine, interleaved per prompt in one process.
+
+    python scripts/ab.py assets/heldout_prompts.jsonl --exclude assets/bench/heldout20.jsonl --head runs/head_set3
+    python scripts/ab.py PROMPTS.jsonl --head DIR [--head DIR ...] [--limit N]
+    python scripts/ab.py PROMPTS.jsonl --tree 3,8,12 [--tree DEPTH,TOP_K,TOTAL ...] [--limit N]
+
+The first contender is always the shipped head with its `tree.json`; each `--head` adds a
+head folder drafting the same tree, each `--tree` the shipped head with that depth, top-k
+and size (lookup and long-context caps as shipped). Every prompt's first turn is answered
+greedily (128 new tokens) by each contender in turn, the order alternating from prompt to
+prompt, so the machine's slow and fast phases fall on all of them alike: on this VM only
+ratios measured this way are worth comparing. Prints tau and tokens/s per contender, tau
+per category, and how many answers are identical to the shipped contender's (greedy
+speculation is lossless, so anything but all of them is a bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("prompts", type=Path)
+    p.add_argument("--head", action="append", default=[], help="another head folder (same target)")
+    p.add_argument("--tree", action="append", default=[], help="DEPTH,TOP_K,TOTAL_TOKENS for the shipped head")
+    p.add_argument("--exclude", type=Path, help="skip the prompts whose ids this JSONL file holds")
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    shapes = {}
+    for spec in args.tree:
+        try:
+            shapes[spec] = tuple(int(x) for x in spec.split(","))
+        except ValueError:
+            shapes[spec] = ()
+        if len(shapes[spec]) != 3:
+            p.error(f"--tree {spec!r}: expected DEPTH,TOP_K,TOTAL_TOKENS, e.g. 3,8,12")
+
+    from core.threads import set_threads
+
+    set_threads(args.threads)
+    from core.bench import load_prompts
+    from core.config import GenerationConfig
+    from core.engine import Engine
+    from core.head3 import load_any_head
+
+    shipped = Engine.load()
+    tree = shipped.default_tree
+    runs = {"shipped": (shipped, tree)}
+    for folder in args.head:
+        d = load_any_head(folder, shipped.target.model, dtype=shipped.target.dtype)
+        runs[folder] = (Engine(shipped.target, d.head, d.vocab, shipped.numerics), tree)
+    for spec, (depth, top_k, total) in shapes.items():
+        runs[f"tree {spec}"] = (shipped, replace(tree, depth=depth, top_k=top_k, total_tokens=total))
+    skip = {q.id for q in load_prompts(args.exclude)} if args.exclude else set()
+    prompts = [q for q in load_prompts(args.prompts) if q.id not in skip][: args.limit or None]
+    names = list(runs)
+    stats = {k: {"tokens": 0, "forwards": 0, "seconds": 0.0, "cat": {}} for k in names}
+    identical = 0
+    for engine, t in runs.values():  # warm-up
+        list(engine.generate(prompts[0].turns[0], GenerationConfig(max_new_tokens=16, tree=t)))
+    for i, prompt in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        outs = {}
+        for k in (order if i % 2 else order[::-1]):
+            engine, t = runs[k]
+            start = time.perf_counter()
+            config = GenerationConfig(max_new_tokens=args.max_new_tokens, tree=t)
+            events = list(engine.generate(prompt.turns[0], config))
+            s = stats[k]
+            s["seconds"] += time.perf_counter() - start
+            s["tokens"] += events[-1].total_tokens
+            s["forwards"] += events[-1].target_forwards
+            c = s["cat"].setdefault(prompt.category, [0, 0])
+            c[0] += events[-1].total_tokens
+            c[1] += events[-1].target_forwards
+            outs[k] = [tok for ev in events for tok in ev.token_ids]
+        identical += all(o == outs["shipped"] for o in outs.values())
+    for k, s in stats.items():
+        cats = " ".join(f"{c} {v[0] / v[1]:.2f}" for c, v in sorted(s["cat"].items()))
+        print(f"{k}: tau {s['tokens'] / s['forwards']:.3f}, {s['tokens'] / s['seconds']:.1f} tok/s; {cats}")
+    print(f"identical to the shipped contender: {identical} / {len(prompts)}")
+    return 0 if identical == len(prompts) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
