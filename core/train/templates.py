@@ -304,7 +304,7 @@ def more_templated_prompts(per_category: int, seed: int, topic_set: int = 2) -> 
     for cat, topics in sets[topic_set].items():
         repeated = set(topics) & {t for ts in earlier for t in ts.get(cat, [])}
         assert not repeated, f"topic set {topic_set} repeats {sorted(repeated)} in {cat!r}"
-    return _templated(sets[topic_set], per_category, seed, "tpl2" if topic_set == 2 else f"tpl{topic_set}")
+    return _templated(sets[topic_set], per_category, seed, f"tpl{topic_set}")
 
 
 def _templated(topic_sets: dict[str, list[str]], per_category: int, seed: int, prefix: str) -> list[Prompt]:
