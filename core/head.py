@@ -1,6 +1,8 @@
-"""The EAGLE-1/2 draft head: fc(cat(embed(t_{j+1}), f_j)) -> one Llama decoder layer -> f^_{j+1}.
+"""The EAGLE-1/2 draft head: fc(cat(embed(t_{j+1}), f_j)) -> Llama decoder layer(s) -> f^_{j+1}.
 
-The head owns only its own weights (fc + one decoder layer, the published key names);
+Published heads have one decoder layer; `grow_head` appends more (config num_hidden_layers,
+keys layers.1.*, ...), each with its own slots in the head cache.
+The head owns only its own weights (fc + its decoder layers, the published key names);
 the target's embedding and LM head are passed in by the caller, never stored here, so
 `state_dict()` is exactly the published checkpoint layout minus `embed_tokens.weight`.
 """
@@ -40,6 +42,7 @@ class HeadConfig:
     max_position_embeddings: int = 4096
     bias: bool = True
     hidden_act: str = "silu"
+    num_hidden_layers: int = 1  # the published heads have one decoder layer; ours may have more
 
     @classmethod
     def from_target(cls, target_config, **overrides) -> "HeadConfig":
@@ -69,7 +72,8 @@ class HeadConfig:
                        rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
                        rope_scaling=scaling,
                        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                       bias=bool(d.get("bias", True)), hidden_act=d.get("hidden_act", "silu"))
+                       bias=bool(d.get("bias", True)), hidden_act=d.get("hidden_act", "silu"),
+                       num_hidden_layers=int(d.get("num_hidden_layers", 1)))
         except KeyError as e:
             raise HeadLoadError(f"head config.json lacks the field {e.args[0]!r}") from e
 
@@ -78,35 +82,48 @@ class HeadConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def to_llama_dict(self) -> dict:
-        """config.json in the published layout (a LlamaConfig with one layer and `bias`)."""
+        """config.json in the published layout (a LlamaConfig with `bias`; one layer unless grown)."""
         d = asdict(self)
-        d.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
-                 head_dim=self.dim_per_head)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=self.dim_per_head)
         return d
 
 
 class HeadCache:
-    """The head's own KV cache: buffers allocated once (grown by doubling), written by index."""
+    """The head's own KV cache, one pair of buffers per decoder layer: allocated once (grown by
+    doubling), written by index. Every layer writes the same slots; the cache's length moves on
+    when the last layer has written (a one-layer head: at each write, as before)."""
 
     def __init__(self, config: HeadConfig, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
         self.shape = (1, config.num_key_value_heads, capacity, config.dim_per_head)
-        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.num_layers = max(1, getattr(config, "num_hidden_layers", 1))
+        self.layer_keys = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.layer_values = [torch.zeros_like(k) for k in self.layer_keys]
         self.length = 0
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: (1, kvh, n, hd) -> all keys/values so far, (1, kvh, length, hd)
+    @property
+    def keys(self) -> torch.Tensor:  # the first layer's buffers (a one-layer head's only ones)
+        return self.layer_keys[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.layer_values[0]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v: (1, kvh, n, hd) -> this layer's keys/values so far, (1, kvh, length + n, hd)
         n = k.shape[2]
-        capacity = self.keys.shape[2]
+        keys, values = self.layer_keys[layer], self.layer_values[layer]
+        capacity = keys.shape[2]
         if self.length + n > capacity:
             grow = max(capacity, self.length + n - capacity)  # at least double
-            extra = self.keys.new_zeros((1, self.keys.shape[1], grow, self.keys.shape[3]))
-            self.keys = torch.cat([self.keys, extra], dim=2)
-            self.values = torch.cat([self.values, torch.zeros_like(extra)], dim=2)
-        self.keys[:, :, self.length:self.length + n] = k
-        self.values[:, :, self.length:self.length + n] = v
-        self.length += n
-        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+            extra = keys.new_zeros((1, keys.shape[1], grow, keys.shape[3]))
+            keys = self.layer_keys[layer] = torch.cat([keys, extra], dim=2)
+            values = self.layer_values[layer] = torch.cat([values, torch.zeros_like(extra)], dim=2)
+        end = self.length + n
+        keys[:, :, self.length:end] = k
+        values[:, :, self.length:end] = v
+        if layer == self.num_layers - 1:
+            self.length = end
+        return keys[:, :, :end], values[:, :, :end]
 
     def truncate(self, length: int) -> None:
         assert 0 <= length <= self.length
@@ -220,8 +237,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
 
 
 class Attention(nn.Module):
-    def __init__(self, c: HeadConfig):
+    def __init__(self, c: HeadConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # which of the cache's per-layer buffers this attention writes
         self.nh, self.kvh, self.hd = c.num_attention_heads, c.num_key_value_heads, c.dim_per_head
         self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, self.kvh * self.hd, bias=False)
@@ -235,7 +253,7 @@ class Attention(nn.Module):
             return self._decode(x[0], cos[0], sin[0], mask, cache)[None]
         q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
-            k, v = cache.write(k, v)  # (1, kvh, L, hd)
+            k, v = cache.write(k, v, self.layer)  # (1, kvh, L, hd)
         return self.o_proj(attend(q, k, v, mask).reshape(b, n, self.nh * self.hd))
 
     def qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,7 +276,7 @@ class Attention(nn.Module):
         else:
             c, s = cos[:, None], sin[:, None]
             q, k = _rope(q.view(n, self.nh, self.hd), c, s), _rope(k.view(n, self.kvh, self.hd), c, s)
-        keys, values = cache.write(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # (1, kvh, L, hd)
+        keys, values = cache.write(k.transpose(0, 1)[None], v.transpose(0, 1)[None], self.layer)  # (1, kvh, L, hd)
         out = native.attention(q, keys[0], values[0], mask.committed, mask.ancestors, mask.counts,
                                self.hd ** -0.5)  # (n, nh, hd)
         return self.o_proj(out.reshape(n, self.nh * self.hd))
@@ -278,9 +296,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """A Llama decoder layer without input_layernorm, as in the published EAGLE heads."""
 
-    def __init__(self, c: HeadConfig):
+    def __init__(self, c: HeadConfig, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer)
         self.mlp = MLP(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
@@ -294,7 +312,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
-        self.layers = nn.ModuleList([DecoderLayer(config)])
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.rotary = _rotary(config)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -379,10 +397,12 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def new_head(target_config, *, bias: bool = True, seed: int | None = None) -> EagleHead:
+def new_head(target_config, *, bias: bool = True, seed: int | None = None, layers: int = 1) -> EagleHead:
     """A randomly initialised head sized for the target (small init, like Llama's 0.02)."""
+    if layers < 1:
+        raise ValueError(f"a head needs at least one decoder layer, not {layers}")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    head = EagleHead(HeadConfig.from_target(target_config, bias=bias))
+    head = EagleHead(HeadConfig.from_target(target_config, bias=bias, num_hidden_layers=layers))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):
@@ -392,6 +412,32 @@ def new_head(target_config, *, bias: bool = True, seed: int | None = None) -> Ea
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     return head
+
+
+def grow_head(head: EagleHead, layers: int, *, seed: int | None = None) -> EagleHead:
+    """The same head with decoder layers appended up to `layers`, computing exactly what it did:
+    each new layer's output projections (o_proj, down_proj) start at zero, so the layer adds
+    nothing to the residual stream until training moves them (its other weights start as in
+    new_head). A warm start for a deeper head from a trained one-layer head."""
+    from dataclasses import replace
+
+    have = head.config.num_hidden_layers
+    if layers < have:
+        raise ValueError(f"cannot grow a {have}-layer head to {layers} layers; pass at least {have}")
+    ref = next(head.parameters())
+    grown = EagleHead(replace(head.config, num_hidden_layers=layers))
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    with torch.no_grad():
+        for name, p in grown.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing)
+    return grown.to(device=ref.device, dtype=ref.dtype).train(head.training).requires_grad_(ref.requires_grad)
 
 
 def save_head(head: EagleHead, folder: str | Path, draft_vocab: torch.Tensor | None = None) -> Path:

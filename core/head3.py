@@ -64,6 +64,7 @@ class Head3Config(HeadConfig):
     def from_dict3(cls, d: dict, target_layers: int) -> "Head3Config":
         base = asdict(HeadConfig.from_dict(d))
         base["bias"] = False
+        base["num_hidden_layers"] = 1  # the EAGLE-3 layout has exactly one midlayer
         if "draft_vocab_size" not in d:
             raise HeadLoadError("EAGLE-3 head config.json lacks the field 'draft_vocab_size'")
         ids = tuple(int(i) for i in d.get("eagle3_layer_ids") or default_layer_ids(target_layers))

@@ -60,6 +60,24 @@ def test_greedy_speculative_equals_plain_random_head(engine, tree):
         assert all(ev.tree_size <= tree.total_tokens for ev in events)
 
 
+def test_greedy_speculative_equals_plain_two_layer_head(engine, target):
+    """A head grown to two decoder layers (each with its own head-cache keys) drafts through the
+    same tree code; the output stays plain greedy decoding."""
+    from core.head import grow_head
+
+    head = grow_head(random_head(target), 2, seed=4)
+    with torch.no_grad():
+        for p in head.layers[1].parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn_like(p) * 0.3)
+    two = Engine(target, head.eval())
+    for tree in (TreeConfig(3, 4, 10), TreeConfig(5, 3, 16), TreeConfig(8, 1, 9)):
+        for prompt in PROMPTS:
+            spec, events = run(two, prompt, GenerationConfig(max_new_tokens=24, tree=tree))
+            assert spec == plain_ids(engine, prompt)
+            assert two.head.config.num_hidden_layers == 2 and all(ev.tree_size <= tree.total_tokens for ev in events)
+
+
 @pytest.mark.parametrize("tree", [TreeConfig(6, 4, 24), TreeConfig(8, 1, 9), TreeConfig(5, 8, 48)])
 def test_greedy_oracle_head_high_acceptance_and_exact(tree):
     target = tiny_target(mix=0.005, seed=3)

@@ -145,7 +145,65 @@ def test_head_cache_grows_for_a_write_longer_than_twice_its_capacity():
     assert cache.length == 24 and torch.equal(keys[:, :, 21:], k[:, :, :3])
 
 
-def test_head_calls_through_the_native_attention_match_sdpa():
+def _two_layer_head(target, seed=3):
+    """A grown head whose second layer computes something (output projections made non-zero)."""
+    from core.head import grow_head
+
+    head = grow_head(new_head(target.model.config, seed=1), 2, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.layers[1].named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return head.eval()
+
+
+def test_grown_head_computes_what_it_did_and_round_trips_strictly(tmp_path, target):
+    """grow_head appends decoder layers whose output projections start at zero: the grown head
+    computes exactly what the one-layer head did. Its checkpoint keeps the published key names
+    (layers.1.* beside layers.0.*) and num_hidden_layers, and loads strictly."""
+    from core.head import grow_head
+
+    one = new_head(target.model.config, seed=1).eval()
+    two = grow_head(one, 2, seed=5).eval()
+    assert two.config.num_hidden_layers == 2 and len(two.layers) == 2
+    x, f = torch.randn(1, 7, 64), torch.randn(1, 7, 64)
+    assert torch.equal(two(x, f, torch.arange(7)), one(x, f, torch.arange(7)))
+    assert not torch.equal(two.layers[1].self_attn.q_proj.weight, one.layers[0].self_attn.q_proj.weight)
+    two = _two_layer_head(target)
+    save_head(two, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    loaded, _ = load_head(tmp_path, target.model.config)
+    assert set(loaded.state_dict()) == set(two.state_dict()) >= {k.replace("layers.0", "layers.1") for k in PUBLISHED_KEYS}
+    assert torch.equal(loaded(x, f, torch.arange(7)), two(x, f, torch.arange(7)))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(HeadLoadError, match=r"missing keys \['layers\.2\."):
+        load_head(tmp_path, target.model.config)
+    with pytest.raises(ValueError, match="cannot grow a 2-layer head to 1 layers"):
+        grow_head(two, 1)
+
+
+def test_two_layer_head_cache_forward_equals_full_causal(target):
+    """Each decoder layer keeps its own keys and values in the head cache."""
+    from core.head import causal_mask
+
+    head = _two_layer_head(target)
+    x, f = torch.randn(1, 9, 64), torch.randn(1, 9, 64)
+    full = head(x, f, torch.arange(9))
+    one_layer = new_head(target.model.config, seed=1).eval()(x, f, torch.arange(9))
+    assert not torch.allclose(full, one_layer, atol=1e-3)  # the second layer does something
+    cache = HeadCache(head.config, torch.float32, torch.device("cpu"), capacity=4)  # forces growth
+    a = head(x[:, :5], f[:, :5], torch.arange(5), cache=cache)
+    assert cache.length == 5
+    b = head(x[:, 5:], f[:, 5:], torch.arange(5, 9), mask=causal_mask(4, 5, torch.float32, "cpu"), cache=cache)
+    assert cache.length == 9 and len(cache.layer_keys) == 2
+    assert not torch.equal(cache.layer_keys[0][:, :, :9], cache.layer_keys[1][:, :, :9])
+    assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_head_calls_through_the_native_attention_match_sdpa(layers):
     """bf16 decoding sends short head calls through core.native's attention kernel
     (KeyLayout): causal ones (catch-up) and draft rounds given the tree part of their mask.
     They compute what sdpa with the whole additive mask computes."""
@@ -155,7 +213,7 @@ def test_head_calls_through_the_native_attention_match_sdpa():
     if not native.status().available:
         pytest.skip(f"core.native kernel unavailable here: {native.status().reason}")
     cfg = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                     vocab_size=100)  # head_dim 32
+                     vocab_size=100, num_hidden_layers=layers)  # head_dim 32
     torch.manual_seed(0)
     head = EagleHead(cfg).to(torch.bfloat16).eval()
     emb, feats = torch.randn(1, 42, 128).bfloat16(), torch.randn(1, 42, 128).bfloat16()

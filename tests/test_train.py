@@ -320,6 +320,41 @@ def test_trained_head_greedy_identical_to_plain(trained):
     assert drafted > 0  # the head's drafts were actually accepted, not just bonus tokens
 
 
+def test_head_grown_to_two_layers_keeps_its_accuracy_trains_and_stays_lossless(trained, tmp_path):
+    """--head-layers 2 with --init: the trained head grown by a zero-output layer scores what it
+    scored, trains on (its checkpoint resumes as a two-layer head), and drafts losslessly."""
+    from core.config import GenerationConfig
+    from core.engine import Engine
+    from core.head import grow_head
+    from core.models import LoadedModel
+
+    tiny, head, fz, _, _, _, after = trained
+    val = features_for(tiny, toy_conversations(16, 3))
+    grown = grow_head(head, 2, seed=0)
+    same = evaluate_features(grown, fz, val, depth=2)
+    assert same.top1 == after.top1 and same.loss == pytest.approx(after.loss, rel=1e-6)
+    seqs = features_for(tiny, toy_conversations(64, 2))
+    cfg = TrainConfig(lr=1e-3, epochs=3, batch_size=8, warmup_steps=4, unroll=2, log_every=8)
+    res = train(grown, fz, seqs, cfg, tmp_path / "ckpt2", tiny.model.config)
+    assert res.finished and float(grown.layers[1].mlp.down_proj.weight.abs().sum()) > 0
+    trained_more = evaluate_features(grown, fz, val, depth=2)
+    assert trained_more.top1[0] >= after.top1[0] - 0.05
+    model = Tiny().model.double()
+    target = LoadedModel(model=model, tokenizer=tiny.tokenizer, name="tiny", device=torch.device("cpu"),
+                         dtype=torch.float64, quantized=False, max_context=512)
+    loaded, vocab = load_head(tmp_path / "ckpt2", model.config, dtype=torch.float64)
+    assert loaded.config.num_hidden_layers == 2
+    engine = Engine(target, loaded, vocab)
+    drafted = 0
+    for conv in toy_conversations(3, 5):
+        plain = [t for e in engine.generate(conv[:1], GenerationConfig(max_new_tokens=40, speculative=False))
+                 for t in e.token_ids]
+        events = list(engine.generate(conv[:1], GenerationConfig(max_new_tokens=40)))
+        assert [t for e in events for t in e.token_ids] == plain
+        drafted += sum(e.draft_tokens for e in events)
+    assert drafted > 0
+
+
 def test_resume_after_interruption_no_duplicates(tmp_path):
     tiny = Tiny()
     seqs = features_for(tiny, toy_conversations(24, 4))
@@ -344,7 +379,7 @@ def test_resume_after_interruption_no_duplicates(tmp_path):
 
 
 def test_eval_summary_literal():
-    from core.train.evaluate import PromptResult, summarize
+    from core.train.evaluate import PromptResult, format_table, summarize
 
     a = PromptResult("a", "math", tokens=6, forwards=3, accepted_draft=(2, 0, 1), seconds=1.0)
     b = PromptResult("b", "code", tokens=2, forwards=1, accepted_draft=(1,), seconds=1.0)
@@ -352,6 +387,12 @@ def test_eval_summary_literal():
     assert reports["math"].tau == 2.0 and reports["code"].tau == 2.0
     # pooled steps (2, 0, 1, 1): accepted path reached depth 1 in 3 of 4, depth 2 in 1 of 4
     assert reports["all"].accept_at_depth == (0.75, 0.25) and reports["all"].tau == 2.0
+    # of the 3 steps that reached depth 1, 1 reached depth 2
+    assert reports["all"].conditional_acceptance == pytest.approx((1 / 3,))
+    assert reports["code"].conditional_acceptance == (0.0,)
+    table = format_table([reports["all"]]).splitlines()
+    assert table[0] == "| category | prompts | tau | tok/s | acc@1 | acc@2 | acc@2 given 1 |"
+    assert table[1] == "|---|---|---|---|---|---|---|" and table[2] == "| all | 2 | 2.00 | 4.0 | 0.75 | 0.25 | 0.33 |"
 
 
 # ----------------------------------------------------------------------------- prompts and distillation

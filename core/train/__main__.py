@@ -117,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
                         "<work>/ckpt_eagle3); give each of several parallel runs its own")
     g.add_argument("--init", type=Path, default=None,
                    help="head folder to continue training from, of the --head-kind kind (keeps its draft vocabulary)")
+    g.add_argument("--head-layers", type=int, default=None,
+                   help="eagle1: decoder layers of the head (published heads: 1). With --init, a head "
+                        "with fewer layers is grown to this many, computing what it did at the start "
+                        "(the new layers' output projections start at zero)")
     g.add_argument("--epochs", type=float, default=10.0)
     g.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -324,6 +328,13 @@ def stage_train(args) -> None:
         else:
             head, vocab = load_head(args.init, target.model.config)
             vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
+            if args.head_layers and args.head_layers != head.config.num_hidden_layers:
+                from core.head import grow_head
+
+                try:
+                    head = grow_head(head, args.head_layers, seed=args.seed)
+                except ValueError as e:
+                    raise DataError(f"--head-layers {args.head_layers} with --init {args.init}: {e}") from e
         head = head.train().requires_grad_(True)
         _, recipe = new_trainee(args, target.model, vocab, layers)
     else:
@@ -360,11 +371,14 @@ def new_trainee(args, target_model, vocab, feature_layers):
         from core.head import new_head
         from core.train.trainer import EAGLE1
 
-        return new_head(target_config, seed=args.seed), EAGLE1
+        return new_head(target_config, seed=args.seed, layers=args.head_layers or 1), EAGLE1
     from core.head3 import new_head3
     from core.train.data import DataError
     from core.train.trainer3 import EAGLE3
 
+    if args.head_layers not in (None, 1):
+        raise DataError(f"--head-layers {args.head_layers}: the EAGLE-3 layout has exactly one decoder "
+                        "layer; deeper heads are EAGLE-1/2 (--head-kind eagle1)")
     if feature_layers is None:
         raise DataError("these features hold only the last hidden state: build EAGLE-3 features first "
                         "(`features --head-kind eagle3`)")

@@ -2,7 +2,9 @@
 
 tau = accepted tokens per target forward in speculative steps (the bonus token included),
 so plain decoding has tau = 1. Engine acceptance at depth d = the fraction of steps whose
-accepted draft path reached depth d. Draft top-1/top-3 per depth on held-out *features*
+accepted draft path reached depth d; conditional acceptance at depth d (the EAGLE paper's
+"d-alpha" in the engine, the tree's alternatives counted) = the fraction of steps that reached
+depth d among those that reached depth d - 1. Draft top-1/top-3 per depth on held-out *features*
 (teacher-forced tokens, the head's own features) comes from trainer.evaluate_features.
 """
 
@@ -40,6 +42,12 @@ class CategoryReport:
     tau: float  # pooled over the category's steps
     accept_at_depth: tuple[float, ...]  # P(accepted draft path length >= d), d = 1..
     tokens_per_s: float
+
+    @property
+    def conditional_acceptance(self) -> tuple[float, ...]:
+        """P(path reaches depth d | it reached depth d - 1), d = 2.. (0 where none reached d - 1)."""
+        a = self.accept_at_depth
+        return tuple(a[d] / a[d - 1] if a[d - 1] else 0.0 for d in range(1, len(a)))
 
 
 def run_prompt(engine, prompt: Prompt, config: GenerationConfig) -> PromptResult:
@@ -116,8 +124,10 @@ def pick_prompts(prompts: list[Prompt], per_category: int) -> list[Prompt]:
 
 def format_table(reports: list[CategoryReport]) -> str:
     depth = len(reports[0].accept_at_depth) if reports else 0
-    head = "| category | prompts | tau | tok/s | " + " | ".join(f"acc@{d + 1}" for d in range(depth)) + " |"
-    sep = "|" + "---|" * (4 + depth)
+    head = ("| category | prompts | tau | tok/s | " + " | ".join(f"acc@{d + 1}" for d in range(depth))
+            + "".join(f" | acc@{d + 1} given {d}" for d in range(1, depth)) + " |")
+    sep = "|" + "---|" * (4 + depth + max(depth - 1, 0))
     rows = [f"| {r.category} | {r.prompts} | {r.tau:.2f} | {r.tokens_per_s:.1f} | "
-            + " | ".join(f"{a:.2f}" for a in r.accept_at_depth) + " |" for r in reports]
+            + " | ".join(f"{a:.2f}" for a in r.accept_at_depth)
+            + "".join(f" | {a:.2f}" for a in r.conditional_acceptance) + " |" for r in reports]
     return "\n".join([head, sep, *rows])
