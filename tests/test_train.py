@@ -334,9 +334,16 @@ def test_head_grown_to_two_layers_keeps_its_accuracy_trains_and_stays_lossless(t
     same = evaluate_features(grown, fz, val, depth=2)
     assert same.top1 == after.top1 and same.loss == pytest.approx(after.loss, rel=1e-6)
     seqs = features_for(tiny, toy_conversations(64, 2))
-    cfg = TrainConfig(lr=1e-3, epochs=3, batch_size=8, warmup_steps=4, unroll=2, log_every=8)
+    cfg = TrainConfig(lr=1e-3, epochs=3, batch_size=8, warmup_steps=4, unroll=2, log_every=8,
+                      frozen=("fc.", "layers.0."))  # only the new layer trains
+    with pytest.raises(DataError, match="frozen prefix 'layer.0.' names no parameter"):
+        train(grown, fz, seqs, replace(cfg, frozen=("layer.0.",)), tmp_path / "bad", tiny.model.config)
     res = train(grown, fz, seqs, cfg, tmp_path / "ckpt2", tiny.model.config)
     assert res.finished and float(grown.layers[1].mlp.down_proj.weight.abs().sum()) > 0
+    kept = head.state_dict()
+    for k, v in grown.state_dict().items():
+        if k.startswith(("fc.", "layers.0.")):
+            assert torch.equal(v, kept[k]), k
     trained_more = evaluate_features(grown, fz, val, depth=2)
     assert trained_more.top1[0] >= after.top1[0] - 0.05
     model = Tiny().model.double()

@@ -121,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
                    help="eagle1: decoder layers of the head (published heads: 1). With --init, a head "
                         "with fewer layers is grown to this many, computing what it did at the start "
                         "(the new layers' output projections start at zero)")
+    g.add_argument("--freeze", default="",
+                   help="comma-separated parameter-name prefixes kept fixed while training, e.g. "
+                        "'fc.,layers.0.' to train only the layers --head-layers added")
     g.add_argument("--epochs", type=float, default=10.0)
     g.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -344,7 +347,8 @@ def stage_train(args) -> None:
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
                       autocast_bf16=args.bf16, noise=0.1 if args.head_kind == "eagle1" else 0.0,
                       soft_targets=not args.greedy_targets, ce_weight=args.ce_weight,
-                      reg_weight=args.reg_weight)
+                      reg_weight=args.reg_weight,
+                      frozen=tuple(p.strip() for p in args.freeze.split(",") if p.strip()))
     n_tok = sum(int(s.loss_mask.sum()) for s in seqs)
     print(f"train: {args.head_kind}, {len(seqs)} sequences, {n_tok} assistant tokens, draft vocab {len(vocab)}, "
           f"{cfg}", flush=True)

@@ -56,6 +56,7 @@ class TrainConfig:
     autocast_bf16: bool = False  # bf16 matmuls (fp32 weights and optimizer); ~1.5x faster on avx512_bf16 CPUs
     max_steps: int | None = None  # stop after this step (tests; simulating an interruption)
     soft_targets: bool = True  # EAGLE-3: CE against the target's distribution (False: its greedy token)
+    frozen: tuple[str, ...] = ()  # parameter-name prefixes kept fixed (e.g. ("fc.", "layers.0.")), not trained
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.unroll < 1 or self.epochs <= 0:
@@ -321,7 +322,14 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
     `recipe`: the head kind's loss and checkpoint format (default EAGLE-1)."""
     recipe = recipe or EAGLE1
     head.train().requires_grad_(True)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    names = [n for n, _ in head.named_parameters()]
+    for prefix in cfg.frozen:
+        if not any(n.startswith(prefix) for n in names):
+            raise DataError(f"frozen prefix {prefix!r} names no parameter of this head (its parameters: "
+                            f"{', '.join(sorted({n.rsplit('.', 2)[0] for n in names}))})")
+    for name, p in head.named_parameters():
+        p.requires_grad_(not name.startswith(cfg.frozen))
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     step, elapsed0 = resume(ckpt, head, opt, target_config, len(seqs), recipe)
     order = EpochOrder(seqs, cfg.batch_size, cfg.seed)
     total = math.ceil(cfg.epochs * order.per_epoch)
