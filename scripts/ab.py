@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     identical = 0
     for engine, t in runs.values():  # warm-up
         list(engine.generate(prompts[0].turns[0], GenerationConfig(max_new_tokens=16, tree=t)))
-    for i, prompt in enumerate(prompts):
+    from tqdm import tqdm
+
+    for i, prompt in enumerate(tqdm(prompts, unit="prompt", desc="a/b")):
         order = names[i % len(names):] + names[:i % len(names)]
         outs = {}
         for k in (order if i % 2 else order[::-1]):
