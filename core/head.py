@@ -64,18 +64,22 @@ class HeadConfig:
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         try:
-            return cls(hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-                       num_attention_heads=int(d["num_attention_heads"]),
-                       num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
-                       vocab_size=int(d["vocab_size"]), head_dim=d.get("head_dim"),
-                       rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                       rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                       rope_scaling=scaling,
-                       max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                       bias=bool(d.get("bias", True)), hidden_act=d.get("hidden_act", "silu"),
-                       num_hidden_layers=int(d.get("num_hidden_layers", 1)))
+            config = cls(hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+                         num_attention_heads=int(d["num_attention_heads"]),
+                         num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
+                         vocab_size=int(d["vocab_size"]), head_dim=d.get("head_dim"),
+                         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                         rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                         rope_scaling=scaling,
+                         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                         bias=bool(d.get("bias", True)), hidden_act=d.get("hidden_act", "silu"),
+                         num_hidden_layers=int(d.get("num_hidden_layers", 1)))
         except KeyError as e:
             raise HeadLoadError(f"head config.json lacks the field {e.args[0]!r}") from e
+        if config.num_hidden_layers < 1:
+            raise HeadLoadError(f"head config.json says num_hidden_layers {config.num_hidden_layers}; "
+                                "a head has at least one decoder layer (published heads: 1)")
+        return config
 
     @property
     def dim_per_head(self) -> int:

@@ -180,6 +180,9 @@ def test_grown_head_computes_what_it_did_and_round_trips_strictly(tmp_path, targ
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(HeadLoadError, match=r"missing keys \['layers\.2\."):
         load_head(tmp_path, target.model.config)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    with pytest.raises(HeadLoadError, match="num_hidden_layers 0; a head has at least one decoder layer"):
+        load_head(tmp_path, target.model.config)
     with pytest.raises(ValueError, match="cannot grow a 2-layer head to 1 layers"):
         grow_head(two, 1)
 
