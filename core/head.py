@@ -99,18 +99,10 @@ class HeadCache:
 
     def __init__(self, config: HeadConfig, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
         self.shape = (1, config.num_key_value_heads, capacity, config.dim_per_head)
-        self.num_layers = max(1, getattr(config, "num_hidden_layers", 1))
+        self.num_layers = config.num_hidden_layers
         self.layer_keys = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self.layer_values = [torch.zeros_like(k) for k in self.layer_keys]
         self.length = 0
-
-    @property
-    def keys(self) -> torch.Tensor:  # the first layer's buffers (a one-layer head's only ones)
-        return self.layer_keys[0]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.layer_values[0]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: (1, kvh, n, hd) -> this layer's keys/values so far, (1, kvh, length + n, hd)
@@ -405,13 +397,17 @@ def new_head(target_config, *, bias: bool = True, seed: int | None = None, layer
     """A randomly initialised head sized for the target (small init, like Llama's 0.02)."""
     if layers < 1:
         raise ValueError(f"a head needs at least one decoder layer, not {layers}")
+    return _initialise(EagleHead(HeadConfig.from_target(target_config, bias=bias, num_hidden_layers=layers)), seed)
+
+
+def _initialise(head: EagleHead, seed: int | None, zero: tuple[str, ...] = ()) -> EagleHead:
+    """Norm weights 1, biases and the parameters whose names end with `zero` 0, the rest N(0, 0.02)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    head = EagleHead(HeadConfig.from_target(target_config, bias=bias, num_hidden_layers=layers))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("bias"):
+            elif name.endswith(("bias", *zero)):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
@@ -429,16 +425,8 @@ def grow_head(head: EagleHead, layers: int, *, seed: int | None = None) -> Eagle
     if layers < have:
         raise ValueError(f"cannot grow a {have}-layer head to {layers} layers; pass at least {have}")
     ref = next(head.parameters())
-    grown = EagleHead(replace(head.config, num_hidden_layers=layers))
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    with torch.no_grad():
-        for name, p in grown.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    grown = _initialise(EagleHead(replace(head.config, num_hidden_layers=layers)), seed,
+                        zero=("o_proj.weight", "down_proj.weight"))
     missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= have for k in missing)
     return grown.to(device=ref.device, dtype=ref.dtype).train(head.training).requires_grad_(ref.requires_grad)

@@ -329,7 +329,8 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
                             f"{', '.join(sorted({n.rsplit('.', 2)[0] for n in names}))})")
     for name, p in head.named_parameters():
         p.requires_grad_(not name.startswith(cfg.frozen))
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
+                            weight_decay=cfg.weight_decay)
     step, elapsed0 = resume(ckpt, head, opt, target_config, len(seqs), recipe)
     order = EpochOrder(seqs, cfg.batch_size, cfg.seed)
     total = math.ceil(cfg.epochs * order.per_epoch)
