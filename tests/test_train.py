@@ -490,3 +490,33 @@ def test_eval_log_tag_follows_weights_vocabulary_and_tree(tmp_path):
     (b / "draft_vocab.safetensors").write_bytes(b"vocab 16384")
     assert eval_tag(a, cfg) != eval_tag(b, cfg)
     assert eval_tag(a, cfg) != eval_tag(a, replace(cfg, tree=TreeConfig(depth=4, top_k=8, total_tokens=10)))
+
+
+def test_reproduce_script_is_valid_bash_and_its_commands_parse():
+    """scripts/reproduce_head.sh stays in step with the CLI: bash accepts it, and every
+    `python -m core.train` line it runs parses with today's flags (a renamed or dropped
+    flag fails here, not two hours into a retrain)."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from core.train.__main__ import parser
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_head.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text().replace("\\\n", " ")
+    values = {"$THREADS": "2", "$P1": "18", "$P2": "55", "$OUT": "runs/repro"}
+    commands = []
+    for line in text.splitlines():
+        if "python -m core.train" not in line or line.lstrip().startswith("#"):
+            continue
+        for var, val in values.items():
+            line = line.replace(var, val)
+        argv = shlex.split(line.split("python -m core.train", 1)[1])
+        commands.append(parser().parse_args(argv))
+    assert [c.stage for c in commands] == ["fixed", "features", "train", "train"]
+    u1, u3 = commands[2], commands[3]
+    assert (u1.unroll, u1.minutes, u1.init) == (1, 18.0, None)  # phase 1: from scratch
+    assert (u3.unroll, u3.minutes, u3.lr) == (3, 55.0, 1e-3)
+    assert u3.init == u1.out and u3.ckpt != u1.ckpt  # phase 2 continues phase 1, in its own checkpoint
+    assert commands[1].head_kind == "eagle3"  # one feature pass serves both head kinds
