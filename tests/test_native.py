@@ -11,8 +11,9 @@ from core.invariant import InvariantLinear, swap_linears
 needs_kernel = pytest.mark.skipif(not native.status().available,
                                   reason=f"core.native kernel unavailable here: {native.status().reason}")
 
-# (N, K): SmolLM2's projections and LM heads, and odd sizes (K % 32 tail, N % 16 tail)
-SHAPES = [(1536, 576), (576, 1536), (192, 576), (8192, 576), (37, 100), (16, 32), (5, 7)]
+# (N, K): SmolLM2's projections and LM heads, odd sizes (K % 32 tail, N % 16 tail: the AVX-512
+# GEMM on every machine) and, for AMX, a last task of fewer than four 16-column blocks (80, 96)
+SHAPES = [(1536, 576), (576, 1536), (192, 576), (8192, 576), (80, 96), (37, 100), (16, 32), (5, 7)]
 
 
 @needs_kernel
@@ -90,6 +91,41 @@ def test_turned_off_by_the_environment(monkeypatch):
         assert not native.usable(torch.randn(2, 32).bfloat16(), torch.randn(4, 32).bfloat16())
     finally:
         native._library.cache_clear()
+
+
+needs_amx = pytest.mark.skipif(not native.status().amx,
+                               reason="no AMX tiles here (or EAGLE_CHAT_AMX=0): the AVX-512 GEMM serves every shape")
+
+
+@needs_amx
+def test_amx_and_avx512_gemms_are_each_row_invariant_and_agree(monkeypatch):
+    """On an AMX machine the tile GEMM serves K % 32 == 0, N % 16 == 0; EAGLE_CHAT_AMX=0 turns it
+    off. Each path is row-invariant on its own; they sum in different orders, so they agree
+    only to bf16 rounding (a machine keeps one of them for every call of a shape)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    w = torch.randn(1536, 576, generator=gen).bfloat16()
+    b = torch.randn(1536, generator=gen).bfloat16()
+    ref = x.float() @ w.float().T + b.float()
+    amx = native.linear(x, w, b)
+    monkeypatch.setenv(native.AMX_ENV, "0")
+    native._library.cache_clear()
+    try:
+        st = native.status()
+        assert st.available and not st.amx and "AVX-512 bf16 GEMM" in st.describe()
+        avx = native.linear(x, w, b)
+        for m in (1, 3, 16, 17):
+            assert torch.equal(native.linear(x[:m], w, b), avx[:m]), m
+    finally:
+        monkeypatch.delenv(native.AMX_ENV)
+        native._library.cache_clear()
+    assert native.status().amx and "AMX bf16 GEMM" in native.status().describe()
+    for y in (amx, avx):
+        assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-3 * float(ref.abs().max()))
+    assert not torch.equal(amx, avx)  # two reduction orders: the switch really changed kernels
+    for m in (1, 2, 15, 16, 17, 31, 33):  # one and several 16-row tile columns
+        assert torch.equal(native.linear(x[:m], w, b), amx[:m]), m
+    assert torch.equal(native.linear(x[39:40], w, b)[0], amx[39])
 
 
 def test_a_failed_build_falls_back_with_the_reason(monkeypatch):

@@ -53,8 +53,16 @@ TILE(1, 1)
 #define PF_MIN_ROWS 2
 #define PF_BLOCKS 2
 
+int amx_serves(int N, int K);
+void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
+              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads);
+
 void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
                uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
+    if (amx_serves(N, K)) {  // AMX tiles where this machine has them (gemm_amx.c): chosen by shape, never by M
+        gemm_amx(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads);
+        return;
+    }
     __mmask32 tail = (K % 32) ? (__mmask32)((1u << (K % 32)) - 1u) : 0;
     int nblocks = (N + NBLK - 1) / NBLK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)

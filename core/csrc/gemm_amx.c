@@ -1,0 +1,112 @@
+// y = x @ w.T (+ bias) on AMX tiles (Intel Sapphire Rapids and later), for K % 32 == 0 and N % 16 == 0.
+//
+// Why: core/csrc/gemm_bf16.c computes each extra row with vdpbf16ps at about 1.5 ms per row
+// of a 135M model on two cores, so a 10-token verification step costs 1.5 plain steps. One
+// TDPBF16PS multiplies a 16 x 32 weight block by 32 x 16 of x (8,192 products) in about 16
+// cycles: up to 16 rows of x cost what one does, and the weights' stream is the whole cost.
+//
+// Row-invariant by construction: the weight is the tile's A operand (16 output columns n,
+// 32 of K each) and x the B operand (x packed in pairs of K, one tile column per row m, 16
+// at most; unused columns are zero). Element (n, m) is one TDPBF16PS accumulation chain over
+// K in 32-wide steps from k = 0; it reads only weight row n and x row m, whatever M is and
+// whichever tile column the row lands in. Then the bias in fp32 and one round to bf16
+// (nearest even), as in gemm_bf16.c. So a token's row is bit-identical alone (a plain step)
+// or inside a tree. The sums differ from gemm_bf16.c's (another reduction order), so a
+// machine uses one of the two for every call of a given shape: the choice depends on the
+// shape and the machine only (`gemm_bf16` dispatches here).
+#include "common.h"
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_on = 0;
+
+// Ask Linux for the AMX tile state (once per process); 1 if AMX now runs, 0 if off or refused.
+int amx_enable(int want) {
+    amx_on = want && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_on;
+}
+
+int amx_serves(int N, int K) { return amx_on && N % 16 == 0 && K % 32 == 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+// tiles 0-3: C, four 16 x 16 fp32 blocks of y.T; 4: B, x packed; 5, 6: A, weight blocks
+static void configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+
+// x rows [m0, m0 + 16) -> pack[kb][p][m][2] = x[m0 + m][32 kb + 2p + {0, 1}] (zero past M)
+static void pack_x(const uint16_t *x, int64_t ldx, int m0, int M, int K, uint16_t *pack) {
+    int rows = M - m0 < 16 ? M - m0 : 16;
+    memset(pack, 0, (size_t)K * 16 * sizeof(uint16_t));
+    for (int m = 0; m < rows; m++) {
+        const uint32_t *src = (const uint32_t *)(x + (int64_t)(m0 + m) * ldx);  // pairs of K
+        uint32_t *dst = (uint32_t *)pack;
+        for (int kp = 0; kp < K / 2; kp++) dst[(kp / 16) * 256 + (kp % 16) * 16 + m] = src[kp];
+    }
+}
+
+// y[m0 + m, n0 + i] = bf16(c[i][m] + bias[n0 + i]) for the rows present
+static void store_block(const float *c, const uint16_t *bias, int n0, int m0, int M, uint16_t *y, int64_t ldy) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    __m512 b = bias ? bf16x16_to_ps(bias + n0) : _mm512_setzero_ps();
+    int rows = M - m0 < 16 ? M - m0 : 16;
+    for (int m = 0; m < rows; m++) {
+        __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), c, 4);
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(m0 + m) * ldy + n0), to_bf16x16(_mm512_add_ps(v, b)));
+    }
+}
+
+#define DP(C, A, J)                                                                        \
+    do {                                                                                   \
+        _tile_loadd(A, w + (int64_t)(n0 + 16 * (J)) * ldw + 32 * kb, ldw * 2);             \
+        _tile_dpbf16ps(C, A, 4);                                                           \
+    } while (0)
+
+void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
+              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
+    int mblocks = (M + 15) / 16, kblocks = K / 32, nblocks = N / 16;
+    uint16_t *pack = aligned_alloc(64, (size_t)mblocks * K * 16 * sizeof(uint16_t));
+    for (int mb = 0; mb < mblocks; mb++) pack_x(x, ldx, 16 * mb, M, K, pack + (size_t)mb * K * 16);
+    int groups = (nblocks + 3) / 4;  // four 16-column blocks of the weight per task
+#pragma omp parallel num_threads(nthreads)
+    {
+        configure();
+        float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            int n0 = 64 * g, blocks = nblocks - 4 * g < 4 ? nblocks - 4 * g : 4;
+            for (int mb = 0; mb < mblocks; mb++) {
+                const uint16_t *p = pack + (size_t)mb * K * 16;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int kb = 0; kb < kblocks; kb++) {
+                    _tile_loadd(4, p + 512 * kb, 64);
+                    DP(0, 5, 0);
+                    if (blocks > 1) DP(1, 6, 1);
+                    if (blocks > 2) DP(2, 5, 2);
+                    if (blocks > 3) DP(3, 6, 3);
+                }
+                _tile_stored(0, c[0], 64);
+                if (blocks > 1) _tile_stored(1, c[1], 64);
+                if (blocks > 2) _tile_stored(2, c[2], 64);
+                if (blocks > 3) _tile_stored(3, c[3], 64);
+                for (int j = 0; j < blocks; j++) store_block(c[j], bias, n0 + 16 * j, 16 * mb, M, y, ldy);
+            }
+        }
+        _tile_release();
+    }
+    free(pack);
+}
