@@ -9,7 +9,9 @@
 // 32 of K each) and x the B operand (x packed in pairs of K, one tile column per row m, 16
 // at most; unused columns are zero). Element (n, m) is one TDPBF16PS accumulation chain over
 // K in 32-wide steps from k = 0; it reads only weight row n and x row m, whatever M is and
-// whichever tile column the row lands in. Then the bias in fp32 and one round to bf16
+// whichever tile column the row lands in, and whether its 16-row block of x is multiplied
+// alone or paired with the next one (17 rows and more: each weight tile is loaded once for
+// two blocks of x, the same instruction per element). Then the bias in fp32 and one round to bf16
 // (nearest even), as in gemm_bf16.c. So a token's row is bit-identical alone (a plain step)
 // or inside a tree. The sums differ from gemm_bf16.c's (another reduction order), so a
 // machine uses one of the two for every call of a given shape: the choice depends on the
@@ -38,12 +40,14 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-// tiles 0-3: C, four 16 x 16 fp32 blocks of y.T; 4: B, x packed; 5, 6: A, weight blocks
+// Every tile is 16 rows of 64 bytes. One 16-row block of x: tiles 0-3 C (four 16 x 16 fp32
+// blocks of y.T), 4 B (x packed), 5-6 A (weight blocks). Two blocks of x (17-32 rows, each
+// weight block loaded once for both): 0-3 C (2 weight blocks x 2 x blocks), 4-5 B, 6-7 A.
 static void configure(void) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 7; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
     _tile_loadconfig(&c);
 }
 
@@ -81,16 +85,47 @@ void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, co
     int mblocks = (M + 15) / 16, kblocks = K / 32, nblocks = N / 16;
     uint16_t *pack = aligned_alloc(64, (size_t)mblocks * K * 16 * sizeof(uint16_t));
     for (int mb = 0; mb < mblocks; mb++) pack_x(x, ldx, 16 * mb, M, K, pack + (size_t)mb * K * 16);
-    int groups = (nblocks + 3) / 4;  // four 16-column blocks of the weight per task
+    int pairs = mblocks / 2;  // x blocks taken two at a time, sharing each weight tile load
+    int groups = (nblocks + 3) / 4;   // tasks of four 16-column weight blocks (one x block)
+    int pgroups = (nblocks + 1) / 2;  // tasks of two (a pair of x blocks)
 #pragma omp parallel num_threads(nthreads)
     {
         configure();
         float c[4][256] __attribute__((aligned(64)));
+        if (pairs) {
 #pragma omp for schedule(static)
-        for (int g = 0; g < groups; g++) {
-            int n0 = 64 * g, blocks = nblocks - 4 * g < 4 ? nblocks - 4 * g : 4;
-            for (int mb = 0; mb < mblocks; mb++) {
-                const uint16_t *p = pack + (size_t)mb * K * 16;
+            for (int g = 0; g < pgroups; g++) {
+                int n0 = 32 * g, two = nblocks - 2 * g > 1;
+                for (int pr = 0; pr < pairs; pr++) {
+                    const uint16_t *p0 = pack + (size_t)(2 * pr) * K * 16, *p1 = p0 + (size_t)K * 16;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int kb = 0; kb < kblocks; kb++) {
+                        _tile_loadd(4, p0 + 512 * kb, 64);
+                        _tile_loadd(5, p1 + 512 * kb, 64);
+                        _tile_loadd(6, w + (int64_t)n0 * ldw + 32 * kb, ldw * 2);
+                        _tile_dpbf16ps(0, 6, 4);
+                        _tile_dpbf16ps(1, 6, 5);
+                        if (two) {
+                            _tile_loadd(7, w + (int64_t)(n0 + 16) * ldw + 32 * kb, ldw * 2);
+                            _tile_dpbf16ps(2, 7, 4);
+                            _tile_dpbf16ps(3, 7, 5);
+                        }
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (two) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
+                    for (int j = 0; j <= two; j++)
+                        for (int h = 0; h < 2; h++)
+                            store_block(c[2 * j + h], bias, n0 + 16 * j, 16 * (2 * pr + h), M, y, ldy);
+                }
+            }
+        }
+        if (mblocks % 2) {  // the last (or only) block of x alone
+            int mb = mblocks - 1;
+            const uint16_t *p = pack + (size_t)mb * K * 16;
+#pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++) {
+                int n0 = 64 * g, blocks = nblocks - 4 * g < 4 ? nblocks - 4 * g : 4;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int kb = 0; kb < kblocks; kb++) {
                     _tile_loadd(4, p + 512 * kb, 64);
