@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from core import cache as kv
+from core import native
 from core.clock import median_time
 from core.threads import set_threads
 from core.config import GenerationConfig, TreeConfig
@@ -31,7 +32,8 @@ from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
 from core.lookup import DEFAULT_TOKENS, chain_tree
 from core.tree import catch_up, draft_dynamic, tree_from_parents
-from core.treestore import TREE_FILE, save_tuned, shipped_tree, tuned_path, tuned_tree  # noqa: F401 (re-exported)
+from core.treestore import (TREE_FILE, save_tuned, shipped_tree, shipped_tree_path, tuned_path,  # noqa: F401
+                            tuned_tree)  # (re-exported)
 
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
@@ -388,7 +390,9 @@ def main(argv=None) -> None:
     p.add_argument("--confirm", type=int, default=4, metavar="N",
                    help="answer the calibration prompts end to end with the model's N best trees and keep "
                         "the fastest (0 = trust the cost model; default 4)")
-    p.add_argument("--ship", action="store_true", help=f"also write the choice to {TREE_FILE} beside the head")
+    p.add_argument("--ship", action="store_true",
+                   help=f"also write the choice beside the head: to tree.<gemm>.json where the head has one for "
+                        f"this machine's GEMM (amx, avx512), else to {TREE_FILE}")
     a = p.parse_args(argv)
     set_threads(a.threads)
     engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
@@ -410,8 +414,10 @@ def main(argv=None) -> None:
         from core.engine import default_head
 
         folder = Path(a.head if a.head != "default" else default_head(a.model))
-        (folder / TREE_FILE).write_text(json.dumps(asdict(tree)) + "\n")
-        print(f"wrote {folder / TREE_FILE}")
+        gemm = native.gemm_kind() if str(engine.target.device).startswith("cpu") else None
+        path = shipped_tree_path(folder, gemm)  # the file machines like this one read
+        path.write_text(json.dumps(asdict(tree)) + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ class NativeStatus:
     def describe(self) -> str:
         if not self.available:
             return f"torch kernels ({self.reason})"
-        gemm = "AMX bf16 GEMM" if self.amx else "AVX-512 bf16 GEMM"
-        return f"{gemm}, AVX-512 attention and RMSNorm (core/csrc)"
+        if self.amx:
+            return "AMX bf16 GEMM, AVX-512 attention and RMSNorm (core/csrc)"
+        return "AVX-512 bf16 GEMM, attention and RMSNorm (core/csrc)"  # as before AMX: autotune keys hold it
 
 
 def _cpu_flags() -> set[str]:
@@ -157,6 +158,13 @@ def amx_wanted() -> bool:
 
 def status() -> NativeStatus:
     return _library()[1]
+
+
+def gemm_kind() -> str | None:
+    """Which decoding GEMM runs here: "amx", "avx512", or None (torch's kernels). What a verified
+    row costs depends on it, so shipped draft trees may differ by it (core.treestore)."""
+    st = status()
+    return ("amx" if st.amx else "avx512") if st.available else None
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -4,7 +4,10 @@ Below both the engine (which reads the default tree at load) and core.autotune (
 measures and writes it), so neither imports the other. A tree is looked up in order:
   1. tuned on this machine: `~/.cache/eagle-chat/autotune/<key>.json`, keyed by model, head,
      device, dtype, attention, draft vocabulary, thread count and OpenMP wait policy;
-  2. shipped: `tree.json` beside the head (tuned where the head was trained);
+  2. shipped: `tree.<gemm>.json` beside the head where this machine's decoding GEMM
+     (`core.native.gemm_kind()`: "amx", "avx512") has its own tuned tree, else `tree.json`
+     (tuned where the head was trained). A verified row costs about 1.5 ms with the AVX-512
+     GEMM and almost nothing on AMX tiles, so the fastest tree differs between them;
   3. built in: `TreeConfig()`.
 `TreeChoice.origin` says which, so the UI can show it.
 """
@@ -75,9 +78,17 @@ def tuned_tree(engine) -> TreeChoice | None:
         return None
 
 
-def shipped_tree(head_folder) -> TreeConfig | None:
-    """The tree tuned where the head was trained (`tree.json` beside the head), if any."""
-    path = Path(head_folder) / TREE_FILE
+def shipped_tree_path(head_folder, gemm: str | None = None) -> Path:
+    """The shipped tree file that applies to a machine with this GEMM: `tree.<gemm>.json`
+    where the head has one, else `tree.json` (which may not exist)."""
+    folder = Path(head_folder)
+    special = folder / f"{Path(TREE_FILE).stem}.{gemm}.json"
+    return special if gemm and special.is_file() else folder / TREE_FILE
+
+
+def shipped_tree(head_folder, gemm: str | None = None) -> TreeConfig | None:
+    """The tree shipped beside the head for this GEMM (`shipped_tree_path`), if any."""
+    path = shipped_tree_path(head_folder, gemm)
     if not path.is_file():
         return None
     try:
@@ -90,7 +101,10 @@ def default_tree(engine, head_folder) -> TreeChoice:
     tuned = tuned_tree(engine)
     if tuned is not None:
         return tuned
-    shipped = shipped_tree(head_folder) if head_folder else None
+    gemm = native.gemm_kind() if str(engine.target.device).startswith("cpu") else None
+    shipped = shipped_tree(head_folder, gemm) if head_folder else None
     if shipped is not None:
-        return TreeChoice(shipped, "shipped with the head")
+        path = shipped_tree_path(head_folder, gemm)
+        return TreeChoice(shipped, "shipped with the head" if path.name == TREE_FILE
+                          else f"shipped with the head for the {gemm} GEMM ({path.name})")
     return TreeChoice(TreeConfig(), BUILT_IN)

@@ -120,6 +120,35 @@ def test_shipped_tree_beside_head(tmp_path):
         shipped_tree(tmp_path)
 
 
+def test_a_tree_shipped_for_this_machines_gemm_wins_over_tree_json(tmp_path, monkeypatch):
+    """tree.<gemm>.json beside the head serves machines with that decoding GEMM (a verified row
+    is dear with AVX-512, nearly free on AMX tiles); tree.json serves every other machine."""
+    from types import SimpleNamespace
+
+    from core import native, treestore
+
+    (tmp_path / "tree.json").write_text('{"depth": 5, "top_k": 8, "total_tokens": 16}')
+    (tmp_path / "tree.avx512.json").write_text('{"depth": 4, "top_k": 6, "total_tokens": 10}')
+    assert treestore.shipped_tree(tmp_path, "avx512") == TreeConfig(4, 6, 10)
+    assert treestore.shipped_tree(tmp_path, "amx") == TreeConfig(5, 8, 16)  # no tree.amx.json: tree.json
+    assert treestore.shipped_tree(tmp_path) == TreeConfig(5, 8, 16)
+    assert treestore.shipped_tree_path(tmp_path, "amx").name == "tree.json"
+
+    monkeypatch.setattr(treestore, "tuned_tree", lambda engine: None)  # nothing tuned on this machine
+    cpu, gpu = (SimpleNamespace(target=SimpleNamespace(device=d)) for d in ("cpu", "cuda:0"))
+    monkeypatch.setattr(native, "gemm_kind", lambda: "avx512")
+    choice = treestore.default_tree(cpu, tmp_path)
+    assert choice.tree == TreeConfig(4, 6, 10) and "avx512 GEMM (tree.avx512.json)" in choice.origin
+    assert treestore.default_tree(gpu, tmp_path).tree == TreeConfig(5, 8, 16)  # the CPU's GEMM is not the GPU's
+    monkeypatch.setattr(native, "gemm_kind", lambda: "amx")
+    choice = treestore.default_tree(cpu, tmp_path)
+    assert choice.tree == TreeConfig(5, 8, 16) and choice.origin == "shipped with the head"
+    (tmp_path / "tree.avx512.json").write_text('{"depth": 4, "top_k": 6')
+    monkeypatch.setattr(native, "gemm_kind", lambda: "avx512")
+    with pytest.raises(treestore.TreeFileError, match="tree.avx512.json is not a valid tree setting"):
+        treestore.default_tree(cpu, tmp_path)
+
+
 def test_long_context_caps_shrink_the_tree_as_each_row_attends_to_more():
     """attend_s: every row of a call pays for every context token; the caps choose smaller trees
     where that makes rows dear, and nothing where it does not."""
