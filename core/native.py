@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-fopenmp",
-         "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # gcc >= 11; an older compiler builds the rest without AMX
 # Calls with more rows use torch's GEMM (a long prefill, where oneDNN's compute-bound kernels
 # win). It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
 # lookup chain), so every tree row and every plain step goes through this kernel.
@@ -79,7 +79,9 @@ def _cpu_flags() -> set[str]:
 
 
 def _build() -> Path:
-    """Compile the kernel (once per source, flags and compiler) and return the library path."""
+    """Compile the kernels (once per source, flags and compiler) and return the library path.
+    With AMX flags first; where the compiler refuses them, without (csrc/gemm_amx.c then
+    builds stubs and the AVX-512 GEMM serves every shape)."""
     from core.models import cache_home
 
     cc = shutil.which(os.environ.get("CC", "gcc"))
@@ -88,16 +90,21 @@ def _build() -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     sources = sorted(CSRC.glob("*.c"))
     text = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
-    key = hashlib.sha1(text + " ".join(FLAGS + tuple(version)).encode()).hexdigest()[:12]
-    lib = cache_home() / "kernels" / f"decode-{key}.so"
-    if not lib.is_file():
+    problem = ""
+    for flags in (FLAGS + AMX_FLAGS, FLAGS):
+        key = hashlib.sha1(text + " ".join(flags + tuple(version)).encode()).hexdigest()[:12]
+        lib = cache_home() / "kernels" / f"decode-{key}.so"
+        if lib.is_file():
+            return lib
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"gcc failed: {done.stderr.strip()[-300:]}")
-        os.replace(tmp, lib)
-    return lib
+        done = subprocess.run([cc, *flags, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True)
+        if done.returncode == 0:
+            os.replace(tmp, lib)
+            return lib
+        tmp.unlink(missing_ok=True)
+        problem = done.stderr.strip()[-300:]
+    raise RuntimeError(f"gcc failed: {problem}")
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,25 @@ def test_amx_and_avx512_gemms_are_each_row_invariant_and_agree(monkeypatch):
     assert torch.equal(native.linear(x[39:40], w, b)[0], amx[39])
 
 
+@needs_kernel
+def test_a_compiler_without_amx_flags_still_builds_the_avx512_kernels(monkeypatch, tmp_path):
+    """gcc < 11 refuses -mamx-tile: the build retries without AMX (gemm_amx.c becomes stubs)."""
+    import core.models
+
+    monkeypatch.setattr(native, "AMX_FLAGS", ("-mno-such-amx-flag",))
+    monkeypatch.setattr(core.models, "cache_home", lambda: tmp_path)
+    native._library.cache_clear()
+    try:
+        st = native.status()
+        assert st.available and not st.amx and "AVX-512 bf16 GEMM" in st.describe()
+        assert len(list((tmp_path / "kernels").glob("decode-*.so"))) == 1  # the second attempt only
+        gen = torch.Generator().manual_seed(5)
+        x, w = torch.randn(17, 576, generator=gen).bfloat16(), torch.randn(64, 576, generator=gen).bfloat16()
+        assert torch.equal(native.linear(x[3:4], w)[0], native.linear(x, w)[3])
+    finally:
+        native._library.cache_clear()
+
+
 def test_a_failed_build_falls_back_with_the_reason(monkeypatch):
     monkeypatch.delenv(native.OFF_ENV, raising=False)
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})

@@ -21,6 +21,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#ifndef __AMX_TILE__  // a compiler without -mamx-tile (gcc < 11): stubs, the AVX-512 GEMM serves every shape
+int amx_enable(int want) { (void)want; return 0; }
+int amx_serves(int N, int K) { (void)N; (void)K; return 0; }
+void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
+              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
+    (void)x; (void)ldx; (void)w; (void)ldw; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K; (void)nthreads;
+}
+#else
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -145,3 +154,4 @@ void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, co
     }
     free(pack);
 }
+#endif  // __AMX_TILE__
