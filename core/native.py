@@ -15,8 +15,8 @@ AMX (csrc/gemm_amx.c): on CPUs with AMX bf16 tiles (Intel Sapphire Rapids and la
 runs on tiles for every shape with K % 32 == 0 and N % 16 == 0, again one fixed accumulation
 chain per output element, so up to 16 rows cost what one does. The AVX-512 kernel costs about
 1.5 ms per extra row of a 135M model on two cores, which made a 10-token verification 1.5
-plain steps; on tiles it is 1.1 (autotune, SmolLM2, 2 threads: 24.1 ms for 1 token, 27.0 for
-10, 28.9 for 16, against 25.8 / 39.4 / 49.0). The two kernels sum in different orders, so
+plain steps; on tiles it is 1.15 (autotune, SmolLM2, 2 threads: 23.4 ms for 1 token, 26.9 for
+10, 28.5 for 16, against 25.8 / 39.4 / 49.0). The two kernels sum in different orders, so
 which one runs is fixed per machine and shape, never per call. `EAGLE_CHAT_AMX=0` keeps the
 AVX-512 GEMM.
 
