@@ -126,6 +126,9 @@ def test_amx_and_avx512_gemms_are_each_row_invariant_and_agree(monkeypatch):
     for m in (1, 2, 15, 16, 17, 31, 33):  # one and several 16-row tile columns
         assert torch.equal(native.linear(x[:m], w, b), amx[:m]), m
     assert torch.equal(native.linear(x[39:40], w, b)[0], amx[39])
+    wide = torch.zeros(40, 579, dtype=torch.bfloat16)
+    wide[:, 1:577] = x  # rows that start one element (2 bytes) past an aligned address, odd stride
+    assert torch.equal(native.linear(wide[:, 1:577], w, b), amx)
 
 
 @needs_kernel

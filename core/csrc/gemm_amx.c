@@ -64,10 +64,13 @@ static void configure(void) {
 static void pack_x(const uint16_t *x, int64_t ldx, int m0, int M, int K, uint16_t *pack) {
     int rows = M - m0 < 16 ? M - m0 : 16;
     memset(pack, 0, (size_t)K * 16 * sizeof(uint16_t));
-    for (int m = 0; m < rows; m++) {
-        const uint32_t *src = (const uint32_t *)(x + (int64_t)(m0 + m) * ldx);  // pairs of K
-        uint32_t *dst = (uint32_t *)pack;
-        for (int kp = 0; kp < K / 2; kp++) dst[(kp / 16) * 256 + (kp % 16) * 16 + m] = src[kp];
+    for (int m = 0; m < rows; m++) {  // 16-bit accesses: a row of x may start at any element
+        const uint16_t *src = x + (int64_t)(m0 + m) * ldx;
+        for (int kp = 0; kp < K / 2; kp++) {
+            uint16_t *dst = pack + 2 * ((kp / 16) * 256 + (kp % 16) * 16 + m);
+            dst[0] = src[2 * kp];
+            dst[1] = src[2 * kp + 1];
+        }
     }
 }
 
