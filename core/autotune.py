@@ -24,7 +24,6 @@ import torch
 from tqdm import tqdm
 
 from core import cache as kv
-from core import native
 from core.clock import median_time
 from core.threads import set_threads
 from core.config import GenerationConfig, TreeConfig
@@ -32,8 +31,8 @@ from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
 from core.lookup import DEFAULT_TOKENS, chain_tree
 from core.tree import catch_up, draft_dynamic, tree_from_parents
-from core.treestore import (TREE_FILE, save_tuned, shipped_tree, shipped_tree_path, tuned_path,  # noqa: F401
-                            tuned_tree)  # (re-exported)
+from core.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped_tree, shipped_tree_path,  # noqa: F401
+                            tuned_path, tuned_tree)  # (re-exported)
 
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
@@ -414,8 +413,7 @@ def main(argv=None) -> None:
         from core.engine import default_head
 
         folder = Path(a.head if a.head != "default" else default_head(a.model))
-        gemm = native.gemm_kind() if str(engine.target.device).startswith("cpu") else None
-        path = shipped_tree_path(folder, gemm)  # the file machines like this one read
+        path = shipped_tree_path(folder, engine_gemm(engine))  # the file machines like this one read
         path.write_text(json.dumps(asdict(tree)) + "\n")
         print(f"wrote {path}")
 

@@ -78,6 +78,11 @@ def tuned_tree(engine) -> TreeChoice | None:
         return None
 
 
+def engine_gemm(engine) -> str | None:
+    """The decoding GEMM this engine's target runs on ("amx", "avx512"), None off the CPU."""
+    return native.gemm_kind() if str(engine.target.device).startswith("cpu") else None
+
+
 def shipped_tree_path(head_folder, gemm: str | None = None) -> Path:
     """The shipped tree file that applies to a machine with this GEMM: `tree.<gemm>.json`
     where the head has one, else `tree.json` (which may not exist)."""
@@ -86,9 +91,7 @@ def shipped_tree_path(head_folder, gemm: str | None = None) -> Path:
     return special if gemm and special.is_file() else folder / TREE_FILE
 
 
-def shipped_tree(head_folder, gemm: str | None = None) -> TreeConfig | None:
-    """The tree shipped beside the head for this GEMM (`shipped_tree_path`), if any."""
-    path = shipped_tree_path(head_folder, gemm)
+def _read_tree(path: Path) -> TreeConfig | None:
     if not path.is_file():
         return None
     try:
@@ -97,14 +100,20 @@ def shipped_tree(head_folder, gemm: str | None = None) -> TreeConfig | None:
         raise TreeFileError(f"{path} is not a valid tree setting: {e}") from e
 
 
+def shipped_tree(head_folder, gemm: str | None = None) -> TreeConfig | None:
+    """The tree shipped beside the head for this GEMM (`shipped_tree_path`), if any."""
+    return _read_tree(shipped_tree_path(head_folder, gemm))
+
+
 def default_tree(engine, head_folder) -> TreeChoice:
     tuned = tuned_tree(engine)
     if tuned is not None:
         return tuned
-    gemm = native.gemm_kind() if str(engine.target.device).startswith("cpu") else None
-    shipped = shipped_tree(head_folder, gemm) if head_folder else None
-    if shipped is not None:
+    if head_folder:
+        gemm = engine_gemm(engine)
         path = shipped_tree_path(head_folder, gemm)
-        return TreeChoice(shipped, "shipped with the head" if path.name == TREE_FILE
-                          else f"shipped with the head for the {gemm} GEMM ({path.name})")
+        shipped = _read_tree(path)
+        if shipped is not None:
+            return TreeChoice(shipped, "shipped with the head" if path.name == TREE_FILE
+                              else f"shipped with the head for the {gemm} GEMM ({path.name})")
     return TreeChoice(TreeConfig(), BUILT_IN)
