@@ -1,4 +1,4 @@
-"""Chat through any OpenAI-compatible server: our `python -m core.serve`, vLLM or SGLang.
+"""Chat through any OpenAI-compatible server: our `python -m core.serve`, vLLM, SGLang or llama.cpp.
 
 Streams /v1/chat/completions with httpx and reads what the server reports about speculation:
   eagle-chat  the `eagle` field of every chunk: this answer's totals (see core/serve.py)
@@ -8,6 +8,11 @@ Streams /v1/chat/completions with httpx and reads what the server reports about 
   SGLang      per request: spec_verify_ct (verification passes), spec_accept_length (tokens
               per pass), spec_num_correct_drafts, in `sglext.spec_tokens_details` (asked for
               with return_spec_tokens_details) or in a native `meta_info`
+  llama.cpp   per request, `llama-server`'s `timings` object (on the last chunk, and on every
+              chunk when asked with timings_per_token): predicted_n tokens, and while it
+              speculates draft_n drafted and draft_n_accepted accepted tokens. Each target
+              forward yields one token the draft did not supply, so forwards = predicted_n -
+              draft_n_accepted (the prompt's forward, which yields the first token, included)
 Any other server streams text only. tau is tokens per target forward (vLLM and SGLang call it
 the mean acceptance length; it counts the bonus token).
 """
@@ -25,6 +30,7 @@ import httpx
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_POLL_S = 1.0  # how often /metrics is read while an answer streams
+KINDS = {"eagle-chat": "eagle-chat", "vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}  # owned_by -> kind
 METRIC_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
@@ -36,7 +42,7 @@ class RemoteError(RuntimeError):
 class ServerInfo:
     url: str                 # base URL without /v1, as shown to the user
     model: str               # the id the server serves (sent with each request)
-    kind: str                # "eagle-chat" | "vllm" | "sglang" | "openai" (anything else)
+    kind: str                # "eagle-chat" | "vllm" | "sglang" | "llama.cpp" | "openai" (anything else)
     max_context: int | None  # when the server says
 
 
@@ -47,6 +53,7 @@ class RemoteStats:
     accepted_draft_tokens: int | None
     target_forwards: int | None        # verification passes of the target
     tau: float | None                  # tokens per target forward
+    draft_tokens: int | None = None    # tokens the draft proposed, where the server says (llama.cpp)
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,18 @@ def sglang_stats(chunk: dict) -> RemoteStats | None:
             tau = d.get("spec_accept_length") or (tokens / verify if tokens else None)
             return RemoteStats("SGLang, this answer", tokens, d.get("spec_num_correct_drafts"), verify, tau)
     return None
+
+
+def llamacpp_stats(chunk: dict) -> RemoteStats | None:
+    t = chunk.get("timings")
+    if not isinstance(t, dict) or not isinstance(t.get("draft_n"), int) or t["draft_n"] <= 0:
+        return None  # draft_n is sent only while the server speculates
+    tokens, accepted = t.get("predicted_n"), t.get("draft_n_accepted")
+    if not isinstance(tokens, int) or not isinstance(accepted, int) or not 0 <= accepted < tokens:
+        return None
+    forwards = tokens - accepted  # every forward yields one token the draft did not supply
+    return RemoteStats("llama.cpp timings, this answer", tokens, accepted, forwards, tokens / forwards,
+                       draft_tokens=t["draft_n"])
 
 
 def vllm_stats(before: dict[str, float], after: dict[str, float]) -> RemoteStats | None:
@@ -139,8 +158,9 @@ class RemoteBackend:
             raise RemoteError(f"the server at {self.url} lists no model at /v1/models: is it an "
                               "OpenAI-compatible server?") from e
         owner = str(models[0].get("owned_by", "")).lower()
-        kind = next((k for k in ("eagle-chat", "vllm", "sglang") if k in owner), "openai")
-        self.info = ServerInfo(self.url, models[0]["id"], kind, models[0].get("max_model_len"))
+        kind = next((kind for k, kind in KINDS.items() if k in owner), "openai")
+        meta = models[0].get("meta") if isinstance(models[0].get("meta"), dict) else {}
+        self.info = ServerInfo(self.url, models[0]["id"], kind, models[0].get("max_model_len") or meta.get("n_ctx"))
         return self.info
 
     def _metrics(self) -> dict[str, float] | None:
@@ -157,7 +177,8 @@ class RemoteBackend:
         body = {"model": info.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "stream": True, "stream_options": {"include_usage": True},
                 **({"seed": seed} if seed is not None else {}), **({"stop": list(stop)} if stop else {}),
-                **({"return_spec_tokens_details": True} if info.kind == "sglang" else {})}
+                **({"return_spec_tokens_details": True} if info.kind == "sglang" else {}),
+                **({"timings_per_token": True} if info.kind == "llama.cpp" else {})}
         before = self._metrics() if info.kind == "vllm" else None
         start = polled = time.perf_counter()
         stats, finish, tokens = None, None, None
@@ -168,7 +189,7 @@ class RemoteBackend:
                     raise RemoteError(f"the server at {self.url} refused the request ({r.status_code}): "
                                       f"{_message(r)}")
                 for chunk in self._chunks(r):
-                    stats = eagle_stats(chunk) or sglang_stats(chunk) or stats
+                    stats = eagle_stats(chunk) or sglang_stats(chunk) or llamacpp_stats(chunk) or stats
                     tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
                     if before is not None and time.perf_counter() - polled > VLLM_POLL_S:
                         stats, polled = vllm_stats(before, self._metrics() or before) or stats, time.perf_counter()
@@ -209,14 +230,21 @@ class RemoteBackend:
         self.client.close()
 
 
+def _drafts(stats: RemoteStats) -> str | None:
+    if stats.accepted_draft_tokens is None:
+        return None
+    if stats.draft_tokens is None:
+        return f"{stats.accepted_draft_tokens} accepted draft tokens"
+    return f"{stats.accepted_draft_tokens} of {stats.draft_tokens} drafted tokens accepted"
+
+
 def stats_markdown(info: ServerInfo, stats: RemoteStats | None, ev: RemoteEvent | None) -> str:
     """The live panel for a remote answer, clearly labelled as what the server reports."""
     where = f"**remote** · {info.kind} server at {info.url} · model `{info.model}`"
     if stats is None:
         return f"{where}\n\nno speculation statistics from this server"
     parts = [f"**τ {stats.tau:.2f}** tokens per target forward" if stats.tau else None,
-             f"{stats.accepted_draft_tokens} accepted draft tokens" if stats.accepted_draft_tokens is not None
-             else None,
+             _drafts(stats),
              f"{stats.target_forwards} target forwards" if stats.target_forwards is not None else None,
              f"{stats.tokens / ev.elapsed_s:.1f} tok/s" if stats.tokens and ev and ev.elapsed_s > 0 else None]
     return f"{where}\n\n{' · '.join(p for p in parts if p)} ({stats.source})"

@@ -1,9 +1,21 @@
 """OpenAI-compatible HTTP server for the engine: `python -m core.serve [--model M --head H --port P]`.
 
+Numerics are the other entry points' (`--dtype auto --attention auto`: bf16 with exact kernels
+on CPU where the probe passes), so a greedy answer is the same as `core.generate`'s and the app's.
+
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (server-sent
 events with `"stream": true`, one JSON body otherwise), GET /metrics (Prometheus text).
 Request fields: messages | prompt, max_tokens, temperature, top_p, stop, seed, stream,
-stream_options.include_usage, n (1 only); other fields are ignored.
+stream_options.include_usage, n (1 only); other fields are ignored. A chat request without
+max_tokens gets at most --default-max-tokens (512), a completion OpenAI's 16.
+
+Guards (a web page the user visits can POST to localhost, and a busy server must say so):
+  401  --api-key KEY set and no `Authorization: Bearer KEY` (required off loopback hosts)
+  415  a body not sent as `Content-Type: application/json`: a cross-site form or `text/plain`
+       fetch (a CORS "simple request", sent without a preflight) is refused; no CORS headers
+  413  a body over --max-body-bytes (1 MiB)
+  400  a prompt over --max-prompt-tokens (8192) or the model's context
+  429  --max-queue answers already wait behind the running one (with Retry-After)
 
 Extension field `eagle` (every chunk, and the final `usage`), running totals of this answer:
   tokens                 tokens generated so far
@@ -13,46 +25,88 @@ Extension field `eagle` (every chunk, and the final `usage`), running totals of 
   step_tokens, step_draft_tokens   this chunk's tokens and how many of them were drafted
 
 Answers queue on the one engine (a lock held for a whole answer) and every step runs on one
-worker thread inside `torch.inference_mode()`, so the event loop stays free. A client that
-disconnects mid-stream stops its answer within one step.
+worker thread inside `torch.inference_mode()`; tokenising runs on another thread, so the event
+loop stays free. A client that disconnects, streaming or not, stops its answer within one step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import math
+import os
 import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException
+from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
-from core.config import ConfigError, GenerationConfig, SamplingConfig
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from core.config import ATTENTIONS, DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig
 from core.engine import Engine, EngineError, StepEvent
 
 log = logging.getLogger("eagle_chat.serve")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 ROLES = ("system", "user", "assistant")
+API_KEY_ENV = "EAGLE_CHAT_API_KEY"  # --api-key's default: a key on the command line shows in `ps`
 
 
 class ApiError(Exception):
     """A request the API refuses; rendered as OpenAI's {"error": {...}} object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server accepts, validated once; the CLI only parses. The defaults bound one
+    request's work: 1 MiB holds far more text than a context, 8192 tokens is SmolLM2's whole
+    context (a CPU prefill of tens of seconds), 512 tokens a long chat answer."""
+
+    api_key: str | None = None      # clients send `Authorization: Bearer <api_key>`; None: no check
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = 8192   # and never more than the model's context leaves room for
+    default_max_tokens: int = 512   # a chat request without max_tokens
+    max_queue: int = 8              # answers that may wait behind the running one
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key is empty; give a non-empty key, or leave the option out for no key")
+        for name, lo in (("max_body_bytes", 1), ("max_prompt_tokens", 1), ("default_max_tokens", 1),
+                         ("max_queue", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {value!r}")
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: only this machine can connect."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 @dataclass(frozen=True)
@@ -127,7 +181,8 @@ def _prompt_ids(engine: Engine, v) -> list[int]:
                    "prompt")
 
 
-def parse(body, engine: Engine, model_id: str, chat: bool) -> Job:
+def parse(body, engine: Engine, model_id: str, chat: bool, limits: ServeConfig = ServeConfig()) -> Job:
+    """A request body -> a Job; tokenises, so the server calls it off the event loop."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body.get("model") not in (None, model_id):
@@ -147,6 +202,10 @@ def parse(body, engine: Engine, model_id: str, chat: bool) -> Job:
     if room <= 0:
         raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is {engine.max_context} "
                        "tokens; shorten it", "messages" if chat else "prompt", "context_length_exceeded")
+    if len(ids) > limits.max_prompt_tokens:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens but this server accepts at most "
+                       f"{limits.max_prompt_tokens} (its --max-prompt-tokens); shorten the prompt",
+                       "messages" if chat else "prompt", "context_length_exceeded")
     name = "max_completion_tokens" if chat and "max_tokens" not in body else "max_tokens"  # chat has both
     max_tokens = _integer(body, name, 1, 1 << 31)
     if max_tokens is not None and max_tokens > room:
@@ -157,13 +216,57 @@ def parse(body, engine: Engine, model_id: str, chat: bool) -> Job:
     try:
         sampling = SamplingConfig(temperature=_number(body, "temperature", 1.0, 0, 2),
                                   top_p=_number(body, "top_p", 1.0, 0, 1))
-        config = GenerationConfig(max_new_tokens=max_tokens or (room if chat else min(16, room)),
+        default = limits.default_max_tokens if chat else 16  # 16: OpenAI's default for completions
+        config = GenerationConfig(max_new_tokens=max_tokens or min(default, room),
                                   speculative=engine.has_head, tree=engine.default_tree, sampling=sampling,
                                   stop_strings=_stops(body.get("stop")), seed=seed)
     except ConfigError as e:
         raise ApiError(400, str(e)) from e
     return Job(chat, tuple(ids), config, body.get("stream", False),
                isinstance(options, dict) and options.get("include_usage") is True)
+
+
+# ---- guards: who may ask, and what the server reads ---------------------------------------
+def check_key(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    fix = "send the header 'Authorization: Bearer <key>' with the key the server was started with (--api-key)"
+    if scheme.lower() != "bearer" or not given.strip():
+        raise ApiError(401, f"this server needs an API key: {fix}", code="missing_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):  # constant time: no guessing by timing
+        raise ApiError(401, f"the API key is wrong: {fix}", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON: only `application/json` (a cross-site page can send text/plain or a form
+    without a CORS preflight, never JSON), and at most `limit` bytes, counted as they arrive."""
+    kind = request.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, f"the request body must be JSON sent with 'Content-Type: application/json', got "
+                       f"{repr(kind) if kind else 'no Content-Type'}; set that header", code="unsupported_media_type")
+    too_big = f"bytes but this server accepts at most {limit} (its --max-body-bytes); send a shorter request"
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body is {int(length)} {too_big}", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a chunked upload has no length to check up front
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over {limit} {too_big}", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body is read by now, so only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---- statistics -------------------------------------------------------------------------
@@ -174,6 +277,8 @@ class Metrics:
             "generated_tokens": ("counter", "Tokens generated."),
             "accepted_draft_tokens": ("counter", "Drafted tokens the target accepted."),
             "target_forwards": ("counter", "Target forward passes (prefill included)."),
+            "disconnected": ("counter", "Answers stopped early because the client disconnected."),
+            "refused_busy": ("counter", "Requests refused with 429 because the queue was full."),
             "tau": ("gauge", "Tokens per target forward in the latest answer.")}
 
     def __init__(self):
@@ -221,33 +326,43 @@ def _step(gen) -> StepEvent | None:
         return next(gen, None)
 
 
-def _collect(gen) -> list[StepEvent]:
-    with torch.inference_mode():
-        return list(gen)
-
-
 class Worker:
-    """The one thread that runs the engine; `lock` queues whole answers in arrival order."""
+    """The one thread that runs the engine; `lock` queues whole answers in arrival order, and at
+    most `max_queue` may wait behind the running one (429 beyond that)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    def __init__(self, engine: Engine, max_queue: int, threads: int | None = None):
+        self.engine, self.max_queue = engine, max_queue
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
+                                       initializer=torch.set_num_threads if threads else None,
+                                       initargs=(threads,) if threads else ())
         self.lock = asyncio.Lock()
+        self.admitted = 0       # answers running or waiting
+        self.answer_s = 1.0     # the last answer's wall time: how soon a place frees up
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    def admit(self) -> None:
+        if self.admitted > self.max_queue:
+            retry = min(600, max(1, math.ceil(self.answer_s)))
+            raise ApiError(429, f"the server is busy: one answer runs and {self.admitted - 1} wait, the most it "
+                           f"queues (its --max-queue); retry in about {retry} s", code="queue_full",
+                           headers={"Retry-After": str(retry)})
+        self.admitted += 1
+
 
 class Answer:
-    """One streamed answer: holds the lock from its first step until close() (idempotent)."""
+    """One admitted answer: a queue place from creation (429 if there is none), the engine lock
+    from its first step; close() gives both back (idempotent)."""
 
-    def __init__(self, worker: Worker, job: Job):
-        self.worker, self.job, self.gen, self.locked = worker, job, None, False
+    def __init__(self, worker: Worker):
+        worker.admit()
+        self.worker, self.gen, self.queued, self.locked, self.started = worker, None, True, False, 0.0
 
-    async def events(self):
+    async def events(self, job: Job):
         await self.worker.lock.acquire()
-        self.locked = True
-        self.gen = self.worker.engine.generate(list(self.job.ids), self.job.config)
+        self.locked, self.started = True, time.perf_counter()
+        self.gen = self.worker.engine.generate(list(job.ids), job.config)
         while (ev := await self.worker.call(_step, self.gen)) is not None:
             yield ev
 
@@ -257,7 +372,11 @@ class Answer:
             self.gen = None
         if self.locked:
             self.locked = False
+            self.worker.answer_s = time.perf_counter() - self.started
             self.worker.lock.release()
+        if self.queued:
+            self.queued = False
+            self.worker.admitted -= 1
 
 
 class SSE(StreamingResponse):
@@ -287,11 +406,11 @@ def _data(obj: dict) -> str:
 
 
 class Api:
-    """The endpoints' logic around one engine: parse, queue, answer, count."""
+    """The endpoints' logic around one engine: check, parse, queue, answer, count."""
 
-    def __init__(self, engine: Engine, model_id: str):
-        self.engine, self.model_id = engine, model_id
-        self.worker, self.metrics = Worker(engine), Metrics()
+    def __init__(self, engine: Engine, model_id: str, limits: ServeConfig, threads: int | None = None):
+        self.engine, self.model_id, self.limits = engine, model_id, limits
+        self.worker, self.metrics = Worker(engine, limits.max_queue, threads), Metrics()
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
@@ -302,25 +421,49 @@ class Api:
 
     async def complete(self, request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from e
-        job = parse(body, self.engine, self.model_id, chat)
+            body = await read_json(request, self.limits.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)  # gone mid-upload: nobody reads a reply
+        try:
+            answer = Answer(self.worker)
+        except ApiError:
+            self.metrics.values["refused_busy"] += 1
+            raise
+        try:
+            job = await asyncio.to_thread(parse, body, self.engine, self.model_id, chat, self.limits)
+        except BaseException:
+            answer.close()
+            raise
         self.metrics.values["requests"] += 1
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_id}
         if not job.stream:
-            return await self.whole(job, {**head, "object": "chat.completion" if chat else "text_completion"})
-        answer = Answer(self.worker, job)
+            return await self.whole(request, job, answer,
+                                    {**head, "object": "chat.completion" if chat else "text_completion"})
         chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         return SSE(self.stream(job, answer, chunk_head), answer.close)
 
-    async def whole(self, job: Job, head: dict) -> dict:
-        async with self.worker.lock:
-            events = await self.worker.call(_collect, self.engine.generate(list(job.ids), job.config))
-        tally = Tally(self.metrics)
-        for ev in events:
-            tally.add(ev)
+    async def whole(self, request: Request, job: Job, answer: Answer, head: dict):
+        """One JSON answer, stopped within one step if the client disconnects while it waits."""
+        tally, events = Tally(self.metrics), []
+
+        async def run():
+            async for ev in answer.events(job):
+                tally.add(ev)
+                events.append(ev)
+
+        work, gone = asyncio.ensure_future(run()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, gone):
+                task.cancel()
+            answer.close()
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if work.cancelled():  # the client went first
+            self.metrics.values["disconnected"] += 1
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        work.result()  # an engine error -> the 500 handler
         text = "".join(ev.text for ev in events)
         return {**head, "choices": [_choice(job, text, FINISH.get(events[-1].finish_reason), delta=False)],
                 "usage": tally.usage(len(job.ids)), "eagle": tally.eagle}
@@ -331,7 +474,7 @@ class Api:
             if job.chat:
                 yield _data({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}]})
-            async for ev in answer.events():
+            async for ev in answer.events(job):
                 yield _data({**head, "choices": [_choice(job, ev.text, FINISH.get(ev.finish_reason), True)],
                              "eagle": tally.add(ev)})
             if job.include_usage:
@@ -345,10 +488,18 @@ class Api:
             answer.close()
 
 
-def build_app(engine: Engine, model_id: str | None = None) -> FastAPI:
-    """The API around a loaded engine (also used by tests and `launcher.py --api`)."""
-    api = Api(engine, model_id or engine.target.name)
-    app = FastAPI(title="eagle-chat", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(engine: Engine, model_id: str | None = None, limits: ServeConfig = ServeConfig(),
+              threads: int | None = None) -> FastAPI:
+    """The API around a loaded engine (also used by tests and `launcher.py --api`). `threads`:
+    torch threads of the engine's worker thread (None: the process's setting). No CORS
+    middleware: browsers then refuse cross-site pages' JSON requests at the preflight."""
+    api = Api(engine, model_id or engine.target.name, limits, threads)
+
+    async def authorized(request: Request) -> None:
+        check_key(request, limits.api_key)
+
+    app = FastAPI(title="eagle-chat", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authorized)])
     app.state.api = api
 
     @app.exception_handler(ApiError)
@@ -357,7 +508,7 @@ def build_app(engine: Engine, model_id: str | None = None) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):
-        return ApiError(e.status_code, str(e.detail)).response()
+        return ApiError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def server_error(_, e: Exception):
@@ -378,32 +529,80 @@ def build_app(engine: Engine, model_id: str | None = None) -> FastAPI:
     return app
 
 
-def main(argv=None) -> int:
-    import uvicorn
-
-    from core.head import HeadLoadError
-    from core.models import EMBEDDED, ModelLoadError
+def parse_args(argv=None) -> argparse.Namespace:
+    from core.models import EMBEDDED
 
     p = argparse.ArgumentParser(prog="python -m core.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=EMBEDDED, help="'smollm2' (embedded), a hub id or a local folder")
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = the model's "
                    "shipped or catalogue head; 'none' = plain decoding")
     p.add_argument("--served-model-name", default=None, help="the model id clients send [default: --model]")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto (CPU: bf16 with exact kernels where the probe "
+                   "passes, else fp32), float32, bfloat16, float16: as core.generate and the app")
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
+                   "quiet machine, the idle ones on a busy one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--load-in-4bit", action="store_true")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; any but a loopback one "
+                   "(127.0.0.1, ::1, localhost) needs --api-key")
     p.add_argument("--port", type=int, default=8000)
-    a = p.parse_args(argv)
+    p.add_argument("--api-key", default=None, metavar="KEY", help="clients must send 'Authorization: Bearer "
+                   f"KEY' [default: ${API_KEY_ENV}, which keeps the key out of the process list]")
+    d = ServeConfig()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="413 above [%(default)s]")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="400 above [%(default)s]")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="max_tokens of a chat request that gives none [%(default)s]")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="answers that may wait behind the running one; 429 beyond [%(default)s]")
+    return p.parse_args(argv)
+
+
+def check_args(a: argparse.Namespace) -> ServeConfig:
+    """Everything that can be refused without the model, refused before it loads (seconds)."""
+    if a.threads is not None and a.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {a.threads}")
+    if a.dtype not in DTYPE_NAMES:
+        raise ConfigError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    if not 0 <= a.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {a.port}")
+    key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    limits = ServeConfig(api_key=key, max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens,
+                         default_max_tokens=a.default_max_tokens, max_queue=a.max_queue)
+    if key is None and not is_loopback(a.host):
+        raise ConfigError(f"--host {a.host} is not a loopback address, so anyone who can reach this machine "
+                          f"could use the API: give --api-key KEY (or set {API_KEY_ENV}; clients then send "
+                          "'Authorization: Bearer KEY'), or serve on --host 127.0.0.1")
+    return limits
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    from core.head import HeadLoadError
+    from core.models import ModelLoadError
+
+    a = parse_args(argv)
     try:
-        engine = Engine.load(a.model, None if a.head == "none" else a.head, dtype=a.dtype, device=a.device,
-                             load_in_4bit=a.load_in_4bit)
-    except (ModelLoadError, HeadLoadError, ConfigError) as e:
+        limits = check_args(a)
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = build_app(engine, a.served_model_name or a.model)
+    threads = set_threads(a.threads)
+    try:
+        engine = Engine.load(a.model, None if a.head == "none" else a.head, dtype=a.dtype, attention=a.attention,
+                             device=a.device, load_in_4bit=a.load_in_4bit)
+    except (ModelLoadError, HeadLoadError, ConfigError, EngineError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = build_app(engine, a.served_model_name or a.model, limits, threads)
+    print(f"[numerics] {engine.numerics.describe()}", file=sys.stderr)
+    print(f"[threads] {threads} torch threads ({THREAD_POLICY.wait} wait)", file=sys.stderr, flush=True)
     print(f"eagle-chat API at http://{a.host}:{a.port}/v1 (model {a.served_model_name or a.model!r}, "
-          f"{'EAGLE head' if engine.has_head else 'plain decoding'})", flush=True)
+          f"{'EAGLE head' if engine.has_head else 'plain decoding'}"
+          f"{', API key required' if limits.api_key else ''})", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import gradio as gr
 import httpx
@@ -152,6 +153,13 @@ def test_launcher_backend_flag(server, tmp_path):
         app.stop()
 
 
+def listening(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
 def test_launcher_api_flag_serves_the_model(server, tmp_path):
     import openai
 
@@ -165,6 +173,10 @@ def test_launcher_api_flag_serves_the_model(server, tmp_path):
             if "API at" in line or "error" in line:
                 break
         assert f"eagle-chat API at http://127.0.0.1:{port}/v1" in line, line
+        deadline = time.time() + 30  # the line is printed just before uvicorn binds the port
+        while not listening(f"http://127.0.0.1:{port}/v1/models"):
+            assert time.time() < deadline and proc.poll() is None, "the API did not start listening"
+            time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model=str(server.model), messages=[{"role": "user", "content": "w5"}],
                                                max_tokens=8, temperature=0)

@@ -18,7 +18,11 @@ import pytest
 import torch
 import uvicorn
 
-from app.remote import RemoteBackend, RemoteError, parse_metrics, sglang_stats, vllm_stats
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from app.remote import (RemoteBackend, RemoteError, llamacpp_stats, parse_metrics, sglang_stats, stats_markdown,
+                        vllm_stats)
 from core.config import GenerationConfig
 from core.engine import Engine
 from core.head import save_head
@@ -149,7 +153,7 @@ BAD = [  # (body, status, param or code in the error)
 @pytest.mark.parametrize("body,status,where", BAD)
 def test_bad_requests_get_openai_errors_with_messages(served, body, status, where):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(served[0] + "/v1/chat/completions", content=content)
+    r = httpx.post(served[0] + "/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
     err = r.json()["error"]
     assert r.status_code == status and len(err["message"]) > 10 and "Traceback" not in r.text
     assert where is None or where in (err["param"], err["code"])
@@ -193,22 +197,37 @@ def saved_tiny(folder, max_pos: int = 512):
 
 
 class ServeProcess:
-    def __init__(self, model, head, home):
+    """`python -m core.serve` on a free port; `output` holds what it printed until it served."""
+
+    def __init__(self, model, head, home, *args: str, dtype: str | None = "float64"):
         self.url = f"http://127.0.0.1:{free_port()}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "EAGLE_CHAT_HOME": str(home), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "core.serve", "--model", str(model), "--head", str(head),
-                                      "--dtype", "float64", "--served-model-name", "tiny-remote",
-                                      "--port", self.url.rsplit(":", 1)[1]], cwd=ROOT, env=env,
+                                      *(["--dtype", dtype] if dtype else []), "--served-model-name", "tiny-remote",
+                                      "--port", self.url.rsplit(":", 1)[1], *args], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 120
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.time() + 240
         while time.time() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=1).status_code == 200:
+            try:  # any answer (401 with a key) means it serves
+                if httpx.get(self.url + "/v1/models", timeout=1).status_code < 500:
+                    while "API at" not in self.output and time.time() < deadline:  # printed just before
+                        time.sleep(0.05)
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
         self.proc.kill()
-        raise AssertionError(f"core.serve did not start: {self.proc.stdout.read()}")
+        self.proc.wait(timeout=30)
+        raise AssertionError(f"core.serve did not start: {self.output}")
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
 
     def kill(self):
         self.proc.send_signal(signal.SIGKILL)
@@ -276,6 +295,72 @@ def test_vllm_metrics_and_sglang_fields_become_stats():
     assert (got.target_forwards, got.accepted_draft_tokens, got.tau) == (43, 63, 2.465)
     native = sglang_stats({"meta_info": {"spec_verify_ct": 4, "completion_tokens": 10}})
     assert native.tau == 2.5 and sglang_stats({"choices": [{"delta": {}}]}) is None
+
+
+# llama-server's `timings` (tools/server: result_timings::to_json; draft_n and draft_n_accepted only
+# while it speculates), on the last chunk and, with timings_per_token, on every chunk
+LLAMA_TIMINGS = {"cache_n": 0, "prompt_n": 12, "prompt_ms": 40.1, "prompt_per_token_ms": 3.34,
+                 "prompt_per_second": 299.3, "predicted_n": 100, "predicted_ms": 900.0,
+                 "predicted_per_token_ms": 9.0, "predicted_per_second": 111.1, "draft_n": 96, "draft_n_accepted": 60}
+
+
+def test_llamacpp_timings_become_stats():
+    stats = llamacpp_stats({"choices": [], "timings": LLAMA_TIMINGS})
+    # 100 tokens, 60 of them accepted drafts: 40 forwards each gave the one token the draft did not
+    assert (stats.tokens, stats.accepted_draft_tokens, stats.draft_tokens, stats.target_forwards) == (100, 60, 96, 40)
+    assert stats.tau == 2.5 and "llama.cpp" in stats.source
+    plain = {k: v for k, v in LLAMA_TIMINGS.items() if not k.startswith("draft")}
+    assert llamacpp_stats({"timings": plain}) is None and llamacpp_stats({"choices": []}) is None
+    assert llamacpp_stats({"timings": {**LLAMA_TIMINGS, "draft_n_accepted": 100}}) is None, "impossible counts"
+
+
+def fake_llama_server(seen: list) -> FastAPI:
+    """What llama-server streams for a chat (its OpenAI-compatible format), from canned chunks."""
+    app = FastAPI()
+    head = {"id": "chatcmpl-1", "created": 0, "model": "qwen.gguf", "system_fingerprint": "b6000",
+            "object": "chat.completion.chunk"}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "qwen.gguf", "object": "model", "created": 0, "owned_by": "llamacpp",
+                                            "meta": {"n_ctx": 4096, "n_ctx_train": 32768}}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        seen.append(await request.json())
+        early = {**LLAMA_TIMINGS, "predicted_n": 3, "draft_n": 4, "draft_n_accepted": 1}
+        chunks = [{**head, "choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant",
+                                                                                     "content": None}}]},
+                  {**head, "choices": [{"finish_reason": None, "index": 0, "delta": {"content": "Paris is"}}],
+                   "timings": early},
+                  {**head, "choices": [{"finish_reason": None, "index": 0, "delta": {"content": " the capital."}}]},
+                  {**head, "choices": [{"finish_reason": "length", "index": 0, "delta": {}}]},
+                  {**head, "choices": [], "usage": {"completion_tokens": 100, "prompt_tokens": 12,
+                                                    "total_tokens": 112}, "timings": LLAMA_TIMINGS}]
+        lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    return app
+
+
+def test_remote_backend_shows_llamacpp_speculation_stats():
+    seen = []
+    server = ServerThread(fake_llama_server(seen))
+    try:
+        backend = RemoteBackend(server.url)
+        info = backend.connect()
+        assert (info.kind, info.model, info.max_context) == ("llama.cpp", "qwen.gguf", 4096)
+        events = list(backend.chat(user("capital of France?"), max_tokens=100))
+    finally:
+        server.stop()
+    assert seen[0]["timings_per_token"] is True, "asked for live timings"
+    assert "".join(ev.text for ev in events) == "Paris is the capital."
+    assert events[1].stats.tau == 1.5, "live, from the per-token timings"
+    last = events[-1]
+    assert last.finished and last.finish_reason == "length" and last.stats == llamacpp_stats({"timings": LLAMA_TIMINGS})
+    panel = stats_markdown(info, last.stats, last)
+    assert "no speculation statistics" not in panel and "**τ 2.50**" in panel
+    assert "60 of 96 drafted tokens accepted" in panel and "40 target forwards" in panel
 
 
 # ---- the real embedded model -----------------------------------------------------------------
