@@ -60,6 +60,10 @@ class BufferedLayer(DynamicLayer):
             v[..., :self.length, :] = self._v[..., :self.length, :]
         self._k, self._v = k, v
 
+    def reserve(self, need: int) -> None:
+        """Room for `need` positions (an initialized layer; core.step writes into the buffers)."""
+        self._reserve(self._k, self._v, need)
+
     # `keys` / `values`: views of the buffers' first `length` positions, made when read (an
     # update returns them) rather than on every length change (keep() changes 30 layers' a step)
     keys = _BufferView("_k")

@@ -30,6 +30,8 @@ from core.head3 import drafter_for, load_any_head, target_features
 from core.lookup import graft, lookup_chain
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, load_target, resolve
 from core.probe import ProbeResult, probe
+from core.quant import QuantWeightError
+from core.step import WEIGHTS, NativeStep, StepError, load_step
 from core.text import TextStream
 from core.tree import DraftTree, catch_up, draft
 from core.treestore import BUILT_IN, TreeChoice, default_tree
@@ -70,6 +72,7 @@ class Numerics:
     attention: str              # "exact" (batch-invariant kernels), "sdpa" or "eager"
     probe: ProbeResult | None   # None: not probed (e.g. no head, nothing to compare)
     note: str = ""              # why these numerics were chosen (e.g. a failed probe's fallback)
+    step: str = ""              # what runs decoding steps: the native step and its weights, or why not
 
     @property
     def exact(self) -> bool:
@@ -85,7 +88,8 @@ class Numerics:
             verdict = f"exact: verified on this machine ({self.probe.checked_at})"
         else:
             verdict = f"exact: not guaranteed ({self.probe.reason})"
-        return f"{dt}, {kernels}; {verdict}" + (f"; {self.note}" if self.note else "")
+        return (f"{dt}, {kernels}; {verdict}" + (f"; {self.step}" if self.step else "")
+                + (f"; {self.note}" if self.note else ""))
 
 
 # ---- target forwards (the model's public forward only: 4D mask / tree layout, positions, cache) ----
@@ -118,6 +122,9 @@ def forward_tree(model, tree: DraftTree, cache, committed: int,
     """
     device = tree.tokens.device
     positions = tree.positions(committed)  # (n,)
+    if isinstance(model, NativeStep):
+        ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
+        return model.forward(tree.tokens, positions, committed, ancestors, tree.depths + 1, cache, feature_layers)
     kwargs = {}
     if uses_exact_kernels(model):
         kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, committed)
@@ -133,6 +140,11 @@ def forward_tree(model, tree: DraftTree, cache, committed: int,
 
 def plain_forward(model, token: int, cache, position: int, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row."""
+    if isinstance(model, NativeStep):
+        one = torch.ones(1, dtype=torch.long)
+        features, logits = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
+                                         one, cache, feature_layers)
+        return features, logits[0]
     device = model.get_input_embeddings().weight.device
     kwargs = {"tree_layout": invariant.TreeLayout.single(position, device)} if uses_exact_kernels(model) else {}
     out = model.model(input_ids=torch.tensor([[token]], device=device),
@@ -146,7 +158,11 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
 
 
 def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,))."""
+    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,)). Through
+    transformers also where the native step serves the decoding steps (oneDNN's compute-bound
+    GEMMs for a long prompt; both decoding modes share it)."""
+    if isinstance(model, NativeStep):
+        model = model.hf
     out = model.model(input_ids=ids[None], cache=cache, use_cache=True,
                       output_hidden_states=feature_layers is not None)
     return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1:])[0]
@@ -178,31 +194,40 @@ def set_numerics(target: LoadedModel, attention: str) -> None:
 
 
 def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_in_4bit: bool,
-                  check: bool) -> tuple[LoadedModel, Numerics]:
+                  check: bool, weights: str = "auto") -> tuple[LoadedModel, Numerics, NativeStep | None]:
     """Load the target in the requested numerics ("auto": bf16 + exact kernels on CPU when the
-    probe passes, else fp32 + sdpa with the probe's reason kept)."""
+    probe passes, else fp32 + sdpa with the probe's reason kept), and the native step that runs
+    its decoding forwards where it can (core.step; `weights`: "q4" the GGUF's blocks, "bf16")."""
     if attention not in ATTENTIONS:
         raise EngineError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if weights not in WEIGHTS:
+        raise EngineError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     auto = dtype == "auto" and attention == "auto"
     dtype, attention = _auto_numerics(device, load_in_4bit, dtype, attention)
     target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
     set_numerics(target, attention)
-    result = probe(target.model, target.dtype, attention, device) if check else None
+    try:
+        step, step_text = load_step(target, weights)
+    except (StepError, QuantWeightError) as e:  # only where q4 was asked for by name
+        raise EngineError(str(e)) from e
+    result = probe(step or target.model, target.dtype, attention, device) if check else None
     if auto and result is not None and not result.exact and attention == "exact":
         target.model.float()
         target = replace(target, dtype=torch.float32)
         set_numerics(target, "sdpa")
         fallback = probe(target.model, target.dtype, "sdpa", device)
         return target, Numerics("float32", "sdpa", fallback,
-                                note=f"bf16 exact kernels failed the probe here ({result.reason}), so fp32 runs")
-    return target, Numerics(str(target.dtype).removeprefix("torch."), attention, result)
+                                note=f"bf16 exact kernels failed the probe here ({result.reason}), so fp32 runs"), None
+    return target, Numerics(str(target.dtype).removeprefix("torch."), attention, result, step=step_text), step
 
 
 class Engine:
     def __init__(self, target: LoadedModel, head=None, draft_vocab: torch.Tensor | None = None,
-                 numerics: Numerics | None = None, drafter=None):
-        """`drafter`: one already built for `head` (Engine.load), else it is built here."""
+                 numerics: Numerics | None = None, drafter=None, step: NativeStep | None = None):
+        """`drafter`: one already built for `head` (Engine.load), else it is built here. `step`:
+        the native decode step for the target (core.step), else transformers' forward serves."""
         self.target = target
+        self.step = step
         self.head = head
         if drafter is None and head is not None:
             drafter = drafter_for(head, target.model, draft_vocab)
@@ -215,21 +240,28 @@ class Engine:
 
     @classmethod
     def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype: str = "auto",
-             attention: str = "auto", device: str = "cpu", load_in_4bit: bool = False) -> "Engine":
+             attention: str = "auto", device: str = "cpu", load_in_4bit: bool = False,
+             weights: str = "auto") -> "Engine":
         """Load a target and its head. head="default": the shipped head for the embedded
-        model, the catalogue's head for a catalogue target, else none (plain decoding only)."""
+        model, the catalogue's head for a catalogue target, else none (plain decoding only).
+        weights: what the native step reads (core.step.WEIGHTS)."""
         if head == "default":
             head = default_head(model)
-        target, numerics = load_numerics(model, dtype=dtype, attention=attention, device=device,
-                                         load_in_4bit=load_in_4bit, check=head is not None)
+        target, numerics, step = load_numerics(model, dtype=dtype, attention=attention, device=device,
+                                               load_in_4bit=load_in_4bit, check=head is not None, weights=weights)
         if head is None:
-            return cls(target, numerics=numerics)
+            return cls(target, numerics=numerics, step=step)
         folder = Path(head).expanduser() if Path(head).expanduser().exists() else resolve(
             head, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
         drafter = load_any_head(folder, target.model, dtype=target.dtype, device=device)
-        engine = cls(target, drafter.head, getattr(drafter, "vocab", None), numerics, drafter=drafter)
+        engine = cls(target, drafter.head, getattr(drafter, "vocab", None), numerics, drafter=drafter, step=step)
         engine.tree_choice = default_tree(engine, folder)
         return engine
+
+    @property
+    def forwarder(self):
+        """What runs the target's forwards: the native step, else the transformers model."""
+        return self.step or self.target.model
 
     @property
     def default_tree(self) -> TreeConfig:
@@ -304,7 +336,7 @@ class _Run:
 
     def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None):
         self.e, self.cfg, self.on_step = engine, config, on_step
-        self.model, self.device = engine.target.model, engine.target.device
+        self.model, self.device = engine.forwarder, engine.target.device
         self.layers = engine.drafter.feature_layers if config.speculative else None
         self.ids = torch.tensor(ids, device=self.device)
         self.context = list(ids)  # prompt + every emitted token: where context lookup searches

@@ -64,16 +64,10 @@ class TreeLayout:
     @classmethod
     def from_tree(cls, parents: torch.Tensor, depths: torch.Tensor, committed: int) -> "TreeLayout":
         # parents, depths: (n,) int64, parents in topological order (root first, parents[0] == -1)
-        par, dep = parents.tolist(), depths.tolist()
-        max_depth = max(dep)
+        anc = tree_ancestors(parents, depths)
+        max_depth = anc.shape[1] - 1
         assert max_depth < BLOCK, f"trees deeper than {BLOCK - 1} are not supported"
-        anc = [[-1] * (max_depth + 1) for _ in par]  # the row's ancestor at each depth, -1 past its own
-        for i, row in enumerate(anc):  # a few dozen nodes: a walk up on lists beats a tensor ancestry mask
-            node = i
-            while node >= 0:
-                row[dep[node]] = node
-                node = par[node]
-        return cls._build(committed, torch.tensor(anc, device=depths.device), depths, max_depth)
+        return cls._build(committed, anc, depths, max_depth)
 
     @classmethod
     def single(cls, committed: int, device) -> "TreeLayout":
@@ -94,6 +88,19 @@ class TreeLayout:
         bias = torch.zeros(n, (c + r) * BLOCK, device=depths.device)
         bias[:, c * BLOCK:].masked_fill_(~valid, float("-inf"))
         return cls(L, depths, c, r, torch.where(valid, keys, torch.zeros_like(keys)), bias, anc)
+
+
+def tree_ancestors(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """parents, depths (n,) int64 (topological order, parents[0] == -1) -> (n, D + 1) int64: row
+    i's ancestor at each depth, root first, itself at its own depth, -1 past it."""
+    par, dep = parents.tolist(), depths.tolist()
+    anc = [[-1] * (max(dep) + 1) for _ in par]
+    for i, row in enumerate(anc):  # a few dozen nodes: a walk up on lists beats a tensor ancestry mask
+        node = i
+        while node >= 0:
+            row[dep[node]] = node
+            node = par[node]
+    return torch.tensor(anc, device=depths.device)
 
 
 def _pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -207,6 +214,38 @@ def swap_norms(model: torch.nn.Module) -> int:
     return swapped
 
 
+# transformers' MLP classes computing down(act(gate(x)) * up(x)); with SiLU, native.silu_mul
+# computes act(gate) * up with one fixed vector sequence per element (csrc/silu_mul.c). torch's
+# SiLU splits its elementwise loop by a grain size and runs a scalar tail with another exp, so a
+# tree row's element could round differently from the plain step's.
+NATIVE_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+
+
+@functools.cache
+def _native_mlp(base: type) -> type:
+    """A subclass of transformers' `base` MLP whose SiLU x up runs native.silu_mul where it can."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if native.silu_mul_usable(gate, up):
+            return self.down_proj(native.silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
+
+    return type(f"Native{base.__name__}", (base,), {"forward": forward, "__module__": __name__, "native_base": base})
+
+
+def swap_mlps(model: torch.nn.Module) -> int:
+    """Turn SiLU-gated MLPs (NATIVE_MLPS) into their native subclass where core.native runs."""
+    if not native.status().available:
+        return 0
+    swapped = 0
+    for module in model.modules():
+        if type(module).__name__ in NATIVE_MLPS and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+            module.__class__ = _native_mlp(type(module))
+            swapped += 1
+    return swapped
+
+
 def swap_linears(model: torch.nn.Module) -> int:
     """Turn the nn.Linear layers that need it into InvariantLinear (in place, same weights):
     all of them when core.native's kernel runs here (it is also the fast one), else those with
@@ -266,6 +305,7 @@ def make_invariant(model: torch.nn.Module) -> int:
     number of layers swapped."""
     swapped = swap_linears(model)
     swap_norms(model)
+    swap_mlps(model)
     model.set_attn_implementation(NAME)
     return swapped
 

@@ -82,6 +82,7 @@ class LoadedModel:
     dtype: torch.dtype  # compute dtype of activations
     quantized: bool
     max_context: int
+    gguf: Path | None = None  # the GGUF the weights were dequantized from (the embedded model), if any
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -226,6 +227,7 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
     entry = catalogue_entry(name_or_path)
     if tokenizer.chat_template is None and entry and entry.chat_template:
         tokenizer.chat_template = entry.chat_template
+    gguf = embedded_gguf_path() if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID) else None
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path,
                        device=torch.device(device), dtype=torch_dtype, quantized=load_in_4bit,
-                       max_context=int(getattr(config, "max_position_embeddings", 2048)))
+                       max_context=int(getattr(config, "max_position_embeddings", 2048)), gguf=gguf)

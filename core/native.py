@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
@@ -118,6 +119,10 @@ class _Kernels:
     quantize_s8: ctypes._CFuncPtr
     gemm_s8: ctypes._CFuncPtr
     rotary: ctypes._CFuncPtr
+    gemm_w: ctypes._CFuncPtr       # any weight kind (csrc/weights.h's wmat): bf16 or GGUF blocks
+    silu_mul: ctypes._CFuncPtr
+    decode_step: ctypes._CFuncPtr  # core.step's whole forward
+    dequantize: ctypes._CFuncPtr   # a wmat -> bf16 rows (tests, the step's self-check)
 
 
 @functools.cache
@@ -137,8 +142,7 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     amx = bool(lib.amx_enable(int(amx_wanted())))
     kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows,
                        lib.topk_logprobs_bf16, lib.quantize_weight_s8, lib.gemm_s8,
-                       lib.rotary_bf16)
-    kernels.gemm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32]
+                       lib.rotary_bf16, lib.gemm_w, lib.silu_mul_bf16, lib.decode_step, lib.dequantize_bf16)
     kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
                                   i32, i32, i32, i32, i64, f32, i32]
     kernels.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]
@@ -148,9 +152,20 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     kernels.quantize_s8.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]
     kernels.gemm_s8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
     kernels.rotary.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i32, i32, i32]
-    for fn in (kernels.gemm, kernels.attention, kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk,
-               kernels.quantize_s8, kernels.gemm_s8, kernels.rotary):
+    kernels.silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32]
+    kernels.dequantize.argtypes = [ptr, ptr]
+    # int gemm_bf16(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads), int attention_bf16(...): 0, or -1 out of memory
+    kernels.gemm.argtypes, kernels.gemm.restype = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32], i32
+    kernels.attention.restype = i32
+    for fn in (kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk,
+               kernels.quantize_s8, kernels.gemm_s8, kernels.rotary, kernels.silu_mul, kernels.dequantize):
         fn.restype = None
+    # int gemm_w(x, ldx, const wmat *w, bias, y, ldy, M, nthreads): 0, or -1 out of memory
+    kernels.gemm_w.argtypes, kernels.gemm_w.restype = [ptr, i64, ptr, ptr, ptr, i64, i32, i32], i32
+    # int decode_step(model, tokens, positions, n, committed, anc, anc_stride, counts, feature_ids, nf,
+    #                 features, hidden, logits, nthreads): csrc/decode_step.c's STEP_* codes
+    kernels.decode_step.argtypes = [ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, ptr, ptr, ptr, i32]
+    kernels.decode_step.restype = i32
     problem = _self_test(kernels)
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")
@@ -189,9 +204,10 @@ def _linear(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows, m, ldx = _rows(x)
     n = weight.shape[0]
     y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device=x.device)
-    k.gemm(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
-           None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
-           torch.get_num_threads())
+    if k.gemm(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
+              None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
+              torch.get_num_threads()):
+        raise MemoryError(f"the native GEMM could not allocate its work memory for {m} rows of a {n} x {x.shape[-1]} weight")
     return y
 
 
@@ -201,9 +217,10 @@ def _attention(k: _Kernels, q: torch.Tensor, key: torch.Tensor, value: torch.Ten
     # ancestors (n, A) int64 slots past `committed`, counts (n,) -> (n, nh, hd) bf16
     n, nh, hd = q.shape
     out = torch.empty(n, nh, hd, dtype=torch.bfloat16, device=q.device)
-    k.attention(q.data_ptr(), q.stride(0), q.stride(1), key.data_ptr(), value.data_ptr(), key.stride(0),
-                key.stride(1), ancestors.data_ptr(), ancestors.stride(0), counts.data_ptr(), out.data_ptr(),
-                n, nh, key.shape[0], hd, committed, scale, torch.get_num_threads())
+    if k.attention(q.data_ptr(), q.stride(0), q.stride(1), key.data_ptr(), value.data_ptr(), key.stride(0),
+                   key.stride(1), ancestors.data_ptr(), ancestors.stride(0), counts.data_ptr(), out.data_ptr(),
+                   n, nh, key.shape[0], hd, committed, scale, torch.get_num_threads()):
+        raise MemoryError(f"native attention could not allocate its scores for {n} rows over {committed} keys")
     return out
 
 
@@ -330,6 +347,11 @@ def _self_test(k: _Kernels) -> str | None:
     if not (torch.allclose(vals, ref.values, atol=1e-5) and int(idx[1, 0]) == 7 and int(idx[1, 1]) == 900
             and torch.equal(idx[0], ref.indices[0])):
         return "wrong top-k log-probabilities"
+    g, u = torch.randn(3, 37, generator=gen).bfloat16() * 4, torch.randn(3, 37, generator=gen).bfloat16()
+    act = torch.empty_like(g)
+    k.silu_mul(g.data_ptr(), 37, u.data_ptr(), 37, act.data_ptr(), 37, 3, 37, 1)
+    if not torch.allclose(act.float(), (F.silu(g.float()) * u.float()), rtol=2e-2, atol=1e-2):
+        return "wrong SiLU x up results"
     if "avx512_vnni" in _cpu_flags():
         w = torch.randn(40, 100, generator=gen).bfloat16()
         x = torch.randn(5, 100, generator=gen).bfloat16()
@@ -505,3 +527,65 @@ def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
     item = first.element_size()
     k.move_rows(bases.data_ptr(), len(buffers), first.shape[1], first.stride(1) * item, first.shape[-1] * item,
                 src.data_ptr(), dst.data_ptr(), src.shape[0])
+
+
+class WMat(ctypes.Structure):
+    """csrc/weights.h's wmat: a weight as the GEMMs read it, bf16 rows or GGUF blocks (core.quant).
+    It points into tensors it does not own: keep them alive while it is used."""
+
+    _fields_ = [("type", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("tiled", ctypes.c_int32),
+                ("data", ctypes.c_void_p), ("ld", ctypes.c_int64)]
+
+
+WT_BF16 = 30  # csrc/weights.h; the block types use their ggml ids (core.quant.SUPPORTED)
+
+
+def wmat(weight: torch.Tensor | None = None, blocks=None) -> WMat:
+    """A WMat over a bf16 weight (N, K) with unit stride in K, or over core.quant.Blocks."""
+    if blocks is not None:
+        return WMat(blocks.type, blocks.n, blocks.k, int(blocks.tiled), blocks.data.data_ptr(), blocks.data.stride(0))
+    assert weight is not None and weight.dtype is torch.bfloat16 and weight.stride(1) == 1
+    return WMat(WT_BF16, weight.shape[0], weight.shape[1], 0, weight.data_ptr(), weight.stride(0))
+
+
+def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) bf16 @ w.T (+ bias) -> (..., N) bf16, for a weight of any kind; a block weight
+    gives the bits its bf16 copy gives."""
+    k = _library()[0]
+    assert k is not None and x.dtype is torch.bfloat16 and x.shape[-1] == w.K, "needs the kernels and bf16 rows"
+    rows, m, ldx = _rows(x)
+    y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
+    if k.gemm_w(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
+                y.data_ptr(), w.N, m, torch.get_num_threads()):
+        raise MemoryError(f"the native GEMM could not allocate its scratch for a {w.N} x {w.K} weight")
+    return y
+
+
+def dequantize(w: WMat) -> torch.Tensor:
+    """The bf16 values (N, K) the GEMMs read from w."""
+    k = _library()[0]
+    assert k is not None
+    out = torch.empty(w.N, w.K, dtype=torch.bfloat16)
+    k.dequantize(ctypes.byref(w), out.data_ptr())
+    return out
+
+
+def silu_mul_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `silu_mul` serves this call: bf16 CPU tensors of one shape, unit stride, no autograd."""
+    return (gate.dtype is torch.bfloat16 and up.dtype is torch.bfloat16 and gate.is_cpu and up.is_cpu
+            and gate.shape == up.shape and gate.dim() >= 1 and gate.stride(-1) == 1 and up.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))
+            and _library()[0] is not None)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(silu(gate)) * up), the Llama MLP's `act_fn(gate) * up` in bf16, with one fixed
+    vector sequence per element (row-invariant by construction; csrc/silu_mul.c)."""
+    k = _library()[0]
+    assert k is not None, "check native.silu_mul_usable(gate, up) first"
+    g, m, ldg = _rows(gate)
+    u, _, ldu = _rows(up)
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    k.silu_mul(g.data_ptr(), ldg, u.data_ptr(), ldu, out.data_ptr(), gate.shape[-1], m, gate.shape[-1],
+               torch.get_num_threads())
+    return out

@@ -42,8 +42,10 @@ def _cpu_name() -> str:
 
 
 def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
+    """`model`: the transformers model, or the native step (core.step) that serves it."""
     c = model.config
-    parts = [_cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
+    step = getattr(model, "info", None)  # a NativeStep: its weights decide its GEMMs' inputs
+    parts = [f"step {step.weights}" if step else "transformers",_cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
              torch.__version__, c.model_type, str(c.hidden_size), str(c.num_hidden_layers), str(c.vocab_size),
              str(getattr(c, "intermediate_size", "")), str(dtype), attention, f"threads{torch.get_num_threads()}",
              native.status().describe()]
@@ -73,10 +75,10 @@ def _preorder(parents: list[int]) -> list[int]:
 
 def run_probe(model, context: int = 62, seed: int = 0) -> ProbeResult:
     """Compare tree-verified logits with plain-step logits for every node of a random tree."""
-    from core.engine import forward_tree, plain_logits
+    from core.engine import forward_tree, plain_logits, prefill
 
     t0 = time.perf_counter()
-    device = model.get_input_embeddings().weight.device
+    device = getattr(model, "hf", model).get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (context,), generator=gen).to(device)
@@ -84,7 +86,7 @@ def run_probe(model, context: int = 62, seed: int = 0) -> ProbeResult:
     cache = kv.new_cache(model)
     reason = None
     with torch.inference_mode():
-        model.model(input_ids=ids[None], cache=cache, use_cache=True)
+        prefill(model, ids, cache)
         _, tree_logits = forward_tree(model, tree, cache, context)
         kv.keep(cache, context, [])
         # every node once, in depth-first order: cropping the cache to the node's depth leaves

@@ -9,6 +9,7 @@
 //   m = max s_j; e_j = exp(s_j - m) (exp512, our own polynomial); d = sum e_j (16 lanes in
 //   key order, then the fixed tree); out = (sum_j e_j v_j) / d, fp32 in key order, one round
 //   to bf16.
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -41,25 +42,20 @@ static inline __attribute__((always_inline)) void pv(int tn, int cn, __m512 *o, 
 // One task per (row, kv head): its g query heads share each key and value row, so a value row
 // is converted to fp32 once for all of them (GQA), while every (row, head) still takes its own
 // fixed sequence of operations (the same bits as one head at a time).
-void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
+//
+// One team's share of the (row, kv head) units; call from every thread of a parallel region (or
+// alone). s: this thread's g * cap floats, cap >= L + max(na) + 16; inv: its g floats.
+void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
-                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, int nthreads) {
+                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
+                    float *inv) {
     int g = nh / kvh, chunks = hd / 32, ov = hd / 16;
     int gb = g < 16 ? g : 16, cc = 16 / gb < ov ? 16 / gb : ov;  // heads x value vectors per p @ V pass, <= 16
-#pragma omp parallel num_threads(nthreads)
     {
-        int64_t cap = 0;
-        float *s = NULL;  // g rows of `cap` scores
-        float *inv = (float *)malloc(g * sizeof(float));  // 1 / softmax denominator per head
 #pragma omp for schedule(static)
         for (int unit = 0; unit < n * kvh; unit++) {
             int i = unit / kvh, kh_i = unit % kvh;
             int64_t count = L + na[i];
-            if (count + 16 > cap) {
-                cap = count + 16 + 256;
-                free(s);
-                s = (float *)malloc(cap * g * sizeof(float));
-            }
             const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
             for (int t = 0; t < g; t++) {
                 int h = kh_i * g + t;
@@ -122,7 +118,32 @@ void attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 }
             }
         }
-        free(s);
-        free(inv);
     }
 }
+
+// The score rows' length every row of this call fits in.
+static int64_t score_cap(const int64_t *na, int n, int64_t L) {
+    int64_t most = 0;
+    for (int i = 0; i < n; i++) most = na[i] > most ? na[i] : most;
+    return L + most + 16;
+}
+
+// Alone, on its own team; 0, or -1 where the score buffers could not be had.
+int attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
+                   int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
+                   uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, int nthreads) {
+    int g = nh / kvh;
+    int64_t cap = score_cap(na, n, L), per = g * cap + g;
+    float *work = (float *)malloc((size_t)nthreads * per * sizeof(float));
+    if (!work) return -1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *mine = work + omp_get_thread_num() * per;
+        attention_team(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out, n, nh, kvh, hd, L, scale,
+                       mine, cap, mine + g * cap);
+    }
+    free(work);
+    return 0;
+}
+
+int64_t attention_scores_per_thread(const int64_t *na, int n, int64_t L, int g) { return g * score_cap(na, n, L) + g; }

@@ -17,6 +17,7 @@
 // machine uses one of the two for every call of a given shape: the choice depends on the
 // shape and the machine only (`gemm_bf16` dispatches here).
 #include "common.h"
+#include "weights.h"
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -24,9 +25,13 @@
 #ifndef __AMX_TILE__  // a compiler without -mamx-tile (gcc < 11): stubs, the AVX-512 GEMM serves every shape
 int amx_enable(int want) { (void)want; return 0; }
 int amx_serves(int N, int K) { (void)N; (void)K; return 0; }
-void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
-              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
-    (void)x; (void)ldx; (void)w; (void)ldw; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K; (void)nthreads;
+void amx_begin(void) {}
+void amx_end(void) {}
+void amx_pack_team(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *pack) {
+    (void)x; (void)ldx; (void)M; (void)K; (void)pack;
+}
+void gemm_amx_team(const uint16_t *pack, int M, int K, const gemm_job *jobs, int count, uint16_t *scratch) {
+    (void)pack; (void)M; (void)K; (void)jobs; (void)count; (void)scratch;
 }
 #else
 
@@ -52,12 +57,20 @@ typedef struct {
 // Every tile is 16 rows of 64 bytes. One 16-row block of x: tiles 0-3 C (four 16 x 16 fp32
 // blocks of y.T), 4 B (x packed), 5-6 A (weight blocks). Two blocks of x (17-32 rows, each
 // weight block loaded once for both): 0-3 C (2 weight blocks x 2 x blocks), 4-5 B, 6-7 A.
-static void configure(void) {
-    tile_config c;
+void amx_begin(void) {
+    if (!amx_on) return;
+    tile_config c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    // gcc's _tile_loadconfig tells the compiler it reads 8 bytes of c: without this barrier the
+    // stores to rows and colsb can be dropped as dead (seen with gcc 12)
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
+}
+
+void amx_end(void) {
+    if (amx_on) _tile_release();
 }
 
 // x rows [m0, m0 + 16) -> pack[kb][p][m][2] = x[m0 + m][32 kb + 2p + {0, 1}] (zero past M)
@@ -86,75 +99,108 @@ static void store_block(const float *c, const uint16_t *bias, int n0, int m0, in
     }
 }
 
+// x's row blocks packed for the tiles, split over the team (pack_elems(M, K) elements).
+void amx_pack_team(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *pack) {
+    int mblocks = (M + 15) / 16;
+#pragma omp for schedule(static)
+    for (int mb = 0; mb < mblocks; mb++) pack_x(x, ldx, 16 * mb, M, K, pack + (size_t)mb * K * 16);
+}
+
+// Pairs of x blocks (17 rows and more): 32 weight columns g of one job, its panel dequantized once
+// (block weights) for every pair.
+static void pairs_task(const uint16_t *pack, int M, int K, const gemm_job *job, int g, uint16_t *scratch) {
+    const wmat *w = job->w;
+    int nblocks = w->N / 16, kblocks = K / 32, pairs = (M + 15) / 16 / 2;
+    int n0 = 32 * g, two = nblocks - 2 * g > 1;
+    float c[4][256] __attribute__((aligned(64)));
+    int64_t ldw;
+    const uint16_t *wp = weight_panel(w, n0, 16 * (1 + two), scratch, &ldw);
+    for (int pr = 0; pr < pairs; pr++) {
+        const uint16_t *p0 = pack + (size_t)(2 * pr) * K * 16, *p1 = p0 + (size_t)K * 16;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int kb = 0; kb < kblocks; kb++) {
+            _tile_loadd(4, p0 + 512 * kb, 64);
+            _tile_loadd(5, p1 + 512 * kb, 64);
+            _tile_loadd(6, wp + 32 * kb, ldw * 2);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_dpbf16ps(1, 6, 5);
+            if (two) {
+                _tile_loadd(7, wp + 16 * ldw + 32 * kb, ldw * 2);
+                _tile_dpbf16ps(2, 7, 4);
+                _tile_dpbf16ps(3, 7, 5);
+            }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (two) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
+        for (int j = 0; j <= two; j++)
+            for (int h = 0; h < 2; h++)
+                store_block(c[2 * j + h], job->bias, n0 + 16 * j, 16 * (2 * pr + h), M, job->y, job->ldy);
+    }
+}
+
 #define DP(C, A, J)                                                                        \
     do {                                                                                   \
-        _tile_loadd(A, w + (int64_t)(n0 + 16 * (J)) * ldw + 32 * kb, ldw * 2);             \
+        _tile_loadd(A, a + (int64_t)(16 * (J)) * lda, lda * 2);                              \
         _tile_dpbf16ps(C, A, 4);                                                           \
     } while (0)
 
-void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
-              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
-    int mblocks = (M + 15) / 16, kblocks = K / 32, nblocks = N / 16;
-    uint16_t *pack = aligned_alloc(64, (size_t)mblocks * K * 16 * sizeof(uint16_t));
-    for (int mb = 0; mb < mblocks; mb++) pack_x(x, ldx, 16 * mb, M, K, pack + (size_t)mb * K * 16);
-    int pairs = mblocks / 2;  // x blocks taken two at a time, sharing each weight tile load
-    int groups = (nblocks + 3) / 4;   // tasks of four 16-column weight blocks (one x block)
-    int pgroups = (nblocks + 1) / 2;  // tasks of two (a pair of x blocks)
-#pragma omp parallel num_threads(nthreads)
-    {
-        configure();
-        float c[4][256] __attribute__((aligned(64)));
-        if (pairs) {
-#pragma omp for schedule(static)
-            for (int g = 0; g < pgroups; g++) {
-                int n0 = 32 * g, two = nblocks - 2 * g > 1;
-                for (int pr = 0; pr < pairs; pr++) {
-                    const uint16_t *p0 = pack + (size_t)(2 * pr) * K * 16, *p1 = p0 + (size_t)K * 16;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int kb = 0; kb < kblocks; kb++) {
-                        _tile_loadd(4, p0 + 512 * kb, 64);
-                        _tile_loadd(5, p1 + 512 * kb, 64);
-                        _tile_loadd(6, w + (int64_t)n0 * ldw + 32 * kb, ldw * 2);
-                        _tile_dpbf16ps(0, 6, 4);
-                        _tile_dpbf16ps(1, 6, 5);
-                        if (two) {
-                            _tile_loadd(7, w + (int64_t)(n0 + 16) * ldw + 32 * kb, ldw * 2);
-                            _tile_dpbf16ps(2, 7, 4);
-                            _tile_dpbf16ps(3, 7, 5);
-                        }
-                    }
-                    _tile_stored(0, c[0], 64);
-                    _tile_stored(1, c[1], 64);
-                    if (two) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
-                    for (int j = 0; j <= two; j++)
-                        for (int h = 0; h < 2; h++)
-                            store_block(c[2 * j + h], bias, n0 + 16 * j, 16 * (2 * pr + h), M, y, ldy);
-                }
-            }
+// The last (or only) x block alone: 64 weight columns g of one job. Block weights: each step's
+// 16 x 32 tiles dequantized just before they are loaded (4 KB, in L1), as one x block reads
+// each tile once.
+static void single_task(const uint16_t *pack, int M, int K, const gemm_job *job, int g, uint16_t *scratch) {
+    const wmat *w = job->w;
+    int nblocks = w->N / 16, kblocks = K / 32, mb = (M + 15) / 16 - 1;
+    int n0 = 64 * g, blocks = nblocks - 4 * g < 4 ? nblocks - 4 * g : 4;
+    const uint16_t *p = pack + (size_t)mb * K * 16;
+    const uint16_t *wp = (const uint16_t *)w->data + (int64_t)n0 * w->ld;
+    float c[4][256] __attribute__((aligned(64)));
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int kb = 0; kb < kblocks; kb++) {
+        const uint16_t *a = wp + 32 * kb;  // A operands: rows lda apart
+        int64_t lda = w->ld;
+        if (w->type != WT_BF16) {
+            weight_tiles(w, n0, 16 * blocks, kb, scratch);
+            a = scratch;
+            lda = 32;
         }
-        if (mblocks % 2) {  // the last (or only) block of x alone
-            int mb = mblocks - 1;
-            const uint16_t *p = pack + (size_t)mb * K * 16;
-#pragma omp for schedule(static)
-            for (int g = 0; g < groups; g++) {
-                int n0 = 64 * g, blocks = nblocks - 4 * g < 4 ? nblocks - 4 * g : 4;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int kb = 0; kb < kblocks; kb++) {
-                    _tile_loadd(4, p + 512 * kb, 64);
-                    DP(0, 5, 0);
-                    if (blocks > 1) DP(1, 6, 1);
-                    if (blocks > 2) DP(2, 5, 2);
-                    if (blocks > 3) DP(3, 6, 3);
-                }
-                _tile_stored(0, c[0], 64);
-                if (blocks > 1) _tile_stored(1, c[1], 64);
-                if (blocks > 2) _tile_stored(2, c[2], 64);
-                if (blocks > 3) _tile_stored(3, c[3], 64);
-                for (int j = 0; j < blocks; j++) store_block(c[j], bias, n0 + 16 * j, 16 * mb, M, y, ldy);
-            }
-        }
-        _tile_release();
+        _tile_loadd(4, p + 512 * kb, 64);
+        DP(0, 5, 0);
+        if (blocks > 1) DP(1, 6, 1);
+        if (blocks > 2) DP(2, 5, 2);
+        if (blocks > 3) DP(3, 6, 3);
     }
-    free(pack);
+    _tile_stored(0, c[0], 64);
+    if (blocks > 1) _tile_stored(1, c[1], 64);
+    if (blocks > 2) _tile_stored(2, c[2], 64);
+    if (blocks > 3) _tile_stored(3, c[3], 64);
+    for (int j = 0; j < blocks; j++) store_block(c[j], job->bias, n0 + 16 * j, 16 * mb, M, job->y, job->ldy);
+}
+
+// The batch's tasks (every job's column groups) split over the team; tiles configured (amx_begin).
+void gemm_amx_team(const uint16_t *pack, int M, int K, const gemm_job *jobs, int count, uint16_t *scratch) {
+    int mblocks = (M + 15) / 16, pfirst[8], sfirst[8];
+    pfirst[0] = sfirst[0] = 0;
+    for (int j = 0; j < count; j++) {
+        int nblocks = jobs[j].w->N / 16;
+        pfirst[j + 1] = pfirst[j] + (nblocks + 1) / 2;  // tasks of two 16-column blocks (a pair of x blocks)
+        sfirst[j + 1] = sfirst[j] + (nblocks + 3) / 4;  // tasks of four (one x block)
+    }
+    if (mblocks / 2) {
+#pragma omp for schedule(static)
+        for (int t = 0; t < pfirst[count]; t++) {
+            int j = 0;
+            while (t >= pfirst[j + 1]) j++;
+            pairs_task(pack, M, K, &jobs[j], t - pfirst[j], scratch);
+        }
+    }
+    if (mblocks % 2) {
+#pragma omp for schedule(static)
+        for (int t = 0; t < sfirst[count]; t++) {
+            int j = 0;
+            while (t >= sfirst[j + 1]) j++;
+            single_task(pack, M, K, &jobs[j], t - sfirst[j], scratch);
+        }
+    }
 }
 #endif  // __AMX_TILE__

@@ -7,6 +7,9 @@
 // even). So a token's row comes out bit-identical alone (a plain step) or inside a tree.
 // Built by core/native.py with gcc; threads come from the OpenMP runtime torch already loaded.
 #include "common.h"
+#include "weights.h"
+#include <omp.h>
+#include <stdlib.h>
 
 // MB rows of x times NB rows of w (MB * NB <= 16; unused accumulators stay 0) -> out[i * ldo + j]
 #define TILE(MB, NB)                                                                          \
@@ -54,50 +57,110 @@ TILE(1, 1)
 #define PF_BLOCKS 2
 
 int amx_serves(int N, int K);
-void gemm_amx(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
-              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads);
+void gemm_amx_team(const uint16_t *pack, int M, int K, const gemm_job *jobs, int count, uint16_t *scratch);
+void amx_pack_team(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *pack);
 
-void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
-               uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
-    if (amx_serves(N, K)) {  // AMX tiles where this machine has them (gemm_amx.c): chosen by shape, never by M
-        gemm_amx(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads);
-        return;
-    }
+// Bytes of one weight row and between rows (bf16 or blocks), for the prefetch.
+static inline int64_t row_bytes(const wmat *w) {
+    return w->type == WT_BF16 ? (int64_t)w->K * 2 : (int64_t)(w->K / 32) * (w->type == WT_Q4_1 ? 20 : w->type == WT_Q4_0 ? 18 : 34);
+}
+static inline int64_t row_stride(const wmat *w) { return w->type == WT_BF16 ? w->ld * 2 : w->ld; }
+
+// Column block nb (NBLK output columns) of one job, every row of x.
+static void avx512_block(const uint16_t *x, int64_t ldx, const gemm_job *job, int nb, int M, uint16_t *scratch) {
+    const wmat *w = job->w;
+    int N = w->N, K = w->K, nblocks = (N + NBLK - 1) / NBLK;
     __mmask32 tail = (K % 32) ? (__mmask32)((1u << (K % 32)) - 1u) : 0;
-    int nblocks = (N + NBLK - 1) / NBLK;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int nb = 0; nb < nblocks; nb++) {
-        int n0 = nb * NBLK, nn = N - n0 < NBLK ? N - n0 : NBLK;
-        const uint16_t *wn = w + n0 * ldw;
-        float out[4 * NBLK];
-        int m0 = 0;
-        if (nn == NBLK) {
-            int groups = (M + 3) / 4;
-            for (; m0 < M; m0 += 4) {  // 4 rows at a time; 3, 2 or 1 leftover rows: their own tile
-                int rows = M - m0 < 4 ? M - m0 : 4;
-                if (M >= PF_MIN_ROWS && nb + PF_BLOCKS < nblocks) {  // this group's share of the rows
-                    int g = m0 / 4, r0 = g * NBLK / groups, r1 = (g + 1) * NBLK / groups;
-                    for (int r = r0; r < r1; r++) {
-                        const char *row = (const char *)(w + (int64_t)(n0 + PF_BLOCKS * NBLK + r) * ldw);
-                        for (int b = 0; b < K * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-                    }
+    const uint16_t *bias = job->bias;
+    uint16_t *y = job->y;
+    int64_t ldy = job->ldy, rbytes = row_bytes(w), rstride = row_stride(w), ldw;
+    int n0 = nb * NBLK, nn = N - n0 < NBLK ? N - n0 : NBLK;
+    const uint16_t *wn = weight_panel(w, n0, nn, scratch, &ldw);
+    float out[4 * NBLK];
+    int m0 = 0;
+    if (nn == NBLK) {
+        int groups = (M + 3) / 4;
+        for (; m0 < M; m0 += 4) {  // 4 rows at a time; 3, 2 or 1 leftover rows: their own tile
+            int rows = M - m0 < 4 ? M - m0 : 4;
+            if (M >= PF_MIN_ROWS && nb + PF_BLOCKS < nblocks) {  // this group's share of the rows
+                int g = m0 / 4, r0 = g * NBLK / groups, r1 = (g + 1) * NBLK / groups;
+                for (int r = r0; r < r1; r++) {  // (tiled blocks: the same bytes, in another order)
+                    const char *row = (const char *)w->data + (int64_t)(n0 + PF_BLOCKS * NBLK + r) * rstride;
+                    for (int64_t b = 0; b < rbytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
                 }
-                const uint16_t *xm = x + m0 * ldx;
-                if (rows == 4) for (int c = 0; c < NBLK; c += 4) tile_4x4(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
-                else if (rows == 3) for (int c = 0; c < NBLK; c += 4) tile_3x4(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
-                else if (rows == 2) for (int c = 0; c < NBLK; c += 8) tile_2x8(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
-                else tile_1x16(xm, ldx, wn, ldw, K, tail, out, NBLK);
-                __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                      _mm256_loadu_si256((const __m256i *)(bias + n0))), 16)) : _mm512_setzero_ps();
-                for (int i = 0; i < rows; i++)
-                    _mm256_storeu_si256((__m256i *)(y + (m0 + i) * ldy + n0),
-                                        to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(out + i * NBLK), b)));
             }
-        } else {
-            for (; m0 < M; m0++) for (int j = 0; j < nn; j++) {
-                tile_1x1(x + m0 * ldx, ldx, wn + j * ldw, ldw, K, tail, out, 1);
-                y[m0 * ldy + n0 + j] = to_bf16(out[0] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
+            const uint16_t *xm = x + m0 * ldx;
+            if (rows == 4) for (int c = 0; c < NBLK; c += 4) tile_4x4(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
+            else if (rows == 3) for (int c = 0; c < NBLK; c += 4) tile_3x4(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
+            else if (rows == 2) for (int c = 0; c < NBLK; c += 8) tile_2x8(xm, ldx, wn + c * ldw, ldw, K, tail, out + c, NBLK);
+            else tile_1x16(xm, ldx, wn, ldw, K, tail, out, NBLK);
+            __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                  _mm256_loadu_si256((const __m256i *)(bias + n0))), 16)) : _mm512_setzero_ps();
+            for (int i = 0; i < rows; i++)
+                _mm256_storeu_si256((__m256i *)(y + (m0 + i) * ldy + n0),
+                                    to_bf16x16(_mm512_add_ps(_mm512_loadu_ps(out + i * NBLK), b)));
+        }
+    } else {
+        for (; m0 < M; m0++) for (int j = 0; j < nn; j++) {
+            tile_1x1(x + m0 * ldx, ldx, wn + j * ldw, ldw, K, tail, out, 1);
+            y[m0 * ldy + n0 + j] = to_bf16(out[0] + (bias ? from_bf16(bias[n0 + j]) : 0.0f));
+        }
+    }
+}
+
+static int known_type(int t) { return t == WT_BF16 || t == WT_Q4_0 || t == WT_Q4_1 || t == WT_Q8_0; }
+
+int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
+              uint16_t *scratch) {
+    int amx = 1, total = 0;
+    for (int j = 0; j < count; j++) {
+        if (!known_type(jobs[j].w->type) || jobs[j].w->K != K) return -1;
+        amx &= amx_serves(jobs[j].w->N, K);  // AMX tiles where this machine has them: by shape, never by M
+    }
+    if (amx) {
+        amx_pack_team(x, ldx, M, K, pack);
+        gemm_amx_team(pack, M, K, jobs, count, scratch);
+        return 0;
+    }
+    int first[8];  // job j's blocks are [first[j], first[j + 1]) of the batch's
+    for (int j = 0; j < count && j < 7; j++) { first[j] = total; total += (jobs[j].w->N + NBLK - 1) / NBLK; }
+    first[count] = total;
+#pragma omp for schedule(static)
+    for (int t = 0; t < total; t++) {
+        int j = 0;
+        while (t >= first[j + 1]) j++;
+        avx512_block(x, ldx, &jobs[j], t - first[j], M, scratch);
+    }
+    return 0;
+}
+
+// y = x @ w.T (+ bias) for any weight kind, on its own team of threads; 0, or -1 where memory
+// could not be had or the weight's type is unknown.
+int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
+           int M, int nthreads) {
+    gemm_job job = {w, bias, y, ldy};
+    uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(M, w->K) * 2);
+    uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(w->K) * 2);
+    int status = pack && scratch ? 0 : -1;
+    if (!status) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            amx_begin();
+            int s = gemm_team(x, ldx, &job, 1, M, w->K, pack, scratch + omp_get_thread_num() * scratch_elems(w->K));
+            amx_end();
+            if (s) {
+#pragma omp atomic write
+                status = s;
             }
         }
     }
+    free(pack);
+    free(scratch);
+    return status;
+}
+
+void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
+               uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
+    wmat m = {WT_BF16, N, K, 0, w, ldw};
+    gemm_w(x, ldx, &m, bias, y, ldy, M, nthreads);
 }

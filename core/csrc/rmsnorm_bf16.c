@@ -4,12 +4,8 @@
 // A row's result does not depend on the other rows or the thread count.
 #include "common.h"
 
-void rmsnorm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy,
-                  int M, int H, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-    for (int m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * ldx;
-        uint16_t *yr = y + m * ldy;
+static void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int H, float eps) {
+    {
         __m512 acc = _mm512_setzero_ps();
         int h = 0;
         for (; h + 16 <= H; h += 16) {
@@ -24,4 +20,16 @@ void rmsnorm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y
         for (h = 0; h < H; h++)
             yr[h] = to_bf16(from_bf16(w[h]) * from_bf16(to_bf16(from_bf16(xr[h]) * r)));
     }
+}
+
+// The rows split over the enclosing team (call from every thread of a parallel region, or alone).
+void rmsnorm_team(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int M, int H, float eps) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) rmsnorm_row(x + m * ldx, w, y + m * ldy, H, eps);
+}
+
+void rmsnorm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy,
+                  int M, int H, float eps, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (M > 1)
+    rmsnorm_team(x, ldx, w, y, ldy, M, H, eps);
 }

@@ -1,0 +1,168 @@
+// One forward of a Llama-family decoder over n new tokens, in one call: embedding, then per layer
+// RMSNorm, q/k/v projections, rotary, the new keys and values written into the caller's cache,
+// tree attention over the cache, output projection, residual, RMSNorm, gate/up, SiLU x up, down,
+// residual; the final norm and the LM head. Plain steps (n = 1), tree verification (n rows, each
+// seeing the committed context and its ancestors) and catch-ups all run this one function.
+//
+// Exact by construction: every stage is one of the row-invariant kernels (gemm_w on bf16 rows or
+// GGUF blocks, rmsnorm_bf16, rotary_bf16, attention_bf16, silu_mul_bf16) or an elementwise bf16
+// add, so a token's row computes the same bits alone or inside a tree. They are the kernels the
+// transformers-driven path runs (core.invariant), with the same roundings between them, so the two
+// paths give bit-identical logits (tests/test_step.py); this one skips ~2,000 Python and torch
+// dispatches per forward.
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+#include "weights.h"
+
+void rmsnorm_team(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int M, int H,
+                  float eps);
+void rotary_bf16(const uint16_t *x, int64_t ldx, const uint16_t *cos, const uint16_t *sin, int64_t ldc,
+                 uint16_t *out, int n, int heads, int hd);
+void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
+                    int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
+                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
+                    float *inv);
+int64_t attention_scores_per_thread(const int64_t *na, int n, int64_t L, int g);
+void silu_mul_team(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *out, int64_t ldo,
+                   int M, int H);
+
+typedef struct {
+    wmat q, k, v, o, gate, up, down;
+    const uint16_t *bq, *bk, *bv;  // projection biases (Qwen2) or NULL
+    const uint16_t *ln1, *ln2;     // input / post-attention RMSNorm weights (hidden,)
+    uint16_t *kc, *vc;             // this layer's cache buffers (kv_heads, capacity, head_dim)
+    int64_t kv_head;               // elements between kv heads in kc, vc (capacity * head_dim)
+} step_layer;
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, ffn, vocab, pad;
+    float eps, scale;
+    wmat embed, lm_head;
+    const uint16_t *norm;        // final RMSNorm weight (hidden,)
+    const uint16_t *cos, *sin;   // (max_pos, head_dim) bf16: the model's rotary embedding per position
+    int64_t max_pos;
+    step_layer *layer;
+} step_model;
+
+enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_TOKEN = -2, STEP_BAD_POSITION = -3, STEP_BAD_WEIGHT = -4 };
+
+// x = bf16(x + d), as torch's bf16 add, split over the team
+static void add_team(uint16_t *x, const uint16_t *d, int64_t count) {
+    int64_t tasks = (count + 255) / 256;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; t++)
+        for (int64_t i = 256 * t; i < count && i < 256 * (t + 1); i += 16) {
+            __mmask16 m = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1u);
+            __m512 s = _mm512_add_ps(bf16x16_to_ps_masked(x + i, m), bf16x16_to_ps_masked(d + i, m));
+            _mm256_mask_storeu_epi16(x + i, m, to_bf16x16(s));
+        }
+}
+
+static void keep_features(const uint16_t *x, int n, int H, int stage, const int32_t *ids, int nf, uint16_t *features) {
+    for (int f = 0; f < nf; f++)
+        if (ids[f] == stage)
+            for (int i = 0; i < n; i++) memcpy(features + ((int64_t)i * nf + f) * H, x + (int64_t)i * H, (size_t)H * 2);
+}
+
+typedef struct {  // the step's activations, n rows each
+    uint16_t *x, *h, *o, *q, *qr, *k, *kr, *v, *g, *u, *a;
+} acts;
+
+// One decoder layer on the team: every stage ends at a barrier (its worksharing loop's), so the
+// next reads what the whole team wrote.
+static int layer_team(const step_model *m, const step_layer *L, const acts *t, const int64_t *positions, int n,
+                      int64_t committed, const int64_t *anc, int64_t anc_stride, const int64_t *counts, uint16_t *pack,
+                      uint16_t *scratch, float *scores, int64_t cap) {
+    int H = m->hidden, nh = m->heads, kvh = m->kv_heads, hd = m->head_dim, F = m->ffn;
+    int64_t qw = (int64_t)nh * hd, kw = (int64_t)kvh * hd;
+    rmsnorm_team(t->x, H, L->ln1, t->h, H, n, H, m->eps);
+    gemm_job qkv[3] = {{&L->q, L->bq, t->q, qw}, {&L->k, L->bk, t->k, kw}, {&L->v, L->bv, t->v, kw}};
+    if (gemm_team(t->h, H, qkv, 3, n, H, pack, scratch)) return -1;
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; i++) {  // rotary, then this row's key and value into its cache slot
+        const uint16_t *c = m->cos + positions[i] * hd, *s = m->sin + positions[i] * hd;
+        rotary_bf16(t->q + i * qw, qw, c, s, hd, t->qr + i * qw, 1, nh, hd);
+        rotary_bf16(t->k + i * kw, kw, c, s, hd, t->kr + i * kw, 1, kvh, hd);
+        for (int j = 0; j < kvh; j++) {
+            int64_t slot = j * L->kv_head + (committed + i) * hd;
+            memcpy(L->kc + slot, t->kr + i * kw + (int64_t)j * hd, (size_t)hd * 2);
+            memcpy(L->vc + slot, t->v + i * kw + (int64_t)j * hd, (size_t)hd * 2);
+        }
+    }
+    attention_team(t->qr, qw, hd, L->kc, L->vc, L->kv_head, hd, anc, anc_stride, counts, t->q, n, nh, kvh, hd,
+                   committed, m->scale, scores, cap, scores + (int64_t)(nh / kvh) * cap);  // q: attention out
+    gemm_job o = {&L->o, NULL, t->o, H};
+    if (gemm_team(t->q, qw, &o, 1, n, (int)qw, pack, scratch)) return -1;
+    add_team(t->x, t->o, (int64_t)n * H);
+    rmsnorm_team(t->x, H, L->ln2, t->h, H, n, H, m->eps);
+    gemm_job gu[2] = {{&L->gate, NULL, t->g, F}, {&L->up, NULL, t->u, F}};
+    if (gemm_team(t->h, H, gu, 2, n, H, pack, scratch)) return -1;
+    silu_mul_team(t->g, F, t->u, F, t->a, F, n, F);
+    gemm_job down = {&L->down, NULL, t->o, H};
+    if (gemm_team(t->a, F, &down, 1, n, F, pack, scratch)) return -1;
+    add_team(t->x, t->o, (int64_t)n * H);
+    return 0;
+}
+
+// tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
+// its own key and value go to slot committed + i. features (n, nf * H) or NULL: the hidden state after
+// stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
+// (n, vocab) or NULL. One OpenMP team for the whole forward.
+int decode_step(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
+                const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids, int nf,
+                uint16_t *features, uint16_t *hidden, uint16_t *logits, int nthreads) {
+    int H = m->hidden, hd = m->head_dim, F = m->ffn, g = m->heads / m->kv_heads;
+    int64_t qw = (int64_t)m->heads * hd, kw = (int64_t)m->kv_heads * hd;
+    for (int i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= m->embed.N) return STEP_BAD_TOKEN;
+        if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
+    }
+    int kmax = H > F ? H : F;
+    kmax = kmax > qw ? kmax : (int)qw;
+    int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
+    int64_t per_thread = attention_scores_per_thread(counts, n, committed, g), cap = (per_thread - g) / g;
+    uint16_t *work = (uint16_t *)malloc((size_t)n * act * 2);
+    uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, kmax) * 2);
+    uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(kmax) * 2);
+    float *scores = (float *)malloc((size_t)nthreads * per_thread * sizeof(float));
+    int status = work && pack && scratch && scores ? STEP_OK : STEP_NO_MEMORY;
+    if (status == STEP_OK) {
+        acts t;
+        t.x = work; t.h = t.x + (int64_t)n * H; t.o = t.h + (int64_t)n * H;
+        t.q = t.o + (int64_t)n * H; t.qr = t.q + n * qw; t.k = t.qr + n * qw; t.kr = t.k + n * kw; t.v = t.kr + n * kw;
+        t.g = t.v + n * kw; t.u = t.g + (int64_t)n * F; t.a = t.u + (int64_t)n * F;
+#pragma omp parallel num_threads(nthreads)
+        {
+            int me = omp_get_thread_num(), bad = 0;
+            uint16_t *mine = scratch + me * scratch_elems(kmax);
+            float *sc = scores + me * per_thread;
+            amx_begin();
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t.x + (int64_t)i * H);
+#pragma omp single
+            if (features) keep_features(t.x, n, H, 0, feature_ids, nf, features);
+            for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
+                bad = layer_team(m, &m->layer[l], &t, positions, n, committed, anc, anc_stride, counts, pack, mine, sc, cap);
+#pragma omp single
+                if (features) keep_features(t.x, n, H, l + 1, feature_ids, nf, features);
+            }
+            if (!bad) {
+                rmsnorm_team(t.x, H, m->norm, hidden, H, n, H, m->eps);
+                gemm_job lm = {&m->lm_head, NULL, logits, m->vocab};
+                if (logits) bad = gemm_team(hidden, H, &lm, 1, n, H, pack, mine);
+            }
+            amx_end();
+            if (bad) {
+#pragma omp atomic write
+                status = STEP_BAD_WEIGHT;  // a weight type the kernels do not read (core.quant checks at load)
+            }
+        }
+    }
+    free(work);
+    free(pack);
+    free(scratch);
+    free(scores);
+    return status;
+}

@@ -1,0 +1,50 @@
+// A weight matrix as the GEMMs read it: bf16 rows, or GGUF blocks (Q4_0, Q4_1, Q8_0) that are
+// dequantized, one panel of output rows at a time, to exactly the bf16 values the converter
+// (gguf's dequantize, then torch's fp32 -> bf16) gives. The GEMM then runs the same instruction
+// sequence on the same bf16 values as it does on a bf16 copy of the weight, so a quantized
+// weight computes bit for bit what its bf16 copy computes (and stays row-invariant).
+#pragma once
+#include <stdint.h>
+
+enum { WT_BF16 = 30, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8 };  // ggml's type ids (GGML_TYPE_BF16 = 30)
+
+typedef struct {
+    int32_t type;      // WT_*
+    int32_t N, K;      // output rows, inner size (a multiple of 32 for block types)
+    int32_t tiled;     // blocks only: 0, N rows of K / 32 blocks (the file's order); 1, per 16 rows
+                       // and block column kb, the 16 rows' blocks side by side (N % 16 == 0), so
+                       // a GEMM reads the weight front to back (core.quant.tile_blocks)
+    const void *data;
+    int64_t ld;        // bf16: elements between rows; blocks, untiled: bytes between rows
+} wmat;
+
+// Rows [n0, n0 + rows) of w as bf16, `*ldw` elements apart: w's own rows (bf16), or `scratch`
+// (rows * K elements) filled with their dequantized values.
+const uint16_t *weight_panel(const wmat *w, int n0, int rows, uint16_t *scratch, int64_t *ldw);
+// Block column kb (K positions 32 kb .. 32 kb + 31) of rows [n0, n0 + rows) of a block weight,
+// as bf16 rows 32 apart in `out`: one AMX tile's A operand per 16 rows.
+void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out);
+// Row n of w (K bf16 values) into out: an embedding lookup.
+void weight_row(const wmat *w, int64_t n, uint16_t *out);
+
+// One GEMM of a batch that shares its input x: y = x @ w.T (+ bias). A decoding step runs q, k
+// and v (or gate and up) as one batch, so one team of threads splits all their column blocks.
+typedef struct {
+    const wmat *w;
+    const uint16_t *bias;  // (N,) or NULL
+    uint16_t *y;
+    int64_t ldy;
+} gemm_job;
+
+// Work memory for gemm_team: x packed for AMX (pack_elems(M, K)), and per thread a 64 x K panel.
+static inline int64_t pack_elems(int M, int K) { return (int64_t)((M + 15) / 16) * K * 16; }
+static inline int64_t scratch_elems(int K) { return (int64_t)64 * K; }
+
+// The batch's GEMMs split over the threads of the enclosing OpenMP team (call it from every
+// thread of a parallel region; outside one, a team of one). Every job's w has inner size K. On
+// AMX the caller's threads must have configured their tiles (amx_begin). 0, or -1 if any job's
+// weight has a type the kernels do not read.
+int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
+              uint16_t *scratch);
+void amx_begin(void);  // per thread, once per parallel region that runs AMX GEMMs (no-op without AMX)
+void amx_end(void);

@@ -1,0 +1,134 @@
+"""A GGUF file's weights as its own 4- and 8-bit blocks, for the native decode step (core.step).
+
+The embedded model ships as a GGUF (Q4_1 layers, a Q8_0 embedding that is also the tied LM
+head). transformers reads it only by dequantizing every weight to fp32, and the bf16 copy the
+engine computes with holds exactly those values rounded to bf16. The native GEMMs read the
+blocks themselves and dequantize them in registers to those same bf16 values
+(csrc/dequant.c), so the logits are bit-identical to the bf16 path while the weights stay at
+the file's size (92 MB for SmolLM2-135M instead of 270 MB in bf16).
+
+Loading checks every tensor the step needs: its type must be one the kernels read
+(SUPPORTED), its shape the model's, its bytes all present; anything else raises a
+`QuantWeightError` that names the tensor, so the caller can keep serving the bf16 path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ggml type id -> (name, bytes per block of 32 weights); csrc/weights.h has the same ids
+SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+BLOCK = 32
+
+# transformers' parameter name (per layer) -> the GGUF tensor name
+LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+class QuantWeightError(ValueError):
+    """A GGUF tensor the native step cannot read; the message names it and what is supported."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One weight (N, K) as GGUF blocks: N rows of K / 32 blocks of `type`."""
+
+    type: int             # ggml type id, a key of SUPPORTED
+    data: torch.Tensor    # (N, K // 32 * block bytes) uint8, contiguous
+    n: int
+    k: int
+    tiled: bool = False   # data in tile_blocks' order (the same bytes, another order)
+
+    @property
+    def type_name(self) -> str:
+        return SUPPORTED[self.type][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _supported_text() -> str:
+    return ", ".join(name for name, _ in SUPPORTED.values())
+
+
+def read_blocks(tensor, n: int, k: int) -> Blocks:
+    """A gguf ReaderTensor -> Blocks, checked against the expected (n, k)."""
+    name, kind = tensor.name, int(tensor.tensor_type)
+    if kind not in SUPPORTED:
+        raise QuantWeightError(f"GGUF tensor {name} has type {tensor.tensor_type.name}; the native step reads "
+                               f"{_supported_text()}: run the bf16 path (--weights bf16) or convert the file")
+    shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    if shape != (n, k) or k % BLOCK:
+        raise QuantWeightError(f"GGUF tensor {name} has shape {shape}, the model needs {(n, k)}")
+    row = k // BLOCK * SUPPORTED[kind][1]
+    data = np.asarray(tensor.data)
+    if data.size != n * row:
+        raise QuantWeightError(f"GGUF tensor {name} holds {data.size} bytes, {n} x {k} {SUPPORTED[kind][0]} "
+                               f"needs {n * row}: the file is truncated or damaged; reinstall it")
+    return Blocks(kind, torch.from_numpy(np.array(data, dtype=np.uint8).reshape(n, row)), n, k)
+
+
+def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
+    """llama.cpp's converter stores q and k with each head's rotary halves interleaved
+    (row h*hd + 2i + j holds transformers' row h*hd + j*hd/2 + i); put the rows back in
+    transformers' order (whole rows of blocks move, the values do not change)."""
+    hd = blocks.n // heads
+    order = torch.arange(blocks.n).view(heads, hd // 2, 2).transpose(1, 2).reshape(-1)
+    return Blocks(blocks.type, blocks.data[order].contiguous(), blocks.n, blocks.k)
+
+
+def tile_blocks(blocks: Blocks) -> Blocks:
+    """The blocks reordered so that, per 16 rows and block column, the 16 rows' blocks lie side
+    by side (csrc/weights.h, `tiled`): an AMX tile's A operand is then one contiguous read and
+    a GEMM streams the weight front to back instead of 16-64 rows at once. Needs N % 16 == 0."""
+    if blocks.tiled or blocks.n % 16:
+        return blocks
+    rows, row = blocks.data.shape
+    bs = SUPPORTED[blocks.type][1]
+    data = blocks.data.view(rows // 16, 16, row // bs, bs).transpose(1, 2).contiguous().view(rows, row)
+    return Blocks(blocks.type, data, blocks.n, blocks.k, tiled=True)
+
+
+def open_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:  # gguf raises these on short or foreign files
+        raise QuantWeightError(f"{path} is not a readable GGUF file ({e}); reinstall it or run the bf16 path") from e
+
+
+def load_llama_blocks(path: Path, config) -> dict[str, Blocks]:
+    """The decoder's weights from a Llama GGUF, keyed by transformers' parameter names
+    (`model.layers.0.self_attn.q_proj.weight`, ..., `model.embed_tokens.weight`, `lm_head.weight`
+    when the file has its own output layer)."""
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    H, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes = {"q_proj": (q_rows, H), "k_proj": (kv_rows, H), "v_proj": (kv_rows, H), "o_proj": (H, q_rows),
+              "gate_proj": (F, H), "up_proj": (F, H), "down_proj": (H, F)}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+    def get(name: str) -> object:
+        if name not in tensors:
+            raise QuantWeightError(f"GGUF tensor {name} is missing from {path.name}; the file does not match the model")
+        return tensors[name]
+
+    out = {"model.embed_tokens.weight": read_blocks(get("token_embd.weight"), V, H)}
+    if "output.weight" in tensors:
+        out["lm_head.weight"] = read_blocks(tensors["output.weight"], V, H)
+    for layer in range(config.num_hidden_layers):
+        for ours, theirs in LAYER_TENSORS.items():
+            b = read_blocks(get(f"blk.{layer}.{theirs}.weight"), *shapes[ours])
+            if ours in heads:
+                b = unpermute_rows(b, heads[ours])
+            part = "self_attn" if ours in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            out[f"model.layers.{layer}.{part}.{ours}.weight"] = b
+    return out

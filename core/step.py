@@ -1,0 +1,224 @@
+"""The native decode step: a whole target forward over n new tokens in ONE C call.
+
+Why: a plain step of the embedded 135M model spent about 8 ms of its 18-26 ms outside the
+kernels (transformers' module dispatch, torch glue, Python: ~2,000 crossings per forward).
+csrc/decode_step.c runs the Llama decoder itself (embedding, 30 x [RMSNorm, q/k/v, rotary,
+cache write, tree attention, o_proj, residual, RMSNorm, gate/up, SiLU x up, down, residual],
+final norm, LM head) with the same row-invariant kernels and the same roundings as the
+transformers-driven exact path (core.invariant), so its logits are bit-identical to that
+path's, row by row, alone or in a tree (tests/test_step.py), and the start-up probe checks it.
+
+Weights: the model's bf16 tensors, or the GGUF's own 4-/8-bit blocks (core.quant) that the
+GEMMs dequantize per panel to those same bf16 values ("q4": weights at the file's size).
+
+transformers stays the loader, the prefill (long prompts: oneDNN's compute-bound GEMMs and
+sdpa, shared by both decoding modes) and the reference; the step writes its keys and values
+into the same cache buffers (core.cache.BufferedLayer), so the two interleave freely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from core import native
+from core.cache import BufferedLayer
+
+WEIGHTS = ("auto", "q4", "bf16")  # q4: the GGUF's blocks where the target came from one
+ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
+STEP_TYPES = ("llama", "mistral", "qwen2")
+_PROJ = ("q", "k", "v", "o", "gate", "up", "down")
+_ERRORS = {-1: "out of memory", -2: "a token id outside the vocabulary", -3: "a position past the rotary table",
+           -4: "a weight type the kernels do not read"}
+
+
+class StepError(RuntimeError):
+    """The native step refused a call (the message says why)."""
+
+
+class _Layer(ctypes.Structure):  # csrc/decode_step.c's step_layer
+    _fields_ = ([(p, native.WMat) for p in _PROJ]
+                + [(b, ctypes.c_void_p) for b in ("bq", "bk", "bv", "ln1", "ln2", "kc", "vc")]
+                + [("kv_head", ctypes.c_int64)])
+
+
+class _Model(ctypes.Structure):  # csrc/decode_step.c's step_model
+    _fields_ = ([(f, ctypes.c_int32) for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                                               "pad")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed", native.WMat),
+                   ("lm_head", native.WMat), ("norm", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+                   ("sin", ctypes.c_void_p), ("max_pos", ctypes.c_int64), ("layer", ctypes.POINTER(_Layer))])
+
+
+def unsupported(model) -> str | None:
+    """Why the native step cannot run this transformers model (None: it can)."""
+    c = model.config
+    st = native.status()
+    if not st.available:
+        return f"native kernels unavailable ({st.reason})"
+    first = model.get_input_embeddings().weight
+    if first.dtype is not torch.bfloat16 or not first.is_cpu:
+        return "the step computes in bf16 on the CPU"
+    if model.config._attn_implementation != "eagle_exact":
+        return "the step serves the exact (batch-invariant) numerics only"
+    if c.model_type not in STEP_TYPES:
+        return f"model type {c.model_type} (the step runs {', '.join(STEP_TYPES)})"
+    if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(c, "hidden_act", "silu") != "silu" or getattr(c, "mlp_bias", False):
+        return "an MLP other than SiLU-gated without bias"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in ROPE_TYPES:
+        return f"rotary scaling {rope!r} (the step has tables for {', '.join(ROPE_TYPES)})"
+    attn = model.model.layers[0].self_attn
+    hd = attn.head_dim
+    if hd % 32 or hd > 256 or attn.o_proj.bias is not None:
+        return f"head_dim {hd} or an o_proj bias"
+    if any(isinstance(m, torch.nn.Linear) and m.weight.dtype is not torch.bfloat16 for m in model.modules()):
+        return "a quantized (4-bit) transformers model"
+    return None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    weights: str        # "q4_1 blocks from SmolLM2-...gguf (92 MB)" or "bf16 (270 MB)"
+    weight_bytes: int   # bytes the step's GEMMs stream per forward
+
+
+class NativeStep:
+    """A transformers Llama-family model's forward as one native call. `forward` appends the n
+    new tokens' keys and values to `cache` (a core.cache cache that prefill has started)."""
+
+    def __init__(self, model, blocks: dict | None = None, source: str = ""):
+        reason = unsupported(model)
+        if reason:
+            raise StepError(f"the native step cannot run this model: {reason}")
+        self.hf = model
+        c, attn = model.config, model.model.layers[0].self_attn
+        params = dict(model.named_parameters())
+        blocks = blocks or {}
+        self._keep = [blocks]  # the tensors the C structures point into
+
+        def weight(name: str) -> native.WMat:
+            return native.wmat(blocks=blocks[name]) if name in blocks else native.wmat(params[name].detach())
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.detach().data_ptr()
+
+        layers = (_Layer * c.num_hidden_layers)()
+        for i, layer in enumerate(model.model.layers):
+            base = f"model.layers.{i}."
+            for p in _PROJ:
+                part = "self_attn" if p in ("q", "k", "v", "o") else "mlp"
+                setattr(layers[i], p, weight(f"{base}{part}.{p}_proj.weight"))
+            sa = layer.self_attn
+            layers[i].bq, layers[i].bk, layers[i].bv = ptr(sa.q_proj.bias), ptr(sa.k_proj.bias), ptr(sa.v_proj.bias)
+            layers[i].ln1, layers[i].ln2 = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
+        lm_name = "lm_head.weight" if "lm_head.weight" in blocks or "lm_head.weight" in params else "model.embed_tokens.weight"
+        self._layers = layers
+        self._m = _Model(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+                         kv_heads=c.num_key_value_heads, head_dim=attn.head_dim, ffn=c.intermediate_size,
+                         vocab=model.lm_head.weight.shape[0], eps=model.model.norm.variance_epsilon,
+                         scale=attn.scaling, embed=weight("model.embed_tokens.weight"),
+                         lm_head=weight(lm_name), norm=ptr(model.model.norm.weight), layer=layers)
+        self._tables(4096)
+        self._cache_key = None
+        names = {b.type_name for b in blocks.values()}
+        streamed = sum(blocks[n].nbytes if n in blocks else params[n].numel() * 2
+                       for n in params if n.endswith("proj.weight")) + (
+            blocks[lm_name].nbytes if lm_name in blocks else params[lm_name].numel() * 2)
+        kind = f"{'/'.join(sorted(names))} blocks from {source}" if names else "bf16"
+        self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed)
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def _tables(self, size: int) -> None:
+        """cos / sin (size, head_dim) from the model's own rotary embedding (its bf16 values)."""
+        emb = self.hf.get_input_embeddings().weight
+        with torch.inference_mode():
+            cos, sin = self.hf.model.rotary_emb(emb[:0], torch.arange(size)[None])  # (1, size, hd)
+        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
+
+    def _bind_cache(self, cache, need: int) -> None:
+        layers = cache.layers
+        assert len(layers) == self._m.layers and all(isinstance(l, BufferedLayer) and l.is_initialized for l in layers), \
+            "prefill the cache (core.engine.prefill) before native steps"
+        for layer in layers:
+            layer.reserve(need)
+        key = tuple(l._k.data_ptr() for l in layers) + tuple(l._v.data_ptr() for l in layers)
+        if key != self._cache_key:
+            for i, l in enumerate(layers):
+                assert l._k.is_contiguous() and l._v.is_contiguous() and l._k.dtype is torch.bfloat16
+                self._layers[i].kc, self._layers[i].vc = l._k.data_ptr(), l._v.data_ptr()
+                self._layers[i].kv_head = l._k.stride(1)
+            self._cache_key = key
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, committed: int, ancestors: torch.Tensor,
+                counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions (n,) int64; row i sees cache slots [0, committed) and committed +
+        ancestors[i, :counts[i]] (root first, itself last) -> (features (n, F), logits (n, V) bf16).
+        Features: the last hidden state (after the final norm), or the fused layers
+        `feature_layers` (transformers' output_hidden_states indices) for an EAGLE-3 head."""
+        n = tokens.shape[0]
+        assert committed == cache.get_seq_length(), "the cache must hold exactly the committed tokens"
+        top = int(positions.max())
+        if top >= self._m.max_pos:
+            self._tables(max(2 * self._m.max_pos, top + 1))
+        self._bind_cache(cache, committed + n)
+        tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        ancestors, counts = ancestors.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+        H = self._m.hidden
+        hidden = torch.empty(n, H, dtype=torch.bfloat16)
+        logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
+        ids = feats = None
+        if feature_layers is not None:
+            if max(feature_layers) >= self._m.layers or min(feature_layers) < 0:  # the last entry is transformers' normed one
+                raise StepError(f"feature layers {feature_layers} outside 0..{self._m.layers - 1}")
+            ids = torch.tensor(feature_layers, dtype=torch.int32)
+            feats = torch.empty(n, len(feature_layers) * H, dtype=torch.bfloat16)
+        code = native._library()[0].decode_step(
+            ctypes.byref(self._m), tokens.data_ptr(), positions.data_ptr(), n, committed, ancestors.data_ptr(),
+            ancestors.stride(0), counts.data_ptr(), None if ids is None else ids.data_ptr(),
+            0 if ids is None else ids.shape[0], None if feats is None else feats.data_ptr(), hidden.data_ptr(),
+            logits.data_ptr(), torch.get_num_threads())
+        if code:
+            raise StepError(f"the native step failed: {_ERRORS.get(code, code)}")
+        for layer in cache.layers:
+            layer._set_length(committed + n)
+        return (hidden if feats is None else feats), logits
+
+
+def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
+    """The native step for a loaded target (core.models.LoadedModel), or None, and one line
+    saying what serves decoding steps and why. weights: "q4" reads the GGUF's own blocks (an
+    error if it cannot), "bf16" the model's bf16 tensors, "auto" the blocks where the target
+    came from a GGUF they can be read from, else bf16 (with the reason)."""
+    assert weights in WEIGHTS, weights
+    reason = unsupported(target.model)
+    if reason:
+        if weights == "q4":
+            raise StepError(f"--weights q4 needs the native step, which cannot run here: {reason}")
+        return None, f"transformers forward ({reason})"
+    note = ""
+    blocks = {}
+    if weights != "bf16":
+        from core.quant import QuantWeightError, load_llama_blocks, tile_blocks
+
+        if target.gguf is None:
+            if weights == "q4":
+                raise StepError("--weights q4 reads a GGUF's blocks, and this model was not loaded from one")
+        else:
+            try:
+                blocks = {k: tile_blocks(v) for k, v in load_llama_blocks(target.gguf, target.model.config).items()}
+            except QuantWeightError as e:
+                if weights == "q4":
+                    raise
+                note = f" (bf16 weights: {e})"
+    step = NativeStep(target.model, blocks, target.gguf.name if blocks else "")
+    return step, f"native decode step, {step.info.weights}{note}"
