@@ -1,0 +1,273 @@
+"""The native decode step (core.step): one C call per forward, bit-identical to the transformers
+exact path, on bf16 weights or GGUF blocks; and what happens where it cannot run."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from core import cache as kv
+from core import native, quant
+from core.config import GenerationConfig, TreeConfig
+from core.engine import Engine, EngineError, forward_tree, plain_forward, prefill
+from core.invariant import make_invariant, tree_ancestors
+from core.step import NativeStep, StepError, load_step, unsupported
+from core.tree import tree_from_parents
+from tests.test_exact import wide_llama
+
+pytestmark = pytest.mark.skipif(not native.status().available,
+                                reason=f"core.native unavailable: {native.status().reason}")
+
+TYPES = {"Q4_1": GGMLQuantizationType.Q4_1, "Q4_0": GGMLQuantizationType.Q4_0, "Q8_0": GGMLQuantizationType.Q8_0}
+
+
+def random_tree(gen: torch.Generator, size: int, vocab: int):
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
+    return tree_from_parents(torch.randint(0, vocab, (size,), generator=gen).tolist(), parents, "cpu")
+
+
+def quantized_llama(kind: str, tiled: bool) -> tuple[torch.nn.Module, dict]:
+    """wide_llama whose linear weights are GGUF blocks of `kind` (quantized by the gguf package),
+    the model holding their dequantization rounded to bf16, as the embedded model's copy does."""
+    model = wide_llama()
+    blocks = {}
+    for name, p in model.named_parameters():
+        if name.endswith("proj.weight"):
+            raw = quants.quantize(p.float().numpy(), TYPES[kind])  # (N, K // 32 * block bytes) uint8
+            p.copy_(torch.from_numpy(quants.dequantize(raw, TYPES[kind])).to(torch.bfloat16))
+            b = quant.Blocks(int(TYPES[kind]), torch.from_numpy(raw.copy()), *p.shape)
+            blocks[name] = quant.tile_blocks(b) if tiled else b
+    make_invariant(model)
+    return model, blocks
+
+
+@pytest.mark.parametrize("kind,tiled", [("Q4_1", True), ("Q4_1", False), ("Q4_0", True), ("Q8_0", True)])
+def test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same(kind, tiled):
+    model, blocks = quantized_llama(kind, tiled)
+    params = dict(model.named_parameters())
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for name, b in list(blocks.items())[:7]:
+        w = native.wmat(blocks=b)
+        assert torch.equal(native.dequantize(w), params[name]), name
+        k = b.k
+        rows = x if k == 576 else torch.randn(19, k).bfloat16()
+        for m in (1, 5, 17, 19):  # one x block, a pair, a pair and a leftover
+            assert torch.equal(native.linear_w(rows[:m], w), native.linear(rows[:m], params[name])), (name, m)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "Q4_1", "Q8_0"])
+def test_step_logits_bit_identical_to_the_transformers_path_alone_and_in_random_trees(kind):
+    model, blocks = (wide_llama(), {}) if kind == "bf16" else quantized_llama(kind, True)
+    if kind == "bf16":
+        make_invariant(model)
+    step = NativeStep(model, blocks, "test")
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for case in range(6):  # contexts straddling the attention kernel's 16-key groups; trees up to 24 rows
+            context = int(torch.randint(3, 90, (1,), generator=gen))
+            ids = torch.randint(0, 512, (context,), generator=gen)
+            tree = random_tree(gen, int(torch.randint(1, 25, (1,), generator=gen)), 512)
+            ref_cache, cache = kv.new_cache(model), kv.new_cache(model)
+            prefill(model, ids, ref_cache)
+            prefill(step, ids, cache)
+            ref_feat, ref_logits = forward_tree(model, tree, ref_cache, context)
+            feat, logits = forward_tree(step, tree, cache, context)
+            assert torch.equal(logits, ref_logits) and torch.equal(feat, ref_feat), (case, context, tree.size)
+            for a, b in zip(ref_cache.layers, cache.layers):  # the keys and values it wrote, too
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            # every node again as a plain one-token step after its ancestors
+            node = tree.size - 1
+            path = tree_ancestors(tree.parents, tree.depths)[node, :int(tree.depths[node]) + 1]
+            kv.keep(cache, context, path[:-1])
+            _, row = plain_forward(step, int(tree.tokens[node]), cache, context + len(path) - 1)
+            assert torch.equal(row, logits[node])
+
+
+def test_eagle3_feature_layers_match_transformers_hidden_states():
+    model = wide_llama()
+    make_invariant(model)
+    step = NativeStep(model)
+    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(3))
+    tree = random_tree(torch.Generator().manual_seed(4), 6, 512)
+    with torch.inference_mode():
+        c1, c2 = kv.new_cache(model), kv.new_cache(model)
+        prefill(model, ids, c1)
+        prefill(step, ids, c2)
+        ref, _ = forward_tree(model, tree, c1, 20, (0, 1))
+        feat, _ = forward_tree(step, tree, c2, 20, (0, 1))
+        assert feat.shape == (6, 2 * 576) and torch.equal(feat, ref)
+        with pytest.raises(StepError, match="feature layers"):
+            forward_tree(step, tree, c2, 26, (0, 2))  # 2 = the normed last state: transformers' own
+
+
+def test_rotary_table_equals_the_models_rotary_per_position():
+    model = wide_llama()
+    make_invariant(model)
+    step = NativeStep(model)
+    emb = model.get_input_embeddings().weight
+    for pos in (0, 1, 63, 511, 3000):
+        cos, sin = model.model.rotary_emb(emb[:0], torch.tensor([[pos]]))
+        assert torch.equal(step._cos[pos], cos[0, 0]) and torch.equal(step._sin[pos], sin[0, 0])
+
+
+def test_bad_tokens_are_refused_not_read_out_of_bounds():
+    model = wide_llama()
+    make_invariant(model)
+    step = NativeStep(model)
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        prefill(step, torch.tensor([1, 2, 3]), cache)
+        with pytest.raises(StepError, match="outside the vocabulary"):
+            plain_forward(step, 512, cache, 3)
+        assert kv.cache_length(cache) == 3  # nothing appended
+
+
+# ---- the GGUF side: what is read, and clear errors for what is not ----
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]]) -> None:
+    w = GGUFWriter(str(path), "llama")
+    for name, (data, kind) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny_config(layers=1):
+    return types.SimpleNamespace(hidden_size=64, intermediate_size=96, vocab_size=128, num_attention_heads=2,
+                                 num_key_value_heads=1, num_hidden_layers=layers, head_dim=32)
+
+
+def layer_tensors(gen, kinds=None) -> dict:
+    shapes = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
+              "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}
+    out = {"token_embd.weight": (quants.quantize(gen.standard_normal((128, 64)).astype(np.float32),
+                                                 GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)}
+    for name, shape in shapes.items():
+        kind = (kinds or {}).get(name, GGMLQuantizationType.Q4_1)
+        data = gen.standard_normal(shape).astype(np.float32)
+        out[f"blk.0.{name}.weight"] = (quants.quantize(data, kind) if kind != GGMLQuantizationType.F16
+                                       else data.astype(np.float16), kind)
+    return out
+
+
+def test_gguf_blocks_load_with_the_rotary_rows_put_back(tmp_path):
+    gen = np.random.default_rng(0)
+    tensors = layer_tensors(gen)
+    write_gguf(tmp_path / "m.gguf", tensors)
+    blocks = quant.load_llama_blocks(tmp_path / "m.gguf", tiny_config())
+    q = blocks["model.layers.0.self_attn.q_proj.weight"]
+    assert q.type_name == "Q4_1" and (q.n, q.k) == (64, 64)
+    stored = quants.dequantize(tensors["blk.0.attn_q.weight"][0], GGMLQuantizationType.Q4_1)  # llama.cpp's order
+    ours = native.dequantize(native.wmat(blocks=q)).float().numpy()
+    hd = 32  # head h, row 2i + j in the file is row j * hd/2 + i in transformers' order
+    for h, i, j in ((0, 0, 1), (1, 5, 0), (1, 15, 1)):
+        assert np.array_equal(ours[h * hd + j * hd // 2 + i],
+                              torch.from_numpy(stored[h * hd + 2 * i + j]).bfloat16().float().numpy())
+
+
+def test_an_unsupported_tensor_type_names_the_tensor_and_the_supported_types(tmp_path):
+    write_gguf(tmp_path / "f16.gguf", layer_tensors(np.random.default_rng(1), {"ffn_up": GGMLQuantizationType.F16}))
+    with pytest.raises(quant.QuantWeightError, match=r"blk\.0\.ffn_up\.weight has type F16.*Q4_0, Q4_1, Q8_0"):
+        quant.load_llama_blocks(tmp_path / "f16.gguf", tiny_config())
+
+
+def test_shapes_that_do_not_match_the_model_are_named(tmp_path):
+    write_gguf(tmp_path / "m.gguf", layer_tensors(np.random.default_rng(2)))
+    cfg = tiny_config()
+    cfg.intermediate_size = 128
+    with pytest.raises(quant.QuantWeightError, match=r"blk\.0\.ffn_gate\.weight has shape \(96, 64\), the model needs \(128, 64\)"):
+        quant.load_llama_blocks(tmp_path / "m.gguf", cfg)
+    with pytest.raises(quant.QuantWeightError, match=r"blk\.1\.attn_q\.weight is missing"):
+        quant.load_llama_blocks(tmp_path / "m.gguf", tiny_config(layers=2))
+
+
+def test_a_truncated_file_is_refused_clearly(tmp_path):
+    write_gguf(tmp_path / "m.gguf", layer_tensors(np.random.default_rng(3)))
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 3000])
+    with pytest.raises(quant.QuantWeightError, match="cut.gguf|truncated"):
+        quant.load_llama_blocks(tmp_path / "cut.gguf", tiny_config())
+
+
+def test_auto_weights_fall_back_to_bf16_and_say_why_while_q4_by_name_is_an_error(tmp_path):
+    write_gguf(tmp_path / "bad.gguf", layer_tensors(np.random.default_rng(4)))  # another model's file
+    model = wide_llama()
+    make_invariant(model)
+    target = types.SimpleNamespace(model=model, gguf=tmp_path / "bad.gguf")
+    step, text = load_step(target, "auto")
+    assert step is not None and step.info.weights.startswith("bf16")
+    # which weights serve, and why
+    assert "bf16 weights: GGUF tensor token_embd.weight has shape (128, 64), the model needs (512, 576)" in text
+    with pytest.raises(quant.QuantWeightError, match="token_embd.weight has shape"):
+        load_step(target, "q4")
+    step, text = load_step(types.SimpleNamespace(model=model, gguf=None), "auto")
+    assert text.startswith("native decode step, bf16")
+    with pytest.raises(StepError, match="not loaded from one"):
+        load_step(types.SimpleNamespace(model=model, gguf=None), "q4")
+
+
+def test_without_the_cpu_features_the_transformers_path_serves_and_says_so(monkeypatch):
+    monkeypatch.setattr(native, "_library", lambda: (None, native.NativeStatus(False, "this CPU lacks avx512_bf16")))
+    model = wide_llama()
+    make_invariant(model)
+    assert "lacks avx512_bf16" in unsupported(model)
+    step, text = load_step(types.SimpleNamespace(model=model, gguf=None), "auto")
+    assert step is None and text == "transformers forward (native kernels unavailable (this CPU lacks avx512_bf16))"
+
+
+def test_other_numerics_keep_the_transformers_forward():
+    model = wide_llama(torch.float32)
+    assert "bf16" in unsupported(model)
+    model = wide_llama()  # bf16 but sdpa attention: not the exact numerics the step computes
+    assert "exact" in unsupported(model)
+
+
+# ---- the real embedded model ----
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(2)
+    eng = Engine.load(weights="q4")
+    yield eng
+    torch.set_num_threads(1)
+
+
+@pytest.mark.slow
+def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
+    params = dict(smollm2.target.model.named_parameters())
+    blocks = quant.load_llama_blocks(smollm2.target.gguf, smollm2.target.model.config)
+    assert len(blocks) == 211 and {b.type_name for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    for name, b in blocks.items():
+        assert torch.equal(native.dequantize(native.wmat(blocks=b)), params[name]), name
+    assert "Q4_1/Q8_0 blocks from SmolLM2-135M-Instruct.Q4_1.gguf" in smollm2.numerics.describe()
+    assert smollm2.numerics.exact
+
+
+@pytest.mark.slow
+def test_greedy_speculation_equals_plain_on_the_q4_step(smollm2):
+    assert isinstance(smollm2.forwarder, NativeStep)
+    long = "Summarise this text in two sentences:\n" + " ".join(
+        f"Paragraph {i}: the river carries silt from the mountains to the delta, where farmers plant rice." for i in range(24))
+    prompts = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
+               [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "Mars."},
+                {"role": "user", "content": "Tell me one fact about it."}],
+               long, "List three ways to save water at home."]
+    assert len(smollm2.encode(long)) >= 256
+    trees = [TreeConfig(depth=1, top_k=1, total_tokens=2), TreeConfig(depth=3, top_k=4, total_tokens=8),
+             TreeConfig(depth=4, top_k=6, total_tokens=10), TreeConfig(depth=5, top_k=8, total_tokens=16),
+             TreeConfig(depth=6, top_k=10, total_tokens=32), TreeConfig(depth=4, top_k=8, total_tokens=24, lookup=8)]
+    for prompt in prompts:
+        run = lambda **kw: [t for ev in smollm2.generate(prompt, GenerationConfig(max_new_tokens=40, **kw))
+                            for t in ev.token_ids]
+        plain = run(speculative=False)
+        for tree in trees:
+            assert run(tree=tree) == plain, (prompt, tree)
+
+
+def test_engine_refuses_unknown_weights():
+    with pytest.raises(EngineError, match="unknown weights 'q8'"):
+        Engine.load(weights="q8")
