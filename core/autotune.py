@@ -26,7 +26,7 @@ from tqdm import tqdm
 from core import cache as kv
 from core.clock import median_time
 from core.threads import set_threads
-from core.config import GenerationConfig, TreeConfig
+from core.config import WEIGHTS, GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
 from core.lookup import DEFAULT_TOKENS, chain_tree
@@ -228,7 +228,7 @@ def monotone(costs: dict[int, float]) -> dict[int, float]:
 def measure_costs(engine: Engine, top_k: int, context: int = 256, reps: int = 5) -> tuple[dict, dict, float]:
     """Target cost per call against tokens in the call, draft cost per depth, and the extra
     target cost per token in the call and per context token beyond `context`."""
-    model, device = engine.target.model, engine.target.device
+    model, device = engine.forwarder, engine.target.device  # the native step where it serves
     ids = torch.arange(100, 100 + context, device=device) % model.config.vocab_size
     cache = kv.new_cache(model)
     # the fastest of several calls: machine noise only ever adds time
@@ -381,6 +381,9 @@ def main(argv=None) -> None:
     p.add_argument("--head", default="default")
     p.add_argument("--dtype", default="auto", help="auto: bf16 with exact kernels on CPU where the probe passes")
     p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
+                   "the GGUF's own blocks, bf16 = the model's bf16 tensors, auto = q4 where the target came from "
+                   "a GGUF")
     p.add_argument("--device", default="cpu")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
@@ -394,7 +397,7 @@ def main(argv=None) -> None:
                         f"this machine's GEMM (amx, avx512), else to {TREE_FILE}")
     a = p.parse_args(argv)
     set_threads(a.threads)
-    engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
+    engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device, weights=a.weights)
     print(f"numerics: {engine.numerics.describe()}")
     tree = choose_tree(engine, top_k=a.top_k, refresh=True, lookup=a.lookup, confirm_top=a.confirm)
     report = json.loads(tuned_path(engine).read_text())

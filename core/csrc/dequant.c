@@ -9,7 +9,7 @@
 
 static inline __m512 half_to_ps(const uint8_t *p) {  // one fp16 scale, broadcast (exact)
     uint16_t h; memcpy(&h, p, 2);
-    return _mm512_set1_ps(_cvtsh_ss(h));
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)h));  // vpbroadcastw + vcvtph2ps
 }
 
 // fp32 -> bf16, nearest even, in one instruction. It equals to_bf16x16 (torch's rounding) for

@@ -113,19 +113,27 @@ static void pairs_task(const uint16_t *pack, int M, int K, const gemm_job *job, 
     int nblocks = w->N / 16, kblocks = K / 32, pairs = (M + 15) / 16 / 2;
     int n0 = 32 * g, two = nblocks - 2 * g > 1;
     float c[4][256] __attribute__((aligned(64)));
-    int64_t ldw;
-    const uint16_t *wp = weight_panel(w, n0, 16 * (1 + two), scratch, &ldw);
+    // A operands: the weight's bf16 rows (lda apart, step 32 per kb), or block weights dequantized
+    // once into tile order, scratch[kb][32 rows][32] (step 1,024 per kb), for every pair
+    const uint16_t *wp = (const uint16_t *)w->data + (int64_t)n0 * w->ld;
+    int64_t lda = w->ld, step = 32;
+    if (w->type != WT_BF16) {
+        for (int kb = 0; kb < kblocks; kb++) weight_tiles(w, n0, 16 * (1 + two), kb, scratch + 1024 * kb);
+        wp = scratch;
+        lda = 32;
+        step = 1024;
+    }
     for (int pr = 0; pr < pairs; pr++) {
         const uint16_t *p0 = pack + (size_t)(2 * pr) * K * 16, *p1 = p0 + (size_t)K * 16;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int kb = 0; kb < kblocks; kb++) {
             _tile_loadd(4, p0 + 512 * kb, 64);
             _tile_loadd(5, p1 + 512 * kb, 64);
-            _tile_loadd(6, wp + 32 * kb, ldw * 2);
+            _tile_loadd(6, wp + step * kb, lda * 2);
             _tile_dpbf16ps(0, 6, 4);
             _tile_dpbf16ps(1, 6, 5);
             if (two) {
-                _tile_loadd(7, wp + 16 * ldw + 32 * kb, ldw * 2);
+                _tile_loadd(7, wp + 16 * lda + step * kb, lda * 2);
                 _tile_dpbf16ps(2, 7, 4);
                 _tile_dpbf16ps(3, 7, 5);
             }
