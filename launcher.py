@@ -17,6 +17,7 @@ import socket
 import sys
 
 import core.threads  # noqa: F401,I001 (picks OpenMP's wait policy before anything imports torch)
+from core.config import WEIGHTS
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -48,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", default=None, choices=["auto", "exact", "sdpa", "eager"],
                    help="attention kernels of the target; exact = batch-invariant (speculation bit-identical "
                    "to plain decoding in bf16) [default: auto, or the last one used]")
+    p.add_argument("--weights", default=None, choices=WEIGHTS,
+                   help="what the native decode step reads: q4 = the GGUF's own 4-bit blocks (the embedded model), "
+                   "bf16 = the model's bf16 tensors; auto = q4 where the target came from a GGUF [default: auto, or "
+                   "the last one used]")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads [default: OMP_NUM_THREADS if set, else every core on a quiet machine and "
                    "the idle ones on a busy one]")
@@ -110,7 +115,7 @@ def choose(args):
     return ModelChoice(model=args.model or base.model, head=None if head == "none" else head,
                        dtype=args.dtype or base.dtype, device=args.device or base.device,
                        load_in_4bit=args.load_in_4bit or (base.load_in_4bit and args.model is None),
-                       attention=args.attention or base.attention)
+                       attention=args.attention or base.attention, weights=args.weights or base.weights)
 
 
 def start_manager(args):

@@ -182,7 +182,7 @@ class ModelManager:
 
     def _load(self, choice: ModelChoice):
         return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype, attention=choice.attention,
-                           device=choice.device, load_in_4bit=choice.load_in_4bit)
+                           device=choice.device, load_in_4bit=choice.load_in_4bit, weights=choice.weights)
 
     def connect(self, url: str, api_key: str | None = None) -> ServerInfo:
         """Chat through the OpenAI-compatible server at `url` from now on (raises RemoteError).

@@ -46,14 +46,16 @@ class ModelChoice:
     device: str = "cpu"
     load_in_4bit: bool = False
     attention: str = "auto"   # "auto" | "exact" | "sdpa" | "eager" (core.engine.Engine.load)
+    weights: str = "auto"     # what the native step reads: "auto" | "q4" | "bf16" (core.config.WEIGHTS)
 
     def describe(self) -> str:
         head = ("no head" if self.head is None else "its default head" if self.head == "default"
                 else f"head `{self.head}`")
         numerics = "auto numerics" if self.dtype == "auto" else self.dtype
         attention = "" if self.attention == "auto" else f", {self.attention} attention"
+        weights = "" if self.weights == "auto" else f", {self.weights} weights"
         quant = ", 4-bit" if self.load_in_4bit else ""
-        return f"`{self.model}` with {head} ({numerics}{attention}, {self.device}{quant})"
+        return f"`{self.model}` with {head} ({numerics}{attention}{weights}, {self.device}{quant})"
 
 
 def last_model_path() -> Path:
@@ -72,13 +74,14 @@ def remember(choice: ModelChoice) -> None:
 
 def recall() -> ModelChoice | None:
     """The last model that loaded successfully, or None when unknown or unreadable. Files from
-    before the numerics choice have no "attention" and keep their dtype (often "float32")."""
+    before the numerics choice have no "attention" and keep their dtype (often "float32"); files
+    from before the native step have no "weights"."""
     try:
         data = json.loads(last_model_path().read_text())
         return ModelChoice(model=str(data["model"]), head=data.get("head"),
                            dtype=str(data.get("dtype", "auto")), device=str(data.get("device", "cpu")),
                            load_in_4bit=bool(data.get("load_in_4bit", False)),
-                           attention=str(data.get("attention", "auto")))
+                           attention=str(data.get("attention", "auto")), weights=str(data.get("weights", "auto")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

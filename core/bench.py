@@ -1,4 +1,4 @@
-"""Benchmark: `python -m core.bench [--modes plain,eagle,eagle-head,hf,hf-lookup] [--out results.json] ...`.
+"""Benchmark: `python -m core.bench [--modes plain,eagle,eagle-head,hf,hf-lookup,llama.cpp] [--out results.json] ...`.
 
 Every mode answers the same prompts on the SAME model object, dtype and torch threads:
   plain      our decode loop without speculation (one target forward per token)
@@ -9,12 +9,20 @@ Every mode answers the same prompts on the SAME model object, dtype and torch th
              the same weights and dtype with transformers' stock kernels (sdpa attention)
   hf-fp32    `generate` on an fp32 copy of the target: what a plain transformers user gets
   hf-lookup  transformers' prompt-lookup decoding, `generate(prompt_lookup_num_tokens=k)`
+  llama.cpp  llama.cpp's `llama-server` (core.llamacpp; --llama-cpp DIR or $EAGLE_CHAT_LLAMA_CPP)
+             on the GGUF the target came from, given our chat template's token ids and the
+             same token budget, threads and sampling; its own timings
 Prompts are MT-bench style: later turns are asked after the mode's OWN answer to the
 earlier ones. Each mode gets one warm-up generation, then the modes are interleaved per
 prompt (order rotated from prompt to prompt) so machine noise hits all of them alike.
+--prefill-tokens 1000,4000 also times the first token of long prompts (median of
+PREFILL_REPS, interleaved): ours against llama.cpp's prompt processing.
 
 Words used in the results: `tokens` generated tokens; `seconds` wall time of the
-generation calls (prefill included, prompt templating excluded); `target_forwards` target
+generation calls (prefill included, prompt templating excluded); `first_token_s` mean time
+until the first token (prefill; eagle also its head's catch-up on the prompt);
+`decode_tokens_per_s` tokens after the first over the seconds after it (llama.cpp:
+`predicted_per_second`, as llama-bench's tg measures); `target_forwards` target
 model calls (hf modes: counted with a forward hook); `tau` tokens per target forward;
 `accepted_length_histogram` (eagle modes) tokens committed per speculative step, bonus included.
 """
@@ -27,6 +35,8 @@ import functools
 import json
 import os
 import re
+import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -37,19 +47,23 @@ from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (set
 
 import torch
 
-from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.config import WEIGHTS, ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.engine import Engine, EngineError, uses_exact_kernels
 from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
 from core.head3 import draft_weights
+from core.llamacpp import ENV as LLAMA_CPP_ENV, LlamaCppError, LlamaServer, find_server
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError, load_target
 from core.treestore import BUILT_IN
 
 BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
-MODE_NAMES = ("plain", "eagle", "eagle-head", "hf", "hf-fp32", "hf-lookup")
+LLAMA_CPP = "llama.cpp"
+MODE_NAMES = ("plain", "eagle", "eagle-head", "hf", "hf-fp32", "hf-lookup", LLAMA_CPP)
+DEFAULT_MODES = ("plain", "eagle", "hf", "hf-lookup")  # and llama.cpp where a build is given
 ENGINE_MODES = ("plain", "eagle", "eagle-head")
 SPEC_MODES = ("eagle", "eagle-head")  # eagle-head: the head's tree alone, no context lookup
 WARMUP_TOKENS = 16
+PREFILL_REPS = 3
 
 
 class BenchError(ValueError):
@@ -91,6 +105,8 @@ class Generation:
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
+    first_s: float | None = None  # seconds until the first tokens arrived (None: not measured)
+    first_n: int = 1              # how many came then (prompt lookup verifies several at once)
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -153,16 +169,18 @@ def _engine_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int
     config = GenerationConfig(max_new_tokens=s.max_new_tokens, speculative=speculative, tree=s.tree,
                               sampling=s.sampling, seed=seed)
     tokens, lengths, split = [], [], [0.0, 0.0, 0.0]
-    forwards = 0
+    forwards, first = 0, None
     start = time.perf_counter()
     for ev in engine.generate(ids, config):
+        if first is None:
+            first = time.perf_counter() - start
         tokens += ev.token_ids
         forwards = ev.target_forwards
         split = [split[0] + ev.draft_s, split[1] + ev.verify_s, split[2] + ev.other_s]
         if ev.tree_size:  # a speculative step (the prefill and plain steps have none)
             lengths.append(len(ev.token_ids))
     seconds = time.perf_counter() - start
-    return Generation(tuple(tokens), seconds, forwards, tuple(lengths), *split)
+    return Generation(tuple(tokens), seconds, forwards, tuple(lengths), *split, first_s=first)
 
 
 class _CountForwards:
@@ -180,6 +198,22 @@ class _CountForwards:
 
     def __exit__(self, *_) -> None:
         self.handle.remove()
+
+
+class _FirstTokens:
+    """A transformers streamer that notes when generate's first tokens arrive: its first `put`
+    is the prompt, the second the first token (prompt lookup: the first verified chain)."""
+
+    def __init__(self):
+        self.puts, self.at, self.n = 0, None, 1
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at, self.n = time.perf_counter(), value.numel()
+
+    def end(self) -> None:
+        pass
 
 
 def _truncate(ids: list[int], eos: Iterable[int], limit: int) -> tuple[int, ...]:
@@ -201,11 +235,13 @@ def _hf_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
                                 pad_token_id=eos[0], prompt_lookup_num_tokens=lookup, **sampled)
     x = torch.tensor([ids], device=target.device)
     torch.manual_seed(seed)
+    first = _FirstTokens()
     with torch.inference_mode(), stock_kernels(target.model), _CountForwards(target.model) as counter:
         start = time.perf_counter()
-        out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), generation_config=config, streamer=first)
         seconds = time.perf_counter() - start
-    return Generation(_truncate(out[0, len(ids):].tolist(), eos, budget), seconds, counter.count)
+    return Generation(_truncate(out[0, len(ids):].tolist(), eos, budget), seconds, counter.count,
+                      first_s=None if first.at is None else first.at - start, first_n=first.n)
 
 
 @contextlib.contextmanager
@@ -231,6 +267,15 @@ def _hf_fp32(engine: Engine, ids: list[int], s: BenchSettings, seed: int) -> Gen
     return _hf_generate(_fp32_engine(engine.target.name, str(engine.target.device)), ids, s, seed, None)
 
 
+def _llama_cpp(engine: Engine, ids: list[int], s: BenchSettings, seed: int, *, server: LlamaServer) -> Generation:
+    """llama.cpp's answer, timed by llama.cpp itself: prompt processing, then predicted_n - 1 steps."""
+    budget = min(s.max_new_tokens, engine.max_context - len(ids))
+    sp = s.sampling
+    c = server.complete(ids, budget, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed)
+    return Generation(_truncate(list(c.tokens), engine.target.eos_ids, budget), (c.prompt_ms + c.predicted_ms) / 1e3,
+                      c.predicted_n, first_s=c.prompt_ms / 1e3)
+
+
 Runner = Callable[[Engine, list[int], BenchSettings, int], Generation]
 MODES: dict[str, Runner] = {
     "plain": functools.partial(_engine_generate, speculative=False),
@@ -240,10 +285,23 @@ MODES: dict[str, Runner] = {
     "hf": functools.partial(_hf_generate, lookup=None),
     "hf-fp32": _hf_fp32,
     "hf-lookup": lambda engine, ids, s, seed: _hf_generate(engine, ids, s, seed, s.lookup_tokens),
+    LLAMA_CPP: _llama_cpp,  # run_benchmark gives it the server
 }
 
 
-def run_conversation(engine: Engine, prompt: Prompt, mode: str, s: BenchSettings, seed: int) -> list[Generation]:
+def _no_llama_cpp() -> BenchError:
+    return BenchError(f"mode {LLAMA_CPP!r} needs a llama.cpp build: --llama-cpp DIR (its bin folder, holding "
+                      f"llama-server) or {LLAMA_CPP_ENV}=DIR")
+
+
+def runners(modes: Sequence[str], llama: LlamaServer | None) -> dict[str, Runner]:
+    """Each mode's runner; llama.cpp's needs a started server."""
+    if LLAMA_CPP in modes and llama is None:
+        raise _no_llama_cpp()
+    return {m: functools.partial(MODES[m], server=llama) if m == LLAMA_CPP else MODES[m] for m in modes}
+
+
+def run_conversation(engine: Engine, prompt: Prompt, run: Runner, s: BenchSettings, seed: int) -> list[Generation]:
     """All turns of one prompt in one mode; each turn's history holds this mode's own answers."""
     messages, answers = [], []
     for t, turn in enumerate(prompt.turns):
@@ -252,7 +310,7 @@ def run_conversation(engine: Engine, prompt: Prompt, mode: str, s: BenchSettings
         if len(ids) >= engine.max_context:
             raise BenchError(f"prompt {prompt.id!r}, turn {t + 1}: {len(ids)} tokens do not fit the "
                              f"model's context of {engine.max_context}")
-        answers.append(MODES[mode](engine, ids, s, seed + t))
+        answers.append(run(engine, ids, s, seed + t))
         text = engine.target.tokenizer.decode(list(answers[-1].output_ids), skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
     return answers
@@ -266,8 +324,9 @@ def mode_order(modes: Sequence[str], i: int) -> list[str]:
 
 def run_benchmark(engine: Engine, prompts: Sequence[Prompt], modes: str | Sequence[str],
                   settings: BenchSettings = BenchSettings(), *, head_name: str | None = None,
-                  progress: bool = False) -> dict:
-    """Run every mode on every prompt (interleaved) and return the results dict (see module doc)."""
+                  progress: bool = False, llama: LlamaServer | None = None) -> dict:
+    """Run every mode on every prompt (interleaved) and return the results dict (see module doc).
+    `llama`: a started llama.cpp server, for mode llama.cpp."""
     from tqdm import tqdm
 
     modes = parse_modes(modes)
@@ -276,21 +335,73 @@ def run_benchmark(engine: Engine, prompts: Sequence[Prompt], modes: str | Sequen
         raise BenchError(f"mode {spec[0]!r} needs a draft head; load one (--head) or drop the mode")
     if not prompts:
         raise BenchError("no prompts to run")
+    run = runners(modes, llama)
     load_before = os.getloadavg()[0]
     if settings.warmup:
         warm = replace(settings, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens))
         for mode in modes:
-            MODES[mode](engine, engine.encode(prompts[0].turns[0]), warm, settings.seed)
+            run[mode](engine, engine.encode(prompts[0].turns[0]), warm, settings.seed)
     runs: dict[str, list[list[Generation]]] = {m: [] for m in modes}
     with tqdm(total=len(prompts) * len(modes), disable=not progress, file=sys.stderr, unit="run") as bar:
         for i, prompt in enumerate(prompts):
             for mode in mode_order(modes, i):
                 bar.set_description(f"{prompt.id} [{mode}]")
-                runs[mode].append(run_conversation(engine, prompt, mode, settings, settings.seed + 100 * i))
+                runs[mode].append(run_conversation(engine, prompt, run[mode], settings, settings.seed + 100 * i))
                 bar.update()
     result = _header(engine, settings, head_name, prompts, (load_before, os.getloadavg()[0]))
+    if llama is not None:
+        result["llama_cpp"] = llama.describe()
     result.update(_summaries(prompts, runs, settings.sampling.greedy))
     return result
+
+
+# ---------------------------------------------------------------------------- time to first token
+
+def prefill_prompt(engine: Engine, tokens: int) -> list[int]:
+    """About `tokens` prompt tokens: a summary request over a fixed document (core.autotune.long_prompt)."""
+    from core.autotune import long_prompt
+
+    overhead = len(engine.encode(long_prompt(engine, 0)))
+    ids = engine.encode(long_prompt(engine, max(tokens - overhead, 0)))
+    if len(ids) >= engine.max_context:
+        raise BenchError(f"--prefill-tokens {tokens}: the prompt does not fit the model's context of "
+                         f"{engine.max_context}")
+    return ids
+
+
+def _our_first_token(engine: Engine, ids: list[int], speculative: bool, tree: TreeConfig) -> float:
+    """Seconds until the engine's first event (eagle: after its head's catch-up on the prompt too)."""
+    stream = engine.generate(ids, GenerationConfig(max_new_tokens=2, speculative=speculative, tree=tree))
+    start = time.perf_counter()
+    next(stream)
+    seconds = time.perf_counter() - start
+    stream.close()
+    return seconds
+
+
+def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str], settings: BenchSettings,
+                    llama: LlamaServer | None = None, reps: int = PREFILL_REPS) -> dict:
+    """Time to first token for prompts of about `lengths` tokens: plain (and eagle, where it is among
+    `modes`) against llama.cpp's prompt processing (prompt_ms), interleaved, median of `reps`."""
+    timers = {"plain": lambda ids: _our_first_token(engine, ids, False, settings.tree)}
+    if "eagle" in modes and engine.has_head:
+        timers["eagle"] = lambda ids: _our_first_token(engine, ids, True, settings.tree)
+    if llama is not None:
+        timers[LLAMA_CPP] = lambda ids: llama.complete(ids, 1).prompt_ms / 1e3
+    rows = []
+    for n in lengths:
+        ids = prefill_prompt(engine, n)
+        if settings.warmup and not rows:
+            for timer in timers.values():
+                timer(ids)
+        times = {m: [] for m in timers}
+        for r in range(reps):
+            for m in mode_order(list(timers), r):
+                times[m].append(timers[m](ids))
+        rows.append({"asked_tokens": n, "prompt_tokens": len(ids),
+                     "first_token_s": {m: statistics.median(t) for m, t in times.items()},
+                     "runs_s": times})
+    return {"reps": reps, "statistic": "median", "rows": rows}
 
 
 # ---------------------------------------------------------------------------- results
@@ -324,7 +435,7 @@ def _mode_summary(mode: str, prompts: Sequence[Prompt], runs: list[list[Generati
     seconds = sum(g.seconds for g in flat)
     forwards = sum(g.target_forwards for g in flat)
     out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-           "target_forwards": forwards, "tau": tokens / forwards,
+           **_decode_summary(flat), "target_forwards": forwards, "tau": tokens / forwards,
            "per_prompt": [{"id": p.id, "category": p.category, "tokens": sum(len(g.output_ids) for g in turns),
                            "seconds": sum(g.seconds for g in turns),
                            "target_forwards": sum(g.target_forwards for g in turns),
@@ -340,10 +451,20 @@ def _mode_summary(mode: str, prompts: Sequence[Prompt], runs: list[list[Generati
     return out
 
 
-def _ratios(modes: dict, base: str) -> dict:
-    if base not in modes:
+def _decode_summary(flat: Sequence[Generation]) -> dict:
+    """Mean time to the first tokens, and tokens/s after them (None where a mode did not time them)."""
+    if not flat or any(g.first_s is None for g in flat):
+        return {"first_token_s": None, "decode_tokens_per_s": None}
+    after = sum(g.seconds - g.first_s for g in flat)
+    tokens = sum(max(len(g.output_ids) - g.first_n, 0) for g in flat)
+    return {"first_token_s": sum(g.first_s for g in flat) / len(flat),
+            "decode_tokens_per_s": tokens / after if after > 0 else None}
+
+
+def _ratios(modes: dict, base: str, key: str = "tokens_per_s") -> dict:
+    if base not in modes or not modes[base][key]:
         return {}
-    return {m: v["tokens_per_s"] / modes[base]["tokens_per_s"] for m, v in modes.items()}
+    return {m: v[key] / modes[base][key] for m, v in modes.items() if v[key] is not None}
 
 
 def _summaries(prompts: Sequence[Prompt], runs: dict[str, list[list[Generation]]], greedy: bool) -> dict:
@@ -356,6 +477,7 @@ def _summaries(prompts: Sequence[Prompt], runs: dict[str, list[list[Generation]]
             identical[m], agreement[m] = all(same), sum(same) / len(same)
     return {"modes": modes, "speedup_vs_plain": _ratios(modes, "plain"), "speedup_vs_hf": _ratios(modes, "hf"),
             "speedup_vs_hf_fp32": _ratios(modes, "hf-fp32"),
+            "decode_speedup_vs_llama_cpp": _ratios(modes, LLAMA_CPP, "decode_tokens_per_s"),
             "identical_to_plain": identical, "prompts_identical_to_plain": agreement}
 
 
@@ -370,11 +492,14 @@ def write_results(result: dict, path: str | Path) -> Path:
 
 
 def format_table(result: dict) -> str:
-    rows = [("mode", "tokens", "seconds", "tok/s", "fwd", "tau", "vs plain", "vs hf", "vs hf-fp32", "= plain")]
+    rows = [("mode", "tokens", "seconds", "tok/s", "decode tok/s", "fwd", "tau", "vs plain", "vs hf", "vs hf-fp32",
+             "= plain")]
     for m, v in result["modes"].items():
         ratio = lambda key: f"{result[key][m]:.2f}x" if m in result[key] else "-"  # noqa: E731
         same = result["identical_to_plain"].get(m)
+        decode = v.get("decode_tokens_per_s")
         rows.append((m, str(v["tokens"]), f"{v['seconds']:.1f}", f"{v['tokens_per_s']:.1f}",
+                     "-" if decode is None else f"{decode:.1f}",
                      str(v["target_forwards"]), f"{v['tau']:.2f}", ratio("speedup_vs_plain"),
                      ratio("speedup_vs_hf"), ratio("speedup_vs_hf_fp32"),
                      "-" if same is None else ("yes" if same else "NO")))
@@ -386,11 +511,30 @@ def format_table(result: dict) -> str:
         lines.append("eagle time: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in split.items()) +
                      f" (draft share {split['draft_s'] / eagle['seconds']:.0%}); tree {result['settings']['tree']}; "
                      f"accepted lengths {eagle['accepted_length_histogram']}")
+    lines += _llama_cpp_lines(result)
     lines.append(f"numerics: {result.get('numerics', '?')}"
                  + (f"; draft head weights: {result['draft_weights']}" if result.get("draft_weights") else ""))
     if "thread_policy" in result:
         lines.append(f"threads: {result['threads']} ({result['thread_policy']})")
+    for row in result.get("prefill", {}).get("rows", []):
+        times = ", ".join(f"{m} {s:.3f} s" for m, s in row["first_token_s"].items())
+        lines.append(f"time to first token, {row['prompt_tokens']:,} prompt tokens (median of "
+                     f"{result['prefill']['reps']}): {times}")
     return "\n".join(lines)
+
+
+def _llama_cpp_lines(result: dict) -> list[str]:
+    """Our decode speeds over llama.cpp's, and how far its greedy answers matched plain's."""
+    ratios = result.get("decode_speedup_vs_llama_cpp") or {}
+    if not ratios:
+        return []
+    ours = ", ".join(f"{m} {r:.2f}x" for m, r in ratios.items() if m != LLAMA_CPP)
+    line = f"decode tok/s over llama.cpp's: {ours or '-'}"
+    agreement = result["prompts_identical_to_plain"].get(LLAMA_CPP)
+    if agreement is not None:
+        line += (f"; llama.cpp's greedy answers equal plain's on {agreement:.0%} of the prompts (its own "
+                 "numerics: a different answer is not an error)")
+    return [line]
 
 
 def write_plot(result: dict, path: str | Path) -> Path:
@@ -450,7 +594,8 @@ def auto_tree(engine: Engine) -> tuple[TreeConfig, str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m core.bench", description=__doc__.splitlines()[0])
     p.add_argument("--prompts", help=f"JSONL prompts file (default: built-in {BUILTIN_PROMPTS.name})")
-    p.add_argument("--modes", default="plain,eagle,hf,hf-lookup", help=f"comma-separated: {','.join(MODE_NAMES)}")
+    p.add_argument("--modes", help=f"comma-separated: {','.join(MODE_NAMES)} (default: {','.join(DEFAULT_MODES)}, "
+                   f"and {LLAMA_CPP} where a llama.cpp build is given)")
     p.add_argument("--limit", type=int, help="only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -469,12 +614,71 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: bf16 with exact kernels on CPU where the probe "
                    "passes, else fp32")
     p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = the "
+                   "GGUF's own blocks, bf16 = the model's bf16 tensors, auto = q4 where the target came from a GGUF")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default: every core on a quiet machine, the idle ones on a busy one)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", help="write results JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--llama-cpp", metavar="DIR", help=f"a llama.cpp build's bin folder (holding llama-server): "
+                   f"adds mode {LLAMA_CPP}, and llama.cpp's prompt processing to --prefill-tokens "
+                   f"[default: ${LLAMA_CPP_ENV}]")
+    p.add_argument("--llama-cpp-args", default="", metavar="ARGS",
+                   help="more llama-server arguments, e.g. --llama-cpp-args=--no-repack (where its AMX kernels die)")
+    p.add_argument("--gguf", help=f"the GGUF mode {LLAMA_CPP} runs [default: the one the target came from, the "
+                   "embedded model's]; e.g. a BF16 copy made with llama-quantize")
+    p.add_argument("--prefill-tokens", metavar="N,N", help="also time the first token of prompts of about N tokens "
+                   "(e.g. 1000,4000): ours, and llama.cpp's prompt processing where a build is given")
     return p.parse_args(argv)
+
+
+def parse_lengths(text: str | None) -> list[int]:
+    """--prefill-tokens "1000,4000" -> [1000, 4000]."""
+    if not text:
+        return []
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise BenchError(f"--prefill-tokens wants prompt lengths like 1000,4000, got {text!r}")
+    return lengths
+
+
+def llama_cpp_dir(a: argparse.Namespace) -> str | None:
+    return a.llama_cpp or os.environ.get(LLAMA_CPP_ENV) or None
+
+
+def llama_cpp_args(a: argparse.Namespace) -> list[str]:
+    try:
+        return shlex.split(a.llama_cpp_args)
+    except ValueError as e:
+        raise BenchError(f"--llama-cpp-args {a.llama_cpp_args!r}: {e}") from e
+
+
+def llama_cpp_choice(a: argparse.Namespace, modes: Sequence[str], lengths: Sequence[int]) -> Path | None:
+    """The llama-server to run (None: none needed or none given); a bad setup is refused before the model loads."""
+    folder = llama_cpp_dir(a)
+    if folder is None:
+        if LLAMA_CPP in modes:
+            raise _no_llama_cpp()
+        return None
+    if a.gguf is not None and not Path(a.gguf).is_file():
+        raise BenchError(f"--gguf {a.gguf} is not a file")
+    llama_cpp_args(a)
+    return find_server(folder) if LLAMA_CPP in modes or lengths else None
+
+
+def start_llama_cpp(a: argparse.Namespace, exe: Path | None, engine: Engine) -> LlamaServer | contextlib.nullcontext:
+    """A llama-server for the benchmark (to enter), or a stand-in that gives None where none is to run."""
+    if exe is None:
+        return contextlib.nullcontext()
+    gguf = a.gguf or engine.target.gguf
+    if gguf is None:
+        raise BenchError(f"mode {LLAMA_CPP} runs the GGUF the target came from, and {engine.target.name} came from "
+                         "none: give --gguf FILE")
+    return LlamaServer(exe, gguf, torch.get_num_threads(), engine.max_context, llama_cpp_args(a))
 
 
 def _tree_choice(a: argparse.Namespace) -> TreeConfig | None:
@@ -487,13 +691,15 @@ def _tree_choice(a: argparse.Namespace) -> TreeConfig | None:
 
 
 def load_engine(a: argparse.Namespace, need_head: bool) -> tuple[Engine, str | None]:
+    numerics = {"dtype": a.dtype, "attention": a.attention, "device": a.device, "weights": a.weights}
     if not need_head:
-        return Engine.load(a.model, None, dtype=a.dtype, attention=a.attention, device=a.device), None
+        return Engine.load(a.model, None, **numerics), None
     if a.head == "random":
-        engine = Engine.load(a.model, None, dtype=a.dtype, attention=a.attention, device=a.device)
+        engine = Engine.load(a.model, None, **numerics)
         head = new_head(engine.target.model.config, seed=0).to(engine.target.device, engine.target.dtype)
-        return Engine(engine.target, head.eval().requires_grad_(False)), "random (new_head seed 0)"
-    engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device)
+        return Engine(engine.target, head.eval().requires_grad_(False), numerics=engine.numerics,
+                      step=engine.step), "random (new_head seed 0)"
+    engine = Engine.load(a.model, a.head, **numerics)
     if not engine.has_head:
         raise BenchError(f"mode 'eagle' needs a head and none is shipped at {DEFAULT_HEAD_DIR}; pass "
                          "--head FOLDER, or --head random (exact output, low acceptance)")
@@ -503,7 +709,9 @@ def load_engine(a: argparse.Namespace, need_head: bool) -> tuple[Engine, str | N
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
-        modes = parse_modes(a.modes)
+        modes = parse_modes(a.modes or list(DEFAULT_MODES) + ([LLAMA_CPP] if llama_cpp_dir(a) else []))
+        lengths = parse_lengths(a.prefill_tokens)
+        llama_exe = llama_cpp_choice(a, modes, lengths)
         prompts = load_prompts(a.prompts or BUILTIN_PROMPTS)
         if a.limit is not None:
             if a.limit < 1:
@@ -528,11 +736,15 @@ def main(argv=None) -> int:
         if a.lookup is not None:
             tree, source = replace(tree, lookup=a.lookup), f"{source}, lookup {a.lookup} (--lookup)"
         settings = replace(settings, tree=tree, tree_source=source)
-        result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True)
-    except (BenchError, ConfigError, EngineError, ModelLoadError, HeadLoadError) as e:
+        with start_llama_cpp(a, llama_exe, engine) as llama:
+            result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True, llama=llama)
+            if lengths:
+                result["prefill"] = measure_prefill(engine, lengths, modes, settings, llama)
+    except (BenchError, ConfigError, EngineError, ModelLoadError, HeadLoadError, LlamaCppError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["settings"]["prompts_file"] = str(a.prompts or BUILTIN_PROMPTS)
+    result["settings"]["weights"] = a.weights
     print(format_table(result))
     if a.out:
         print(f"results: {write_results(result, a.out)}")

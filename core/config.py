@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # "exact" = core.invariant's batch-invariant kernels
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
+WEIGHTS = ("auto", "q4", "bf16")  # what the native step reads (core.step.WEIGHTS), torch-free for the CLIs
 
 
 class ConfigError(ValueError):

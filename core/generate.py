@@ -14,7 +14,8 @@ from pathlib import Path
 
 from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
-from core.config import ATTENTIONS, DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.config import (ATTENTIONS, DTYPE_NAMES, WEIGHTS, ConfigError, GenerationConfig, SamplingConfig,
+                         TreeConfig)
 
 # torch and transformers load only after the arguments are checked (that takes seconds)
 EMBEDDED = "smollm2"
@@ -43,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "passes, else fp32), float32, bfloat16, float16")
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
+                   "the GGUF's own blocks (the embedded model), bf16 = the model's bf16 tensors, auto = q4 where "
+                   "the target came from a GGUF")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
                    "quiet machine, the idle ones on a busy one)")
     p.add_argument("--device", default="cpu")
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
 
     try:
         engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, attention=a.attention,
-                             device=a.device, load_in_4bit=a.load_in_4bit)
+                             device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
         config = replace(config, tree=replace(engine.default_tree, **given))
         last = None
         for last in engine.generate(prompt, config):

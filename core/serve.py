@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from core.config import ATTENTIONS, DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig
+from core.config import ATTENTIONS, DTYPE_NAMES, WEIGHTS, ConfigError, GenerationConfig, SamplingConfig
 from core.engine import Engine, EngineError, StepEvent
 
 log = logging.getLogger("eagle_chat.serve")
@@ -541,6 +541,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "passes, else fp32), float32, bfloat16, float16: as core.generate and the app")
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
+                   "the GGUF's own blocks (the embedded model), bf16 = the model's bf16 tensors, auto = q4 where "
+                   "the target came from a GGUF")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
                    "quiet machine, the idle ones on a busy one)")
     p.add_argument("--device", default="cpu")
@@ -593,7 +596,7 @@ def main(argv=None) -> int:
     threads = set_threads(a.threads)
     try:
         engine = Engine.load(a.model, None if a.head == "none" else a.head, dtype=a.dtype, attention=a.attention,
-                             device=a.device, load_in_4bit=a.load_in_4bit)
+                             device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
     except (ModelLoadError, HeadLoadError, ConfigError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

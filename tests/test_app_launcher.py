@@ -12,7 +12,7 @@ import pytest
 from tests.app_server import ROOT, Launched, free_port, isolated_home
 
 FLAGS = ("--model", "--head", "--port", "--no-browser", "--share", "--auth", "--load-in-4bit", "--device",
-         "--dtype", "--attention", "--threads", "--backend", "--api-key", "--api", "--api-port",
+         "--dtype", "--attention", "--weights", "--threads", "--backend", "--api-key", "--api", "--api-port",
          "--remote-max-new-tokens", "--remote-max-seconds", "--help")
 
 
