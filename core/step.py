@@ -25,8 +25,8 @@ import torch
 
 from core import native
 from core.cache import BufferedLayer
+from core.config import WEIGHTS  # q4: the GGUF's blocks where the target came from one
 
-WEIGHTS = ("auto", "q4", "bf16")  # q4: the GGUF's blocks where the target came from one
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 STEP_TYPES = ("llama", "mistral", "qwen2")
 _PROJ = ("q", "k", "v", "o", "gate", "up", "down")

@@ -51,7 +51,8 @@ def profile_key(engine) -> str:
     parts = [engine.target.name, head_fingerprint(engine.head), str(engine.target.device),
              str(engine.target.dtype), engine.numerics.attention, f"threads{torch.get_num_threads()}",
              f"wait:{threads.POLICY.wait}", native.status().describe(),
-             str(None if vocab is None else vocab.numel())]
+             str(None if vocab is None else vocab.numel()),
+             engine.step.info.weights if engine.step else "transformers forward"]  # what a verified row costs
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -259,12 +259,6 @@ def _capture_load(monkeypatch):
     monkeypatch.setattr(Engine, "load", load)
 
 
-def test_weights_names_match_the_native_step():
-    from core import config, step
-
-    assert config.WEIGHTS == step.WEIGHTS  # the CLIs check against config's torch-free copy
-
-
 @pytest.mark.parametrize("cli", ["core.bench", "core.generate", "core.autotune", "core.serve"])
 def test_every_cli_passes_weights_to_engine_load(cli, monkeypatch, capsys):
     import importlib
