@@ -141,12 +141,16 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
             amx_begin();
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t.x + (int64_t)i * H);
+            if (features) {  // the same branch on every thread: the single's barrier only where it runs
 #pragma omp single
-            if (features) keep_features(t.x, n, H, 0, feature_ids, nf, features);
+                keep_features(t.x, n, H, 0, feature_ids, nf, features);
+            }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
                 bad = layer_team(m, &m->layer[l], &t, positions, n, committed, anc, anc_stride, counts, pack, mine, sc, cap);
+                if (features) {
 #pragma omp single
-                if (features) keep_features(t.x, n, H, l + 1, feature_ids, nf, features);
+                    keep_features(t.x, n, H, l + 1, feature_ids, nf, features);
+                }
             }
             if (!bad) {
                 rmsnorm_team(t.x, H, m->norm, hidden, H, n, H, m->eps);

@@ -75,6 +75,17 @@ void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out) {
     }
 }
 
+void weight_prefetch(const wmat *w, int n0, int rows, int kb) {
+    int bs = block_bytes(w->type);
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const char *b = (const char *)block_at(w, n0 + r0, kb);
+        if (w->tiled)
+            for (int off = 0; off < 16 * bs; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
+        else
+            for (int r = 0; r < 16 && r0 + r < rows; r++) _mm_prefetch(b + r * w->ld, _MM_HINT_T0);
+    }
+}
+
 static void dequant_row(const wmat *w, int64_t n, uint16_t *out) {
     for (int kb = 0; kb < w->K / 32; kb++) dequant_block(w->type, block_at(w, n, kb), out + 32 * kb);
 }

@@ -153,6 +153,8 @@ static void pairs_task(const uint16_t *pack, int M, int K, const gemm_job *job, 
         _tile_dpbf16ps(C, A, 4);                                                           \
     } while (0)
 
+#define PF_KB 2  // block columns ahead that block weights are prefetched (tiled: 16 rows' blocks are one run)
+
 // The last (or only) x block alone: 64 weight columns g of one job. Block weights: each step's
 // 16 x 32 tiles dequantized just before they are loaded (4 KB, in L1), as one x block reads
 // each tile once.
@@ -168,6 +170,7 @@ static void single_task(const uint16_t *pack, int M, int K, const gemm_job *job,
         const uint16_t *a = wp + 32 * kb;  // A operands: rows lda apart
         int64_t lda = w->ld;
         if (w->type != WT_BF16) {
+            if (kb + PF_KB < kblocks) weight_prefetch(w, n0, 16 * blocks, kb + PF_KB);
             weight_tiles(w, n0, 16 * blocks, kb, scratch);
             a = scratch;
             lda = 32;

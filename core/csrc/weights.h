@@ -24,6 +24,8 @@ const uint16_t *weight_panel(const wmat *w, int n0, int rows, uint16_t *scratch,
 // Block column kb (K positions 32 kb .. 32 kb + 31) of rows [n0, n0 + rows) of a block weight,
 // as bf16 rows 32 apart in `out`: one AMX tile's A operand per 16 rows.
 void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out);
+// Prefetch (into L1) what weight_tiles will read for block column kb.
+void weight_prefetch(const wmat *w, int n0, int rows, int kb);
 // Row n of w (K bf16 values) into out: an embedding lookup.
 void weight_row(const wmat *w, int64_t n, uint16_t *out);
 
