@@ -465,6 +465,29 @@ def test_distill_answers_whole_conversation_greedily_and_resumes(tmp_path):
     assert len(out.read_text().splitlines()) == 2
 
 
+def test_distill_mixes_greedy_and_sampled_answers_reproducibly(tmp_path):
+    """--sampled-fraction: a fixed share of prompts (by id) is sampled at the temperature, the
+    rest stays greedy and identical to an all-greedy run; a sampled batch reruns the same."""
+    from core.train.data import Prompt
+    from core.train.distill import DistillConfig, distill
+
+    tiny = Tiny()
+    tiny.model = tiny.model.double()
+    prompts = [Prompt(f"p{i}", "chat", (f"say {w}",)) for i, w in enumerate(["abc", "hello", "xyz", "cat", "dog", "red"])]
+    mixed = DistillConfig(batch_size=3, max_new_tokens=10, sampled_fraction=0.5, temperature=0.7)
+    sampled_ids = {p.id for p in prompts if mixed.temperature_for(p.id)}
+    assert 0 < len(sampled_ids) < len(prompts) and mixed.temperature_for("p0") == mixed.temperature_for("p0")
+    read = lambda path: {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    distill(tiny, prompts, tmp_path / "greedy.jsonl", DistillConfig(batch_size=3, max_new_tokens=10))
+    distill(tiny, prompts, tmp_path / "mixed.jsonl", mixed)
+    distill(tiny, prompts, tmp_path / "again.jsonl", mixed)
+    greedy, rows, again = read(tmp_path / "greedy.jsonl"), read(tmp_path / "mixed.jsonl"), read(tmp_path / "again.jsonl")
+    assert {i for i, r in rows.items() if r.get("temperature") == 0.7} == sampled_ids
+    assert all(rows[i] == greedy[i] for i in rows if i not in sampled_ids)
+    assert rows == again
+    assert any(rows[i]["messages"] != greedy[i]["messages"] for i in sampled_ids)  # sampling did sample
+
+
 def test_openings_of_followup_conversations_train_once():
     from core.train.data import drop_contained
 

@@ -1,11 +1,25 @@
-"""`python -m core.train <stage> [options]`: prompts, fixed, distill, followups, features, train, eval, all.
+"""`python -m core.train <stage> [options]`: prompts, magpie, fixed, distill, followups, features, train, eval, all.
 
 prompts: the prompt set and the held-out split (`--more`: a second set on new topics, for
-more data; the held-out split is left as it is); fixed: conversations from text on the
-machine; distill: the target answers the prompts; followups: a second question after each
-distilled answer (answer them with `distill --prompt-file <work>/followups.jsonl`, which
-adds multi-turn conversations to the same file); features: one target forward per
-conversation, cached; train: the head; eval: the real engine on held-out prompts.
+more data; the held-out split is left as it is); magpie: user prompts written by the target
+itself (core.train.magpie; `--count N` in <work>/magpie.jsonl, resumable; `--stats` prints
+their topic spread; carves the natural held-out set into assets/heldout_natural.jsonl once
+2,000 exist; `--followups` writes second user turns after distilled answers into
+<work>/magpie_followups.jsonl); fixed: conversations from text on the machine; distill: the
+target answers the prompts (`--sampled-fraction F`: that share at --distill-temperature, the
+rest greedily; the natural held-out prompts never); followups: a second question after each
+distilled answer (answer them with `distill --prompt-file <work>/followups.jsonl`, which adds
+multi-turn conversations to the same file); features: one target forward per conversation,
+cached; train: the head; eval: the real engine on held-out prompts.
+
+Self-written prompts, answered greedily and at temperature 0.7 half each:
+  python -m core.train magpie --threads 1 --count 20000 --distill-dtype bfloat16
+  python -m core.train distill --threads 1 --prompt-file runs/train/magpie.jsonl \
+      --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5
+  python -m core.train magpie --threads 1 --followups --distill-dtype bfloat16
+  python -m core.train distill --threads 1 --prompt-file runs/train/magpie_followups.jsonl \
+      --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5
+(train on them with --data runs/train/magpie_distill.jsonl and the other conversation files)
 
 --head-kind eagle3 trains the EAGLE-3 head (core.head3): its features are three fused target
 layers (kept apart from EAGLE-1 features, in features_eagle3/), its training unrolls the
@@ -30,6 +44,7 @@ from core.models import DEFAULT_HEAD_DIR, ROOT
 
 WORK = ROOT / "runs" / "train"
 HELDOUT = ROOT / "assets" / "heldout_prompts.jsonl"
+NATURAL_HELDOUT = ROOT / "assets" / "heldout_natural.jsonl"  # self-written prompts never trained on (magpie)
 CONVERSATIONS = ROOT / "assets" / "train-data" / "smollm2-distill.jsonl.gz"
 # the later topic sets, answered (prompts --set 2 / --set 3, then distill --prompt-file)
 MORE_CONVERSATIONS = tuple(ROOT / "assets" / "train-data" / f"smollm2-distill-{name}.jsonl.gz"
@@ -73,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m core.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["prompts", "fixed", "distill", "followups", "features", "train", "eval", "all"])
+    p.add_argument("stage", choices=["prompts", "magpie", "fixed", "distill", "followups", "features", "train", "eval",
+                                     "all"])
     p.add_argument("--target", default="smollm2", help="target model: 'smollm2', a folder or a hub id")
     p.add_argument("--work", type=Path, default=WORK, help="working folder for intermediate files")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -88,6 +104,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--set", type=int, default=1, choices=[1, 2, 3],
                    help="prompts: which topic set to write (1: the first set and the held-out split; 2: as --more; "
                         "3: core.train.templates.THIRD_TOPICS -> <work>/prompts_set3.jsonl)")
+    g = p.add_argument_group("magpie")
+    g.add_argument("--count", type=int, default=20_000,
+                   help="magpie: prompts wanted in <work>/magpie.jsonl, counting those already there")
+    g.add_argument("--magpie-batch-size", type=int, default=64,
+                   help="magpie: rows per batch (finished rows leave it; 64 gave 1.7x the rows/h of 16)")
+    g.add_argument("--magpie-max-new-tokens", type=int, default=192, help="magpie: cap of one user turn")
+    g.add_argument("--stats", action="store_true",
+                   help="magpie: print the topic spread and drop reasons, generate nothing")
+    g.add_argument("--followups", action="store_true",
+                   help="magpie: write second user turns after the distilled magpie answers instead")
+    g.add_argument("--followup-fraction", type=float, default=0.3,
+                   help="magpie --followups: share of the distilled conversations that get one")
+    g.add_argument("--heldout-natural", type=Path, default=NATURAL_HELDOUT,
+                   help="magpie: where the natural held-out set is carved (distill never answers its prompts)")
     g = p.add_argument_group("distill")
     g.add_argument("--batch-size", type=int, default=24)
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -97,6 +127,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompts", type=int, default=None)
     g.add_argument("--prompt-file", type=Path, default=None,
                    help="prompts to answer (default: <work>/prompts.jsonl; e.g. <work>/followups.jsonl)")
+    g.add_argument("--sampled-fraction", type=float, default=0.0,
+                   help="share of the prompts answered by sampling at --distill-temperature (by id hash), the "
+                        "rest greedily")
+    g.add_argument("--distill-temperature", type=float, default=0.7)
+    g.add_argument("--answers", type=Path, default=None,
+                   help="distill: where answers are appended (default <work>/distill.jsonl, which the features "
+                        "stage reads by default); magpie: the answers to its prompts (default "
+                        "<work>/magpie_distill.jsonl), for --followups and the held-out carve")
     g.add_argument("--split", choices=["train", "heldout"], default="train",
                    help="answer the training prompts, or the held-out ones (for held-out accuracy)")
     g = p.add_argument_group("features / train")
@@ -177,13 +215,44 @@ def stage_distill(args, prompt_file: Path | None = None) -> None:
         stage_prompts(args)
     deadline = next_time(args.until) if args.until else None
     cfg = DistillConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, deadline=deadline,
-                        max_prompts=args.max_prompts)
+                        max_prompts=args.max_prompts, sampled_fraction=args.sampled_fraction,
+                        temperature=args.distill_temperature, seed=args.seed)
     target = load_target(args.target, dtype=args.distill_dtype)
     if args.split == "heldout":
         n = distill(target, read_prompts(args.heldout), args.work / "heldout_distill.jsonl", cfg)
     else:
-        n = distill(target, read_prompts(prompts_path), args.work / "distill.jsonl", cfg)
+        natural = heldout_ids(args.heldout_natural)
+        prompts = [p for p in read_prompts(prompts_path) if p.id not in natural]
+        n = distill(target, prompts, args.answers or args.work / "distill.jsonl", cfg)
     print(f"distill: wrote {n} new answer tokens")
+
+
+def heldout_ids(path: Path) -> set[str]:
+    """Ids of the natural held-out prompts (none before it is carved): never answered for training."""
+    from core.train.distill import read_records
+
+    return {str(r["id"]) for r in read_records(path) if "id" in r}
+
+
+def stage_magpie(args) -> None:
+    from core.models import load_target
+    from core.train.distill import done_ids, read_records
+    from core.train.magpie import MagpieConfig, followups, magpie, stats_table
+
+    out = args.work / "magpie.jsonl"
+    if args.stats:
+        print(stats_table(read_records(out), read_records(args.work / "magpie_rejected.jsonl")))
+        return
+    cfg = MagpieConfig(count=args.count, batch_size=args.magpie_batch_size, max_new_tokens=args.magpie_max_new_tokens,
+                       seed=args.seed, deadline=next_time(args.until) if args.until else None)
+    target = load_target(args.target, dtype=args.distill_dtype)
+    answers = args.answers or args.work / "magpie_distill.jsonl"
+    if args.followups:
+        n = followups(target, read_records(answers), args.work / "magpie_followups.jsonl", cfg, args.followup_fraction)
+        print(f"magpie: {n} follow-ups written (answer with: distill --prompt-file "
+              f"{args.work / 'magpie_followups.jsonl'})")
+        return
+    magpie(target, out, cfg, heldout_path=args.heldout_natural, distilled_ids=done_ids(answers))
 
 
 def next_time(hhmm: str, now: datetime | None = None) -> datetime:
@@ -470,9 +539,8 @@ def heldout_feature_accuracy(args, head, target, vocab, depth: int = 4) -> dict 
     return m.__dict__
 
 
-STAGES = {"prompts": stage_prompts, "fixed": stage_fixed, "distill": stage_distill, "followups": stage_followups,
-          "features": stage_features,
-          "train": stage_train, "eval": stage_eval}
+STAGES = {"prompts": stage_prompts, "magpie": stage_magpie, "fixed": stage_fixed, "distill": stage_distill,
+          "followups": stage_followups, "features": stage_features, "train": stage_train, "eval": stage_eval}
 
 if __name__ == "__main__":
     sys.exit(main())

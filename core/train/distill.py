@@ -1,13 +1,17 @@
-"""Self-distillation: the target answers the training prompts (batched greedy generation,
-left padding) and each answer becomes a training conversation.
+"""Self-distillation: the target answers the training prompts (batched generation, left
+padding) and each answer becomes a training conversation.
 
-Output is JSONL, one line per prompt, appended (and flushed) after every batch:
-{"id", "category", "messages": [...], "new_tokens", "truncated"}. A rerun skips the ids
-already in the file, so an interrupted run resumes without duplicates.
+Answers are greedy, or for a `sampled_fraction` of the prompts (chosen by a hash of the id,
+so a resumed run makes the same choice) sampled at `temperature` with no top-k or top-p, the
+distribution the engine's sampled decoding reproduces. Output is JSONL, one line per prompt,
+appended (and flushed) after every batch: {"id", "category", "messages": [...], "new_tokens",
+"truncated"}, plus "temperature" for a sampled answer. A rerun skips the ids already in the
+file, so an interrupted run resumes without duplicates.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -16,8 +20,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
+from core.config import SamplingConfig
 from core.train.data import Prompt
+from core.verify import greedy_tokens, target_probs
 
 
 @dataclass(frozen=True)
@@ -27,10 +34,20 @@ class DistillConfig:
     sort_window: int = 96  # prompts sorted by length within windows of this many (less padding)
     deadline: datetime | None = None  # stop starting new batches after this time (UTC)
     max_prompts: int | None = None
+    sampled_fraction: float = 0.0  # this share of the prompts is answered by sampling, the rest greedily
+    temperature: float = 0.7  # of the sampled answers
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise ValueError("batch_size and max_new_tokens must be >= 1")
+        if not 0.0 <= self.sampled_fraction <= 1.0 or self.temperature <= 0:
+            raise ValueError("sampled_fraction must be in [0, 1] and temperature > 0")
+
+    def temperature_for(self, prompt_id: str) -> float:
+        """0.0 (greedy) or the sampling temperature: a fixed choice per prompt id."""
+        h = int(hashlib.sha256(f"{self.seed}:{prompt_id}".encode()).hexdigest()[:8], 16)
+        return self.temperature if h / 0xFFFFFFFF < self.sampled_fraction else 0.0
 
 
 def read_records(path: Path) -> list[dict]:
@@ -61,51 +78,112 @@ def batches(prompts: list[Prompt], tokenizer, cfg: DistillConfig):
             yield window[b:b + cfg.batch_size]
 
 
+def prepare_tokenizer(tok) -> None:
+    """Left padding (every row's continuation starts at the same column) and a pad token."""
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+
+
 @torch.inference_mode()
-def generate_batch(model, tokenizer, prompts: list[Prompt], eos_ids, max_new_tokens: int):
-    """Greedy answers to each prompt's conversation (history + first turn) -> list of
-    (answer text, n tokens, truncated)."""
+def generate_ids(model, tokenizer, texts: list[str], stop_ids, max_new_tokens: int,
+                 sampling: SamplingConfig = SamplingConfig(), generator: torch.Generator | None = None,
+                 ) -> list[tuple[list[int], int | None]]:
+    """Continue each already-templated text, batched (left padding) -> per text (the new
+    token ids before the first stop id, that stop id or None when cut at max_new_tokens).
+
+    Greedy (argmax) or sampled from core.verify.target_probs, the engine's own temperature /
+    top-k / top-p. A row that stops leaves the batch (its cache rows are dropped): a batch
+    then costs about what its rows generate, where transformers' generate() runs every row
+    until the longest ends (user turns of 10 to 250 tokens: most of that work wasted).
+    """
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    mask = enc["attention_mask"]  # (b, T), 0 on the left padding
+    step = enc["input_ids"]  # (b, T) at the prefill, then (b, 1)
+    stops = torch.tensor(sorted(set(stop_ids)))
+    rows = torch.arange(len(texts))  # which text each live batch row continues
+    new: list[list[int]] = [[] for _ in texts]
+    ended: list[int | None] = [None] * len(texts)
+    cache = DynamicCache()
+    for _ in range(max_new_tokens):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step.shape[1]:]  # positions skip the padding
+        logits = model(input_ids=step, attention_mask=mask, position_ids=pos, cache=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]  # (b, V)
+        tok = greedy_tokens(logits) if sampling.greedy else \
+            torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[:, 0]
+        done = torch.isin(tok, stops)
+        for r, t, d in zip(rows.tolist(), tok.tolist(), done.tolist()):
+            if d:
+                ended[r] = t
+            else:
+                new[r].append(t)
+        if done.all():
+            break
+        if done.any():
+            keep = (~done).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            rows, mask, tok = rows[keep], mask[keep], tok[keep]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        step = tok[:, None]
+    return list(zip(new, ended))
+
+
+def generate_batch(model, tokenizer, prompts: list[Prompt], eos_ids, max_new_tokens: int,
+                   temperature: float = 0.0, generator: torch.Generator | None = None):
+    """Answers to each prompt's conversation (history + first turn), greedy or sampled at
+    `temperature` (no top-k, no top-p) -> list of (answer text, n tokens, truncated)."""
     texts = [tokenizer.apply_chat_template(p.messages(), tokenize=False, add_generation_prompt=True)
              for p in prompts]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
-                         pad_token_id=tokenizer.pad_token_id)
-    new = out[:, enc["input_ids"].shape[1]:]  # (B, <= max_new_tokens)
-    results = []
-    for row in new.tolist():
-        stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
-        toks = row if stop is None else row[:stop]
-        results.append((tokenizer.decode(toks, skip_special_tokens=True), len(toks), stop is None))
-    return results
+    outs = generate_ids(model, tokenizer, texts, eos_ids, max_new_tokens, SamplingConfig(temperature), generator)
+    return [(tokenizer.decode(toks, skip_special_tokens=True), len(toks), stop is None) for toks, stop in outs]
+
+
+def batch_seed(seed: int, ids: list[str]) -> int:
+    """A sampled batch's generator seed, from its prompts (so a rerun of it samples the same)."""
+    return int(hashlib.sha256(f"{seed}:{ids[0]}:{len(ids)}".encode()).hexdigest()[:12], 16)
 
 
 def distill(target, prompts: list[Prompt], out_path: Path, cfg: DistillConfig) -> int:
     """Answer every prompt not yet in `out_path`; returns the number of new tokens written."""
     tok = target.tokenizer
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    prepare_tokenizer(tok)
     done = done_ids(out_path)
     todo = [p for p in prompts if p.id not in done]
     if cfg.max_prompts is not None:
         todo = todo[:max(0, cfg.max_prompts - len(done))]
-    print(f"distill: {len(done)} prompts already answered, {len(todo)} to go -> {out_path}", flush=True)
+    greedy = [p for p in todo if not cfg.temperature_for(p.id)]
+    sampled = [p for p in todo if cfg.temperature_for(p.id)]
+    print(f"distill: {len(done)} prompts already answered, {len(todo)} to go ({len(sampled)} sampled at "
+          f"T {cfg.temperature}) -> {out_path}", flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     total, t0 = 0, time.time()
     bar = tqdm(total=len(todo), unit="prompt", desc="distill")
+    runs = interleave([(b, 0.0) for b in batches(greedy, tok, cfg)],
+                      [(b, cfg.temperature) for b in batches(sampled, tok, cfg)])
     with open(out_path, "a", encoding="utf-8") as f:
-        for batch in batches(todo, tok, cfg):
+        for batch, temperature in runs:
             if cfg.deadline and datetime.now(timezone.utc) >= cfg.deadline:
                 print(f"distill: deadline {cfg.deadline:%H:%M} UTC reached, stopping", flush=True)
                 break
-            for p, (answer, n, truncated) in zip(batch, generate_batch(target.model, tok, batch, target.eos_ids,
-                                                                        cfg.max_new_tokens)):
+            gen = torch.Generator().manual_seed(batch_seed(cfg.seed, [p.id for p in batch]))
+            answers = generate_batch(target.model, tok, batch, target.eos_ids, cfg.max_new_tokens, temperature, gen)
+            for p, (answer, n, truncated) in zip(batch, answers):
                 msgs = p.messages() + [{"role": "assistant", "content": answer}]
-                f.write(json.dumps({"id": p.id, "category": p.category, "messages": msgs,
-                                    "new_tokens": n, "truncated": truncated}, ensure_ascii=False) + "\n")
+                row = {"id": p.id, "category": p.category, "messages": msgs, "new_tokens": n, "truncated": truncated}
+                f.write(json.dumps(row | ({"temperature": temperature} if temperature else {}),
+                                   ensure_ascii=False) + "\n")
                 total += n
             f.flush()
             bar.update(len(batch))
             bar.set_postfix(tok=total, tok_s=f"{total / (time.time() - t0):.1f}")
     bar.close()
     return total
+
+
+def interleave(greedy: list, sampled: list) -> list:
+    """Greedy and sampled batches alternated in proportion, so a run stopped early (--until)
+    has answered both kinds in their share."""
+    at = lambda i, n: (i + 0.5) / n  # noqa: E731  (a batch's position within its kind, 0..1)
+    tagged = [(at(i, len(greedy)), 0, r) for i, r in enumerate(greedy)]
+    tagged += [(at(i, len(sampled)), 1, r) for i, r in enumerate(sampled)]
+    return [r for _, _, r in sorted(tagged, key=lambda t: t[:2])]
