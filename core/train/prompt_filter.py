@@ -122,17 +122,18 @@ CATEGORIES = ("coding", "math", "extraction", "roleplay", "writing", "reasoning"
 CATEGORY_RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in (
     ("coding", r"```|\b(python|javascript|typescript|java|c\+\+|rust|golang|sql|html|css|bash|code|coding|function|"
                r"script|program(ming)?|algorithm|api|regex|compile[rd]?|debug|bug|variable|class|database|"
-               r"json|git|linux|software|developer)\b"),
+               r"json|git|linux|software|developer|implement(ation)?|recursi(ve|on)|array|excel)\b"),
     ("math", r"\b(calculate|equation|solve|integral|derivative|probability|percent(age)?|math(s|ematics)?|"
              r"algebra|geometry|triangle|fraction|arithmetic|statistics|average|sum of|multiply|divide|"
              r"theorem|prime number)\b|\d+\s*[-+*/^x]\s*\d+"),
     ("extraction", r"\b(summari[sz]e|summary|extract|key points|main points|main ideas|reformat|tl;dr|"
-                   r"the following (text|passage|article|list|paragraph)|this (text|passage|article|list)|"
-                   r"(into|as) a (table|list|json)|bullet points|pull out)\b"),
+                   r"the following (text|passage|article|list|paragraph)|(into|as) a (table|list|json)|"
+                   r"bullet points|pull out)\b"),
     ("roleplay", r"\b(pretend|act as|role ?play|imagine (you|that you) are|you are an?|in the role of|"
                  r"play the (role|part)|as if you were|in character)\b"),
     ("writing", r"\b(write|essay|poem|story|letter|e-?mail|blog|article|rewrite|draft|compose|slogan|speech|"
-                r"lyrics|tweet|caption|paragraph|headline|novel|haiku|proofread|grammar)\b"),
+                r"lyrics|tweet|caption|paragraph|headline|novel|haiku|proofread|grammar|edit|rephrase|"
+                r"paraphrase|passage|sentence)\b"),
     ("reasoning", r"\b(riddle|puzzle|logic(al)?|deduce|true or false|what comes next|paradox|reason(ing)?|"
                   r"which (one )?is (better|faster|larger|bigger)|if .{1,60} then)\b"),
     ("stem", r"\b(physics|chemistry|biology|science|scientific|energy|climate|cell|quantum|engineering|"
