@@ -113,11 +113,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tau = last.total_tokens / last.target_forwards
-    print(f"\n[{'plain' if a.plain else 'eagle'}] tokens={last.total_tokens} target_forwards="
+    sys.stdout.write("\n")  # the answer alone on stdout; statistics and diagnostics on stderr
+    print(f"[{'plain' if a.plain else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
-          f"finish={last.finish_reason} threads={torch.get_num_threads()} ({THREAD_POLICY.wait} wait)")
+          f"finish={last.finish_reason} threads={torch.get_num_threads()} ({THREAD_POLICY.wait} wait)",
+          file=sys.stderr)
     print(f"[numerics] {engine.numerics.describe()}" + (f"; tree {config.tree} ({engine.tree_origin})"
-                                                        if config.speculative else ""))
+                                                        if config.speculative else ""), file=sys.stderr)
     return 0
 
 

@@ -37,9 +37,18 @@ def test_greedy_identical_to_plain_and_generate(engine):
         plain = tokens(engine, prompt, speculative=False)
         assert tokens(engine, prompt) == plain
         assert tokens(engine, prompt, tree=TreeConfig(depth=3, top_k=4, total_tokens=8)) == plain
+    # Against transformers' own forward: its kernels (sdpa for a prompt, oneDNN where ours do not
+    # serve) sum in other orders, so equal greedy tokens there would hold only by luck at a near
+    # tie. Teacher-forced over our answer: each of our tokens is transformers' best at its position,
+    # or within bf16 noise of it.
     ids = engine.encode(PROMPTS[0])
-    ref = engine.target.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
-    assert ref[0, len(ids):].tolist() == tokens(engine, PROMPTS[0], speculative=False)
+    ours = tokens(engine, PROMPTS[0], speculative=False)
+    with torch.inference_mode():
+        ref = engine.target.model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1].float()
+    gap = ref.max(-1).values - ref.gather(1, torch.tensor(ours)[:, None])[:, 0]
+    noise = 0.02 * float(ref.abs().max())  # a few bf16 roundings through the layers
+    assert float(gap.max()) <= noise, gap.tolist()
+    assert float((gap == 0).float().mean()) >= 0.9
 
 
 @pytest.mark.slow
@@ -55,11 +64,11 @@ def test_headless_cli_both_modes_same_text(engine, tmp_path):
     plain = run("-", "--plain", input="What is 2 + 2?")
     spec = run("--prompt-file", str(tmp_path / "prompt.txt"), *head)
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
-    body = lambda out: out.stdout.rsplit("\n[", 2)[0]
-    assert body(plain) == body(spec) and body(plain).strip()
-    assert "[plain] tokens=" in plain.stdout and "tau=1.00" in plain.stdout
-    assert "[eagle] tokens=" in spec.stdout and "tokens/s=" in spec.stdout
-    assert "[numerics] " in spec.stdout and "exact: " in spec.stdout
+    # stdout holds the answer alone (`> answer.txt` keeps only it); statistics go to stderr
+    assert plain.stdout == spec.stdout and plain.stdout.strip() and "tokens=" not in plain.stdout
+    assert "[plain] tokens=" in plain.stderr and "tau=1.00" in plain.stderr
+    assert "[eagle] tokens=" in spec.stderr and "tokens/s=" in spec.stderr
+    assert "[numerics] " in spec.stderr and "exact: " in spec.stderr
 
 
 def test_cli_bad_input_is_one_clear_line():
