@@ -1,7 +1,8 @@
 """Token ids -> streamed text: incremental detokenizing and stop strings.
 
 `TextStream.push(id)` returns the text that may be shown now. Two things are held back:
-  - an incomplete UTF-8 sequence (the tokenizer decodes it to U+FFFD) until it completes;
+  - an incomplete UTF-8 sequence (the tokenizer decodes it to U+FFFD) until it completes (one
+    still incomplete when the answer ends is dropped);
   - any tail that could still be the start of a stop string, until it cannot.
 Decoding looks only at a small window of ids (from `prefix` on), so each token costs
 O(window), not O(answer) (after the incremental detokenizers of vLLM and TGI: the window
@@ -31,11 +32,12 @@ class Detokenizer:
         return full[len(shown):]
 
     def flush(self) -> str:
-        """At the end of the answer: whatever is left, even an incomplete sequence."""
+        """At the end of the answer: whatever is left, less an incomplete trailing UTF-8
+        sequence (an answer cut at max tokens inside a character would end in U+FFFD)."""
         shown = self._decode(self.ids[self.prefix:self.read])
         full = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return full[len(shown):] if full.startswith(shown) else ""
+        return full[len(shown):].rstrip("\ufffd") if full.startswith(shown) else ""
 
 
 class TextStream:

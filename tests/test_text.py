@@ -45,14 +45,15 @@ def test_detokenizer_is_utf8_safe_and_incremental():
     assert counting.longest <= 8  # a small window, not the whole answer (quadratic before)
 
 
-def test_incomplete_final_sequence_is_still_emitted():
+def test_an_incomplete_final_character_is_dropped_not_shown_as_a_replacement_char():
     tok = byte_tokenizer()
-    ids = tok("ok 😀")["input_ids"][:-2]  # the emoji cut after 2 of its 4 bytes
+    ids = tok("ok 😀")["input_ids"][:-2]  # the emoji cut after 2 of its 4 bytes (an answer cut at max tokens)
     stream = TextStream(tok)
     shown = "".join(stream.push(i) for i in ids)
     assert shown == "ok "
-    rest = stream.finish()
-    assert rest and rest.startswith("\ufffd")  # what was generated is shown, not dropped
+    assert stream.finish() == "" and stream.text == "ok "
+    whole = TextStream(tok)  # a complete character at the end is still shown
+    assert "".join(whole.push(i) for i in tok("ok 😀")["input_ids"]) + whole.finish() == "ok 😀"
 
 
 def test_stop_string_across_steps_never_leaks():
