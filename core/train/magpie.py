@@ -7,9 +7,10 @@ top-p 0.99 and stopped at the end of the turn, it yields prompts in the style pe
 which the template generator (core/train/templates.py) does not.
 
 Glossary
-- shape: how a row's user turn starts. "free" is pure Magpie (nothing); "lead" and "long"
-  put a few words in the user's mouth (an opening verb, "Here are my requirements:") to
-  spread the requests over kinds a small model rarely starts by itself. Paste shapes
+- shape: how a row's user turn starts. "free" is pure Magpie (nothing); "lead", "puzzle"
+  and "long" put a few words in the user's mouth (an opening verb, "A train", "My
+  requirements:") to spread the requests over kinds a small model rarely starts by itself
+  (math and reasoning above all). Paste shapes
   ("summarise", "extract", "fix", "reformat") start the user turn with real text
   (core.train.pastes: the model writes instructions well and pasted text badly) and an
   opener under it, and the model finishes the instruction line, having read the text;
@@ -61,13 +62,17 @@ class Shape:
 LEAD = ("Write", "Explain", "Can you", "How do I", "What is", "Why", "Give me", "Help me", "Create", "Compare",
         "I'm trying to", "Please", "Describe", "Tell me", "Suggest", "List", "What are", "Should I", "Translate",
         "Solve", "Calculate", "Imagine", "Pretend you are", "Act as", "Is it true that", "What would happen if",
-        "Write a Python function", "Plan", "I'm learning")
+        "Write a Python function", "Plan", "I'm learning", "Who was", "In what year", "What caused",
+        "What was the role of")
+PUZZLE = ("Solve for x:", "What is", "A train", "If a", "How many", "Riddle:", "Logic puzzle:", "Which is heavier",
+          "Prove that", "What comes next in the sequence", "Calculate", "A farmer has", "Sarah is older than")
 LONG = ("I need your help with a project.", "My situation:", "I have a few questions.",
         "I'd like you to do several things:", "My requirements:", "Context:", "I'm writing a",
         "My teacher gave us this assignment:", "I have a detailed task for you.")
 SHAPES = (
-    Shape("free", 0.55),
+    Shape("free", 0.50),
     Shape("lead", 0.15, LEAD),
+    Shape("puzzle", 0.05, PUZZLE),  # math and reasoning: 2.8% and 0.2% of the first 528 prompts without it
     Shape("long", 0.05, LONG),
     Shape("ask-code", 0.04, ("Can you", "Why does", "What does", "How can I", "Explain", "Is there", "I get"),
           paste="code", category="coding"),

@@ -125,7 +125,8 @@ CATEGORY_RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in (
                r"json|git|linux|software|developer|implement(ation)?|recursi(ve|on)|array|excel)\b"),
     ("math", r"\b(calculate|equation|solve|integral|derivative|probability|percent(age)?|math(s|ematics)?|"
              r"algebra|geometry|triangle|fraction|arithmetic|statistics|average|sum of|multiply|divide|"
-             r"theorem|prime number)\b|\d+\s*[-+*/^x]\s*\d+"),
+             r"theorem|prime number|solve for|word problem|per hour|how much (money|does|will|did))\b|"
+             r"\d+\s*[-+*/^x]\s*\d+"),
     ("extraction", r"\b(summari[sz]e|summary|extract|key points|main points|main ideas|reformat|tl;dr|"
                    r"the following (text|passage|article|list|paragraph)|(into|as) a (table|list|json)|"
                    r"bullet points|pull out)\b"),
@@ -135,11 +136,13 @@ CATEGORY_RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in (
                 r"lyrics|tweet|caption|paragraph|headline|novel|haiku|proofread|grammar|edit|rephrase|"
                 r"paraphrase|passage|sentence)\b"),
     ("reasoning", r"\b(riddle|puzzle|logic(al)?|deduce|true or false|what comes next|paradox|reason(ing)?|"
-                  r"which (one )?is (better|faster|larger|bigger)|if .{1,60} then)\b"),
+                  r"which (one )?is (better|faster|larger|bigger|heavier)|(older|younger|taller|shorter) than|"
+                  r"sequence|a farmer has|if .{1,60} then)\b"),
     ("stem", r"\b(physics|chemistry|biology|science|scientific|energy|climate|cell|quantum|engineering|"
              r"computer|technology|medicine|medical|disease|planet|space|atom|molecule|dna|evolution|"
              r"machine learning|ai|data|robot|electric(ity)?|ecosystem|species)\b"),
     ("humanities", r"\b(history|historical|philosophy|philosopher|literature|art|artist|culture|cultural|"
+                   r"who was|in what year|what caused|"
                    r"religion|politic(s|al)|economics?|society|war|ancient|music|film|movie|language|"
                    r"ethics|moral|law|government|century|empire)\b"),
 ))
