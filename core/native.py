@@ -39,6 +39,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,13 @@ import torch.nn.functional as F
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # gcc >= 11; an older compiler builds the rest without AMX
+# gcc 10 (the first with -mavx512bf16) knows neither -march=x86-64-v4 nor AMX (both gcc 11): the
+# same instruction sets as x86-64-v4 named one by one. gcc 12 enables the same target options
+# with both and emits the same instructions (objdump, every kernel), FMA contraction included.
+COMPAT_FLAGS = ("-O3", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-msse4.1", "-msse4.2", "-mssse3", "-mavx", "-mavx2",
+                "-mbmi", "-mbmi2", "-mf16c", "-mfma", "-mlzcnt", "-mmovbe", "-mxsave", "-mavx512f", "-mavx512bw",
+                "-mavx512cd", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300  # one build takes 3-5 s on two busy cores; a hung compiler must not hang the load
 # Calls with more rows use torch's GEMM (a long prefill, where oneDNN's compute-bound kernels
 # win). It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
 # lookup chain), so every tree row and every plain step goes through this kernel.
@@ -79,50 +87,148 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _build() -> Path:
-    """Compile the kernels (once per source, flags and compiler) and return the library path.
-    With AMX flags first; where the compiler refuses them, without (csrc/gemm_amx.c then
-    builds stubs and the AVX-512 GEMM serves every shape)."""
+@functools.cache
+def source_digest() -> str:
+    """A hash of the kernels' source (csrc/*.c, *.h): it names the built library, and the probe's
+    cached verdict depends on it."""
+    return hashlib.sha1(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))).hexdigest()
+
+
+class UnsafeCache(RuntimeError):
+    """The kernel directory could be written by someone else: code loaded from it is not ours."""
+
+
+def _owned_and_private(path: Path) -> bool:
+    st = path.stat()
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & 0o022
+
+
+def _kernel_dir() -> Path:
+    """cache_home()/kernels, created 0o700; refused where another user could write to it."""
     from core.models import cache_home
 
+    folder = cache_home() / "kernels"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _owned_and_private(folder):
+        st = folder.stat()
+        raise UnsafeCache(f"{folder} is not ours alone (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}) and code "
+                          "is loaded from it; chmod go-w it (or remove it) to build there")
+    return folder
+
+
+def _whole_elf(lib: Path) -> bool:
+    """Whether the file holds every byte its ELF headers point at. dlopen maps a truncated library
+    without complaint, and the process dies of SIGBUS at the first page past the file's end."""
+    data = lib.read_bytes()
+    if len(data) < 64 or data[:5] != b"\x7fELF\x02":  # 64-bit ELF
+        return False
+    phoff, shoff = struct.unpack_from("<QQ", data, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 54)
+    if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+        return False
+    segments = (struct.unpack_from("<QQQQ", data, phoff + i * phentsize + 8) for i in range(phnum))
+    return all(offset + filesz <= len(data) for offset, _, _, filesz in segments)
+
+
+def _compile(cc: str, flags: tuple[str, ...], lib: Path) -> str:
+    """Build `lib`; "" when done, else the compiler's complaint."""
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([cc, *flags, *map(str, sorted(CSRC.glob("*.c"))), "-o", str(tmp)],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{cc} took more than {BUILD_TIMEOUT_S} s to build the kernels") from None
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return done.stderr.strip()[-300:] or f"{cc} exited with {done.returncode}"
+    os.chmod(tmp, 0o700)  # whatever the umask: nobody else may rewrite code we load
+    os.replace(tmp, lib)
+    return ""
+
+
+def _build() -> Path:
+    """Compile the kernels (once per source, flags and compiler) and return the library path.
+    With AMX flags first; where the compiler refuses them, without (csrc/gemm_amx.c then builds
+    stubs and the AVX-512 GEMM serves every shape); where it refuses -march=x86-64-v4 too (gcc
+    10), with the same instruction sets named one by one."""
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if cc is None:
         raise RuntimeError("no C compiler (gcc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    sources = sorted(CSRC.glob("*.c"))
-    text = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cc} --version did not answer within 60 s") from None
+    folder = _kernel_dir()
     problem = ""
-    for flags in (FLAGS + AMX_FLAGS, FLAGS):
-        key = hashlib.sha1(text + " ".join(flags + tuple(version)).encode()).hexdigest()[:12]
-        lib = cache_home() / "kernels" / f"decode-{key}.so"
+    for flags in (FLAGS + AMX_FLAGS, FLAGS, COMPAT_FLAGS):
+        key = hashlib.sha1(" ".join((source_digest(), *flags, *version)).encode()).hexdigest()[:12]
+        lib = folder / f"decode-{key}.so"
+        if lib.is_file() and not (_owned_and_private(lib) and _whole_elf(lib)):
+            lib.unlink()  # truncated, or not written by us alone: build it again
         if lib.is_file():
             return lib
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([cc, *flags, *map(str, sources), "-o", str(tmp)], capture_output=True, text=True)
-        if done.returncode == 0:
-            os.replace(tmp, lib)
+        problem = _compile(cc, flags, lib)
+        if not problem:
             return lib
-        tmp.unlink(missing_ok=True)
-        problem = done.stderr.strip()[-300:]
     raise RuntimeError(f"gcc failed: {problem}")
 
 
-@dataclass(frozen=True)
+def _load() -> ctypes.CDLL:
+    """The built library; a cached file that does not load (corrupt) is rebuilt once."""
+    lib = _build()
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError:
+        lib.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_build()))
+
+
+i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+# Each exported C function: (argtypes, restype), beside its signature in core/csrc. The int
+# results are 0, or -1 where work memory could not be had (or an argument the C refuses).
+SIGNATURES = {
+    # int amx_enable(int want): 1 where Linux granted the tile state (csrc/gemm_amx.c)
+    "amx_enable": ([i32], i32),
+    # int gemm_bf16(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads)
+    "gemm_bf16": ([ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32], i32),
+    # int gemm_w(x, ldx, const wmat *w, bias, y, ldy, M, nthreads): -1 also for an unknown weight type
+    "gemm_w": ([ptr, i64, ptr, ptr, ptr, i64, i32, i32], i32),
+    # int attention_bf16(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out,
+    #                    n, nh, kvh, hd, L, scale, nthreads)
+    "attention_bf16": ([ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i64, f32, i32], i32),
+    # void rmsnorm_bf16(x, ldx, w, y, ldy, M, H, eps, nthreads)
+    "rmsnorm_bf16": ([ptr, i64, ptr, ptr, i64, i32, i32, f32, i32], None),
+    # void argmax_bf16(x, ldx, out, M, N, nthreads)
+    "argmax_bf16": ([ptr, i64, ptr, i32, i32, i32], None),
+    # void move_rows(bases, nbuf, heads, head_stride, row_bytes, src, dst, n)
+    "move_rows": ([ptr, i32, i64, i64, i64, ptr, ptr, i32], None),
+    # int topk_logprobs_bf16(x, ldx, vals, idx, M, N, k, nthreads): -1 for k outside 1..MAX_K
+    "topk_logprobs_bf16": ([ptr, i64, ptr, ptr, i32, i32, i32, i32], i32),
+    # void quantize_weight_s8(w, ldw, q, scale, sums, N, K, nthreads)
+    "quantize_weight_s8": ([ptr, i64, ptr, ptr, ptr, i32, i32, i32], None),
+    # int gemm_s8(x, ldx, w, wscale, wsum, bias, y, ldy, M, N, K, nthreads)
+    "gemm_s8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32], i32),
+    # void rotary_bf16(x, ldx, cos, sin, ldc, out, n, heads, hd)
+    "rotary_bf16": ([ptr, i64, ptr, ptr, i64, ptr, i32, i32, i32], None),
+    # void silu_mul_bf16(g, ldg, u, ldu, out, ldo, M, H, nthreads)
+    "silu_mul_bf16": ([ptr, i64, ptr, i64, ptr, i64, i32, i32, i32], None),
+    # int decode_step(model, tokens, positions, n, committed, anc, anc_stride, counts, feature_ids, nf,
+    #                 features, hidden, logits, nthreads): csrc/decode_step.c's STEP_* codes
+    "decode_step": ([ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, ptr, ptr, ptr, i32], i32),
+    # void dequantize_bf16(const wmat *w, out): a wmat -> bf16 rows (tests, the step's self-check)
+    "dequantize_bf16": ([ptr, ptr], None),
+}
+
+
 class _Kernels:
-    gemm: ctypes._CFuncPtr
-    attention: ctypes._CFuncPtr
-    rms_norm: ctypes._CFuncPtr
-    argmax: ctypes._CFuncPtr
-    move_rows: ctypes._CFuncPtr
-    topk: ctypes._CFuncPtr
-    quantize_s8: ctypes._CFuncPtr
-    gemm_s8: ctypes._CFuncPtr
-    rotary: ctypes._CFuncPtr
-    gemm_w: ctypes._CFuncPtr       # any weight kind (csrc/weights.h's wmat): bf16 or GGUF blocks
-    silu_mul: ctypes._CFuncPtr
-    decode_step: ctypes._CFuncPtr  # core.step's whole forward
-    dequantize: ctypes._CFuncPtr   # a wmat -> bf16 rows (tests, the step's self-check)
+    """The library's functions, as attributes named like their C symbols (SIGNATURES)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        for name, (argtypes, restype) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+            setattr(self, name, fn)
 
 
 @functools.cache
@@ -134,38 +240,10 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     if "avx512_bf16" not in _cpu_flags():
         return None, NativeStatus(False, "this CPU lacks avx512_bf16")
     try:
-        lib = ctypes.CDLL(str(_build()))
+        kernels = _Kernels(_load())
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
-    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    lib.amx_enable.argtypes, lib.amx_enable.restype = [ctypes.c_int], ctypes.c_int
-    amx = bool(lib.amx_enable(int(amx_wanted())))
-    kernels = _Kernels(lib.gemm_bf16, lib.attention_bf16, lib.rmsnorm_bf16, lib.argmax_bf16, lib.move_rows,
-                       lib.topk_logprobs_bf16, lib.quantize_weight_s8, lib.gemm_s8,
-                       lib.rotary_bf16, lib.gemm_w, lib.silu_mul_bf16, lib.decode_step, lib.dequantize_bf16)
-    kernels.attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
-                                  i32, i32, i32, i32, i64, f32, i32]
-    kernels.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32, i32]
-    kernels.argmax.argtypes = [ptr, i64, ptr, i32, i32, i32]
-    kernels.move_rows.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, i32]
-    kernels.topk.argtypes = [ptr, i64, ptr, ptr, i32, i32, i32, i32]
-    kernels.quantize_s8.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32, i32]
-    kernels.gemm_s8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32]
-    kernels.rotary.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i32, i32, i32]
-    kernels.silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32]
-    kernels.dequantize.argtypes = [ptr, ptr]
-    # int gemm_bf16(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads), int attention_bf16(...): 0, or -1 out of memory
-    kernels.gemm.argtypes, kernels.gemm.restype = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32], i32
-    kernels.attention.restype = i32
-    for fn in (kernels.rms_norm, kernels.argmax, kernels.move_rows, kernels.topk,
-               kernels.quantize_s8, kernels.gemm_s8, kernels.rotary, kernels.silu_mul, kernels.dequantize):
-        fn.restype = None
-    # int gemm_w(x, ldx, const wmat *w, bias, y, ldy, M, nthreads): 0, or -1 out of memory
-    kernels.gemm_w.argtypes, kernels.gemm_w.restype = [ptr, i64, ptr, ptr, ptr, i64, i32, i32], i32
-    # int decode_step(model, tokens, positions, n, committed, anc, anc_stride, counts, feature_ids, nf,
-    #                 features, hidden, logits, nthreads): csrc/decode_step.c's STEP_* codes
-    kernels.decode_step.argtypes = [ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, ptr, ptr, ptr, i32]
-    kernels.decode_step.restype = i32
+    amx = bool(kernels.amx_enable(int(amx_wanted())))
     problem = _self_test(kernels)
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")
@@ -199,12 +277,33 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return rows, rows.shape[0], rows.stride(0)
 
 
+def _expect(ok: bool, what: str) -> None:
+    """A public wrapper's entry check: the C reads raw pointers, so a wrong dtype, device or
+    layout would be read as garbage (or past an end), never caught there."""
+    if not ok:
+        raise ValueError(f"core.native: {what}")
+
+
+def _bf16_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype is torch.bfloat16 and t.is_cpu) for t in tensors)
+
+
+def _about(*tensors: torch.Tensor | None) -> str:
+    """What a wrapper got, for its error message."""
+    return ", ".join("None" if t is None else f"{t.dtype} {t.device} {tuple(t.shape)} strides {t.stride()}"
+                     for t in tensors)
+
+
+def _bias_ok(bias: torch.Tensor | None, n: int) -> bool:
+    return bias is None or (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,))
+
+
 def _linear(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # x (..., K) bf16; weight (N, K) with unit stride in K; bias (N,) or None -> (..., N) bf16
     rows, m, ldx = _rows(x)
     n = weight.shape[0]
     y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device=x.device)
-    if k.gemm(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
+    if k.gemm_bf16(rows.data_ptr(), ldx, weight.data_ptr(), weight.stride(0),
               None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
               torch.get_num_threads()):
         raise MemoryError(f"the native GEMM could not allocate its work memory for {m} rows of a {n} x {x.shape[-1]} weight")
@@ -217,7 +316,7 @@ def _attention(k: _Kernels, q: torch.Tensor, key: torch.Tensor, value: torch.Ten
     # ancestors (n, A) int64 slots past `committed`, counts (n,) -> (n, nh, hd) bf16
     n, nh, hd = q.shape
     out = torch.empty(n, nh, hd, dtype=torch.bfloat16, device=q.device)
-    if k.attention(q.data_ptr(), q.stride(0), q.stride(1), key.data_ptr(), value.data_ptr(), key.stride(0),
+    if k.attention_bf16(q.data_ptr(), q.stride(0), q.stride(1), key.data_ptr(), value.data_ptr(), key.stride(0),
                    key.stride(1), ancestors.data_ptr(), ancestors.stride(0), counts.data_ptr(), out.data_ptr(),
                    n, nh, key.shape[0], hd, committed, scale, torch.get_num_threads()):
         raise MemoryError(f"native attention could not allocate its scores for {n} rows over {committed} keys")
@@ -228,7 +327,7 @@ def _rms_norm(k: _Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     # x (..., H) bf16; weight (H,) contiguous -> (..., H) bf16
     rows, m, ldx = _rows(x)
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    k.rms_norm(rows.data_ptr(), ldx, weight.data_ptr(), y.data_ptr(), x.shape[-1], m, x.shape[-1], eps,
+    k.rmsnorm_bf16(rows.data_ptr(), ldx, weight.data_ptr(), y.data_ptr(), x.shape[-1], m, x.shape[-1], eps,
                torch.get_num_threads())
     return y
 
@@ -237,7 +336,7 @@ def _argmax(k: _Kernels, x: torch.Tensor) -> torch.Tensor:
     # x (..., V) bf16 -> (...) int64: index of each row's first maximum
     rows, m, ldx = _rows(x)
     out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
-    k.argmax(rows.data_ptr(), ldx, out.data_ptr(), m, x.shape[-1], torch.get_num_threads())
+    k.argmax_bf16(rows.data_ptr(), ldx, out.data_ptr(), m, x.shape[-1], torch.get_num_threads())
     return out
 
 
@@ -246,7 +345,9 @@ def _topk_log_probs(k: _Kernels, x: torch.Tensor, top: int) -> tuple[torch.Tenso
     rows, m, ldx = _rows(x)
     vals = torch.empty(m, top, dtype=torch.float32, device=x.device)
     idx = torch.empty(m, top, dtype=torch.int64, device=x.device)
-    k.topk(rows.data_ptr(), ldx, vals.data_ptr(), idx.data_ptr(), m, x.shape[-1], top, torch.get_num_threads())
+    if k.topk_logprobs_bf16(rows.data_ptr(), ldx, vals.data_ptr(), idx.data_ptr(), m, x.shape[-1], top,
+                            torch.get_num_threads()):
+        raise ValueError(f"core.native: top-k needs 1 <= top <= {TOPK_MAX}, got {top}")
     return vals, idx
 
 
@@ -263,7 +364,7 @@ def _quantize(k: _Kernels, weight: torch.Tensor) -> Int8Weight:
     n, kdim = weight.shape
     q = torch.empty(n, kdim, dtype=torch.int8)
     scale, sums = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32)
-    k.quantize_s8(weight.data_ptr(), weight.stride(0), q.data_ptr(), scale.data_ptr(), sums.data_ptr(), n, kdim,
+    k.quantize_weight_s8(weight.data_ptr(), weight.stride(0), q.data_ptr(), scale.data_ptr(), sums.data_ptr(), n, kdim,
                   torch.get_num_threads())
     return Int8Weight(q, scale, sums)
 
@@ -273,9 +374,10 @@ def _linear_s8(k: _Kernels, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor |
     rows, m, ldx = _rows(x)
     n = w.q.shape[0]
     y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device=x.device)
-    k.gemm_s8(rows.data_ptr(), ldx, w.q.data_ptr(), w.scale.data_ptr(), w.sums.data_ptr(),
-              None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
-              torch.get_num_threads())
+    if k.gemm_s8(rows.data_ptr(), ldx, w.q.data_ptr(), w.scale.data_ptr(), w.sums.data_ptr(),
+                  None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n, m, n, x.shape[-1],
+                  torch.get_num_threads()):
+        raise MemoryError(f"the int8 GEMM could not allocate its quantized copy of {m} rows")
     return y
 
 
@@ -284,7 +386,7 @@ def _rotary(k: _Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     n, width = x.shape
     hd = width // heads
     out = torch.empty(n, heads, hd, dtype=torch.bfloat16, device=x.device)
-    k.rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), n, heads, hd)
+    k.rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), n, heads, hd)
     return out
 
 
@@ -349,7 +451,7 @@ def _self_test(k: _Kernels) -> str | None:
         return "wrong top-k log-probabilities"
     g, u = torch.randn(3, 37, generator=gen).bfloat16() * 4, torch.randn(3, 37, generator=gen).bfloat16()
     act = torch.empty_like(g)
-    k.silu_mul(g.data_ptr(), 37, u.data_ptr(), 37, act.data_ptr(), 37, 3, 37, 1)
+    k.silu_mul_bf16(g.data_ptr(), 37, u.data_ptr(), 37, act.data_ptr(), 37, 3, 37, 1)
     if not torch.allclose(act.float(), (F.silu(g.float()) * u.float()), rtol=2e-2, atol=1e-2):
         return "wrong SiLU x up results"
     if "avx512_vnni" in _cpu_flags():
@@ -374,7 +476,10 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through the kernel: x (..., K) bf16, weight (N, K), bias (N,) -> (..., N) bf16."""
     k = _library()[0]
-    assert k is not None and x.shape[-1] == weight.shape[1], "check native.usable(x, weight) first"
+    assert k is not None, "check native.usable(x, weight) first"
+    _expect(_bf16_cpu(x, weight) and weight.dim() == 2 and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1]
+            and _bias_ok(bias, weight.shape[0]), "linear needs bf16 CPU x (..., K), weight (N, K) with unit stride in K, "
+            f"bias (N,) or None; got {_about(x, weight, bias)}")
     return _linear(k, x, weight, bias)
 
 
@@ -396,7 +501,14 @@ def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed
     (its ancestors and itself, root first). q (n, nh, hd); key, value (kvh, T, hd);
     ancestors (n, A) int64; counts (n,) int64 -> (n, nh, hd) bf16."""
     k = _library()[0]
-    assert k is not None
+    assert k is not None, "check native.attention_usable(query, key) first"
+    _expect(_bf16_cpu(q, key, value) and q.dim() == 3 and key.dim() == 3 and value.shape == key.shape
+            and q.shape[2] == key.shape[2] and q.shape[2] % 32 == 0 and q.shape[2] <= 256 and q.shape[1] % key.shape[0] == 0
+            and ancestors.dtype is torch.int64 and counts.dtype is torch.int64 and ancestors.is_cpu and counts.is_cpu
+            and ancestors.dim() == 2 and counts.shape == (q.shape[0],) == ancestors.shape[:1]
+            and 0 <= committed <= key.shape[1],
+            "attention needs bf16 CPU q (n, nh, hd), key and value (kvh, T, hd) with hd % 32 == 0 up to 256, "
+            f"int64 ancestors (n, A) and counts (n,), 0 <= committed <= T; got {_about(q, key, value, ancestors, counts)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if key.stride(-1) != 1 or value.stride(-1) != 1 or key.stride() != value.stride():
@@ -415,6 +527,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     maximum of each row (NaN counting as the maximum, as in torch)."""
     k = _library()[0]
     assert k is not None, "check native.argmax_usable(x) first"
+    _expect(_bf16_cpu(x) and x.dim() >= 1 and 0 < x.shape[-1] < 2**31, f"argmax needs bf16 CPU rows; got {_about(x)}")
     return _argmax(k, x)
 
 
@@ -433,6 +546,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) ->
     projection's output rows), cos, sin (n, hd) -> (n, heads, hd) = x * cos + rotate_half(x) * sin."""
     k = _library()[0]
     assert k is not None, "check native.rotary_usable(x, cos, sin, heads) first"
+    _expect(_bf16_cpu(x, cos, sin) and x.dim() == 2 and cos.dim() == 2 and x.shape[1] % heads == 0
+            and cos.shape == sin.shape == (x.shape[0], x.shape[1] // heads) and cos.shape[1] % 2 == 0
+            and x.stride(1) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride(),
+            f"rotary needs bf16 CPU x (n, heads * hd), cos and sin (n, hd) alike, unit strides, even hd; got {_about(x, cos, sin)}")
     return _rotary(k, x, cos, sin, heads)
 
 
@@ -449,6 +566,7 @@ def quantize(weight: torch.Tensor) -> Int8Weight:
     """A bf16 CPU weight (N, K) -> Int8Weight: per output row, scale max|w| / 127, round to nearest."""
     k = _library()[0]
     assert k is not None and int8_available(), "check native.int8_available() first"
+    _expect(weight.is_cpu and weight.dim() == 2 and weight.is_floating_point(), f"quantize needs a CPU weight (N, K); got {_about(weight)}")
     weight = weight.detach().to(torch.bfloat16).contiguous()
     return _quantize(k, weight)
 
@@ -467,6 +585,8 @@ def linear_s8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) 
     error about 1% of the output's scale: drafts only, never the target."""
     k = _library()[0]
     assert k is not None, "check native.linear_s8_usable(x, w) first"
+    _expect(_bf16_cpu(x) and x.shape[-1] == w.q.shape[1] and _bias_ok(bias, w.q.shape[0]),
+            f"linear_s8 needs bf16 CPU x (..., K) for an int8 weight (N, K), bias (N,) or None; got {_about(x, w.q, bias)}")
     return _linear_s8(k, x, w, bias)
 
 
@@ -487,6 +607,8 @@ def topk_log_probs(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tenso
     about 1e-7), so this is for draft scores only, never for the target's choices."""
     k = _library()[0]
     assert k is not None, "check native.topk_usable(x, top) first"
+    _expect(_bf16_cpu(x) and x.dim() == 2 and 1 <= top <= min(x.shape[-1], TOPK_MAX) and x.shape[-1] < 2**31,
+            f"topk_log_probs needs bf16 CPU logits (m, V) and 1 <= top <= min(V, {TOPK_MAX}); got top={top}, {_about(x)}")
     return _topk_log_probs(k, x, top)
 
 
@@ -502,6 +624,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm in one call: x (..., H) bf16, weight (H,) -> (..., H) bf16."""
     k = _library()[0]
     assert k is not None, "check native.norm_usable(x, weight) first"
+    _expect(_bf16_cpu(x, weight) and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.is_contiguous(),
+            f"rms_norm needs bf16 CPU x (..., H) and a contiguous weight (H,); got {_about(x, weight)}")
     return _rms_norm(k, x, weight, eps)
 
 
@@ -521,6 +645,10 @@ def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
     in order of i (safe when dst[i] <= src[i] and src ascends: KV cache compaction)."""
     k = _library()[0]
     assert k is not None, "check native.move_rows_usable(buffers) first"
+    _expect(move_rows_usable(buffers) and src.dim() == dst.dim() == 1 and src.shape == dst.shape
+            and not src.is_floating_point() and not dst.is_floating_point(),
+            "move_rows needs CPU buffers (1, heads, capacity, head_dim) of one shape, stride and dtype, "
+            f"each head's rows contiguous, and integer src, dst (n,); got {_about(*buffers[:2], src, dst)}")
     first = buffers[0]
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
@@ -544,7 +672,8 @@ def wmat(weight: torch.Tensor | None = None, blocks=None) -> WMat:
     """A WMat over a bf16 weight (N, K) with unit stride in K, or over core.quant.Blocks."""
     if blocks is not None:
         return WMat(blocks.type, blocks.n, blocks.k, int(blocks.tiled), blocks.data.data_ptr(), blocks.data.stride(0))
-    assert weight is not None and weight.dtype is torch.bfloat16 and weight.stride(1) == 1
+    _expect(weight is not None and _bf16_cpu(weight) and weight.dim() == 2 and weight.stride(1) == 1,
+            f"wmat needs a bf16 CPU weight (N, K) with unit stride in K; got {_about(weight)}")
     return WMat(WT_BF16, weight.shape[0], weight.shape[1], 0, weight.data_ptr(), weight.stride(0))
 
 
@@ -552,7 +681,9 @@ def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torc
     """x (..., K) bf16 @ w.T (+ bias) -> (..., N) bf16, for a weight of any kind; a block weight
     gives the bits its bf16 copy gives."""
     k = _library()[0]
-    assert k is not None and x.dtype is torch.bfloat16 and x.shape[-1] == w.K, "needs the kernels and bf16 rows"
+    assert k is not None, "needs the kernels"
+    _expect(_bf16_cpu(x) and x.shape[-1] == w.K and _bias_ok(bias, w.N),
+            f"linear_w needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
     rows, m, ldx = _rows(x)
     y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
     if k.gemm_w(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
@@ -566,7 +697,7 @@ def dequantize(w: WMat) -> torch.Tensor:
     k = _library()[0]
     assert k is not None
     out = torch.empty(w.N, w.K, dtype=torch.bfloat16)
-    k.dequantize(ctypes.byref(w), out.data_ptr())
+    k.dequantize_bf16(ctypes.byref(w), out.data_ptr())
     return out
 
 
@@ -583,9 +714,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     vector sequence per element (row-invariant by construction; csrc/silu_mul.c)."""
     k = _library()[0]
     assert k is not None, "check native.silu_mul_usable(gate, up) first"
+    _expect(_bf16_cpu(gate, up) and gate.shape == up.shape and gate.dim() >= 1,
+            f"silu_mul needs bf16 CPU gate and up of one shape; got {_about(gate, up)}")
     g, m, ldg = _rows(gate)
     u, _, ldu = _rows(up)
     out = torch.empty(gate.shape, dtype=torch.bfloat16)
-    k.silu_mul(g.data_ptr(), ldg, u.data_ptr(), ldu, out.data_ptr(), gate.shape[-1], m, gate.shape[-1],
+    k.silu_mul_bf16(g.data_ptr(), ldg, u.data_ptr(), ldu, out.data_ptr(), gate.shape[-1], m, gate.shape[-1],
                torch.get_num_threads())
     return out

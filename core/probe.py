@@ -4,18 +4,23 @@ At load, on the loaded target at its real shapes, it prefills a random context t
 just before a 64-position block boundary (so tree rows straddle it), verifies one random
 tree with siblings, then replays every root-to-leaf path as plain one-token steps and
 compares each node's logits bit for bit. The verdict depends on the kernels the CPU and
-torch pick, so it is cached per machine, torch version, model, dtype, attention and thread
-count; a cached verdict costs nothing at the next start.
+torch pick, so it is cached per machine, model, dtype, attention and thread count, and per
+version of what computes it (torch, transformers, this project, the C kernels' source): an
+upgrade checks again. A cached verdict costs nothing at the next start.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -41,14 +46,36 @@ def _cpu_name() -> str:
         return platform.processor()
 
 
+@functools.cache
+def project_version() -> str:
+    """eagle-chat's version: pyproject.toml's in a source checkout (an editable install's metadata
+    keeps the version it was installed at), else the installed package's."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        text = pyproject.read_text()
+    except OSError:
+        text = ""
+    found = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+    if found and re.search(r'^name\s*=\s*"eagle-chat"', text, re.M):
+        return found.group(1)
+    try:
+        return importlib.metadata.version("eagle-chat")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
     """`model`: the transformers model, or the native step (core.step) that serves it."""
+    import transformers
+
     c = model.config
     step = getattr(model, "info", None)  # a NativeStep: its weights decide its GEMMs' inputs
-    parts = [f"step {step.weights}" if step else "transformers",_cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
+    parts = [f"step {step.weights}" if step else "transformers",
+             _cpu_name() if torch.device(device).type == "cpu" else torch.cuda.get_device_name(device),
              torch.__version__, c.model_type, str(c.hidden_size), str(c.num_hidden_layers), str(c.vocab_size),
              str(getattr(c, "intermediate_size", "")), str(dtype), attention, f"threads{torch.get_num_threads()}",
-             native.status().describe()]
+             native.status().describe(), f"kernels {native.source_digest()}", f"transformers {transformers.__version__}",
+             f"eagle-chat {project_version()}"]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

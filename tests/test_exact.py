@@ -1,6 +1,8 @@
 """Exact by construction: with the batch-invariant kernels a tree row computes bit for bit
 what a plain step computes, so speculative greedy output equals plain decoding in bf16."""
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -8,9 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from core import cache as kv
 from core import native
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine, forward_tree, plain_logits
+from core.engine import Engine, forward_tree, plain_logits, prefill
 from core.invariant import InvariantLinear, make_invariant, undo_invariant
-from core.probe import probe, run_probe
+from core.probe import probe, probe_key, run_probe
 from core.tree import tree_from_parents
 from tests.tiny import oracle_head, tiny_target
 
@@ -61,6 +63,33 @@ def test_probe_verdict_is_cached(tmp_path, monkeypatch):
     assert len(list((tmp_path / "probe").glob("*.json"))) == 1
 
 
+def test_probe_key_names_the_versions_of_what_computes(tmp_path, monkeypatch):
+    """An upgrade (the C kernels' source, this project, transformers) checks again instead of
+    showing a verdict about code that no longer runs."""
+    import transformers
+
+    import core.probe
+
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
+    model = tiny_target(dtype=torch.bfloat16).model
+    make_invariant(model)
+    key = lambda: probe_key(model, torch.bfloat16, "exact", "cpu")
+    before = key()
+    for owner, name, value in ((native, "source_digest", lambda: "other kernels"),
+                               (core.probe, "project_version", lambda: "99.0"), (transformers, "__version__", "99.0")):
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, value)
+            assert key() != before, name
+    assert key() == before
+    stale = {"exact": True, "reason": "a verdict about older code", "seconds": 0.0, "checked_at": "then"}
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / f"{before}.json").write_text(json.dumps(stale))
+    assert probe(model, torch.bfloat16, "exact", "cpu").reason == stale["reason"]  # the key it was stored under
+    monkeypatch.setattr(transformers, "__version__", "99.0")
+    again = probe(model, torch.bfloat16, "exact", "cpu")
+    assert not again.cached and again.reason != stale["reason"] and again.exact
+
+
 def test_tiny_bf16_exact_greedy_equals_plain():
     target = tiny_target(dtype=torch.bfloat16, mix=0.5, seed=3)
     make_invariant(target.model)
@@ -80,7 +109,10 @@ def smol():
     torch.set_num_threads(2)
     engine = Engine.load()  # auto: bf16 + exact kernels where the probe passes
     if not engine.numerics.exact:
-        pytest.skip(f"the batch-invariance probe fails on this CPU: {engine.numerics.probe.reason}")
+        why = engine.numerics.note or (engine.numerics.probe and engine.numerics.probe.reason)
+        if native.status().available:  # the kernels that make it exact run here: a failure is a bug
+            pytest.fail(f"the batch-invariance probe fails with the native kernels: {why}")
+        pytest.skip(f"no native kernels here ({native.status().reason}), and the probe fails: {why}")
     yield engine
     torch.set_num_threads(1)
 
@@ -142,13 +174,32 @@ def test_greedy_speculative_bit_identical_to_plain(smol):
 
 
 @pytest.mark.slow
-def test_fp32_variant_still_identical():
-    """fp32 (the fallback where the probe fails) is not row-invariant, but greedy answers
-    have matched plain decoding on these prompts; it keeps running everywhere."""
+def test_fp32_variant_agrees_within_fp32_noise():
+    """fp32 with sdpa (the fallback where the probe fails) is not row-invariant: a tree row may
+    differ from its plain step in the last bits, so greedy answers equal plain decoding's only
+    while no two logits nearly tie (they did on a few prompts: luck, not construction). What
+    holds: every tree row is within fp32 noise of its plain step, and picks the same token
+    wherever the best logit leads by more than that noise."""
     torch.set_num_threads(2)
-    engine = Engine.load(dtype="float32", attention="sdpa")
-    assert engine.numerics.attention == "sdpa" and not engine.numerics.exact
-    assert "exact: not guaranteed" in engine.numerics.describe()
-    for prompt in CHATS[:2]:
-        assert answer(engine, prompt, 32, tree=TreeConfig(4, 8, 16)) == answer(engine, prompt, 32, speculative=False)
-    torch.set_num_threads(1)
+    try:
+        engine = Engine.load(dtype="float32", attention="sdpa")
+        assert engine.numerics.attention == "sdpa" and not engine.numerics.exact
+        assert "exact: not guaranteed" in engine.numerics.describe()
+        model, gen = engine.target.model, torch.Generator().manual_seed(3)
+        context, parents = 70, [-1, 0, 0, 1, 1, 3, 2, 6, 7, 0]
+        tree = tree_from_parents(torch.randint(0, 49152, (len(parents),), generator=gen).tolist(), parents)
+        cache = kv.new_cache(model)
+        with torch.inference_mode():
+            prefill(model, torch.randint(0, 49152, (context,), generator=gen), cache)
+            _, logits = forward_tree(model, tree, cache, context)
+            for leaf in set(range(len(parents))) - set(parents):
+                kv.keep(cache, context, [])
+                for depth, node in enumerate(tree.mask[leaf].nonzero().flatten().tolist()):
+                    row, in_tree = plain_logits(model, int(tree.tokens[node]), cache, context + depth).float(), logits[node].float()
+                    noise = 1e-3 * float(row.abs().max())  # summation order only: about 1e-6 relative per layer
+                    assert float((row - in_tree).abs().max()) <= noise, (leaf, node)
+                    best, second = row.topk(2).values.tolist()
+                    if best - second > 2 * noise:
+                        assert int(row.argmax()) == int(in_tree.argmax()), (leaf, node)
+    finally:
+        torch.set_num_threads(1)

@@ -411,3 +411,167 @@ def test_rotary_is_transformers_bf16_rotary_bit_for_bit(n, heads, hd):
     assert native.rotary_usable(q, cos, sin, heads)
     assert torch.equal(native.rotary(q, cos, sin, heads), ref[0].transpose(0, 1))
     assert not native.rotary_usable(q.float(), cos, sin, heads) and not native.rotary_usable(q, cos[:, :-2], sin[:, :-2], heads)
+
+
+# ---- the build: an older compiler, a hung one, a corrupt or unsafe cache (issue 32, item 8) ----
+
+def _fake_cc(tmp_path, refuse: str = "", sleep: int = 0):
+    """A CC that passes everything to gcc, except that it refuses any flag matching `refuse`
+    (as gcc 10 refuses -march=x86-64-v4 and -mamx-*) or hangs on a build."""
+    script = tmp_path / "old-gcc"
+    script.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && exec gcc --version
+for a in "$@"; do case "$a" in {refuse or "-no-flag-matches-this"}) echo "gcc: error: unrecognized option '$a'" >&2; exit 1;; esac; done
+{f"exec sleep {sleep}" if sleep else ""}
+exec gcc "$@"
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """core.native loads again with its kernel cache under tmp_path/home."""
+    import core.models
+
+    monkeypatch.setattr(core.models, "cache_home", lambda: tmp_path / "home")
+    native._library.cache_clear()
+    yield tmp_path / "home" / "kernels"
+    native._library.cache_clear()
+
+
+@needs_kernel
+def test_a_compiler_without_x86_64_v4_builds_the_same_kernels_from_named_instruction_sets(monkeypatch, tmp_path):
+    """gcc 10 knows neither -march=x86-64-v4 nor AMX: the third attempt names x86-64-v4's
+    instruction sets one by one and computes the same bits."""
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(7, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16()  # AVX-512 GEMM
+    q, key, value, anc, counts = _tree_case(30, 9, 3, 64, seed=4)
+    norm_w = torch.randn(100, generator=gen).bfloat16()
+    run = lambda: (native.linear(x, w), native.attention(q, key, value, 30, anc, counts, 0.125),
+                   native.rms_norm(x, norm_w, 1e-5), native.silu_mul(x, x * 2))
+    before = run()
+    import core.models
+
+    monkeypatch.setenv("CC", _fake_cc(tmp_path, refuse="-march=x86-64-v4|-mamx-*"))
+    monkeypatch.setattr(core.models, "cache_home", lambda: tmp_path / "home")
+    native._library.cache_clear()
+    try:
+        st = native.status()
+        assert st.available and not st.amx, st.reason
+        assert len(list((tmp_path / "home" / "kernels").glob("decode-*.so"))) == 1  # the third attempt only
+        after = run()
+    finally:
+        native._library.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _as_if_capable(monkeypatch):
+    """Any machine: the checks before the build pass."""
+    monkeypatch.delenv(native.OFF_ENV, raising=False)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(native.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+
+
+def test_a_hung_compiler_times_out_with_a_clear_reason(monkeypatch, tmp_path, fresh_cache):
+    _as_if_capable(monkeypatch)
+    monkeypatch.setenv("CC", _fake_cc(tmp_path, sleep=30))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 1)
+    st = native.status()
+    assert not st.available and "took more than 1 s to build the kernels" in st.reason
+    assert not list(fresh_cache.glob("*"))  # no half-written library left behind
+
+
+@needs_kernel
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_corrupt_cached_library_is_rebuilt(damage, monkeypatch, tmp_path, fresh_cache):
+    """A truncated library (a full disk, a killed copy) would map and die of SIGBUS; one for
+    another machine (here: its ELF header says aarch64) fails to load. Both are built again."""
+    import core.models
+
+    assert native.status().available
+    built = next(fresh_cache.glob("decode-*.so"))
+    good = built.read_bytes()
+    # the same name in another cache (the loader reuses a path it has loaded, whatever is there now)
+    other = tmp_path / "other"
+    (other / "kernels").mkdir(parents=True, mode=0o700)
+    lib = other / "kernels" / built.name
+    lib.write_bytes(good[:4096] if damage == "truncated" else good[:18] + bytes([0xB7, 0]) + good[20:])
+    lib.chmod(0o700)
+    monkeypatch.setattr(core.models, "cache_home", lambda: other)
+    native._library.cache_clear()
+    st = native.status()
+    assert st.available, st.reason
+    assert lib.read_bytes() == good
+
+
+def test_the_kernel_cache_is_private_and_an_open_one_is_refused(monkeypatch, fresh_cache):
+    _as_if_capable(monkeypatch)
+    monkeypatch.setenv("CC", "true")  # any program: the build is replaced
+    monkeypatch.setattr(native, "_compile", lambda cc, flags, lib: "refused for this test")
+    assert "refused for this test" in native.status().reason  # the build ran: the directory was fine
+    assert fresh_cache.stat().st_mode & 0o777 == 0o700
+    native._library.cache_clear()
+    fresh_cache.chmod(0o777)  # anyone could drop a library in
+    st = native.status()
+    assert not st.available and "not ours alone" in st.reason and "mode 777" in st.reason
+
+
+# ---- the boundary between Python and C (issue 32, item 9) ----
+
+@needs_kernel
+def test_the_kernels_and_torch_share_one_openmp_runtime():
+    """Two OpenMP runtimes would run two spinning thread teams on the same cores."""
+    assert native.status().available
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_every_kernel_function_is_declared_once():
+    assert set(native.SIGNATURES) >= {"gemm_bf16", "gemm_w", "attention_bf16", "decode_step", "gemm_s8"}
+    for argtypes, restype in native.SIGNATURES.values():
+        assert isinstance(argtypes, list) and restype in (None, native.i32)
+    if native.status().available:
+        k = native._library()[0]
+        assert all(getattr(k, name).argtypes == a for name, (a, _) in native.SIGNATURES.items())
+
+
+@needs_kernel
+def test_wrappers_refuse_what_the_c_would_misread():
+    x, w = torch.randn(3, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    bad = [lambda: native.linear(x.float(), w), lambda: native.linear(x, w.t().contiguous().t()),
+           lambda: native.linear(x, w, torch.zeros(7).bfloat16()), lambda: native.linear(x, w, torch.zeros(8)),
+           lambda: native.rms_norm(x, torch.ones(32), 1e-5), lambda: native.rms_norm(x, torch.ones(64).bfloat16()[::2], 1e-5),
+           lambda: native.argmax(x.float()), lambda: native.topk_log_probs(x, 33),
+           lambda: native.topk_log_probs(x[0], 4), lambda: native.silu_mul(x, x[:, :16]),
+           lambda: native.linear_w(x.float(), native.wmat(w)), lambda: native.wmat(w.float()),
+           lambda: native.rotary(x, torch.ones(3, 8), torch.ones(3, 8), 4)]
+    q, key, value, anc, counts = _tree_case(10, 4, 2, 32, seed=1)
+    bad += [lambda: native.attention(q, key, value, 10, anc.int(), counts, 0.1),
+            lambda: native.attention(q, key, value, 10, anc, counts[:3], 0.1),
+            lambda: native.attention(q, key, value, 10 + key.shape[1], anc, counts, 0.1),
+            lambda: native.attention(q.float(), key, value, 10, anc, counts, 0.1)]
+    buffers = [torch.zeros(1, 2, 8, 4).bfloat16() for _ in range(2)]
+    bad += [lambda: native.move_rows(buffers, torch.tensor([1, 2]), torch.tensor([0])),
+            lambda: native.move_rows([buffers[0], torch.zeros(1, 2, 9, 4).bfloat16()], torch.tensor([1]), torch.tensor([0]))]
+    for call in bad:
+        with pytest.raises(ValueError, match="core.native"):
+            call()
+    if native.int8_available():
+        with pytest.raises(ValueError, match="linear_s8 needs"):
+            native.linear_s8(x.float(), native.quantize(w))
+
+
+@needs_kernel
+def test_c_kernels_report_what_they_cannot_do_instead_of_crashing():
+    """Work memory no machine has (2^51 bytes, beyond any address space): -1, before any pointer is
+    read; a top-k wider than the C's candidate buffer: -1."""
+    k = native._library()[0]
+    rows, kdim = 2**31 - 1, 2**20
+    assert k.gemm_bf16(None, 0, None, 0, None, None, 0, rows, 16, kdim, 1) == -1
+    assert k.gemm_s8(None, 0, None, None, None, None, None, 0, rows, 16, kdim, 1) == -1
+    assert k.topk_logprobs_bf16(None, 0, None, None, 1, 100, native.TOPK_MAX + 1, 1) == -1
+    x = torch.randn(2, 100).bfloat16()
+    assert torch.equal(native.topk_log_probs(x, 3)[1], native.topk_log_probs(x, native.TOPK_MAX)[1][:, :3])

@@ -159,8 +159,9 @@ int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, 
     return status;
 }
 
-void gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
-               uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
+// gemm_w over a bf16 weight (N, K) with row stride ldw: 0, or -1 out of memory.
+int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
+              uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
     wmat m = {WT_BF16, N, K, 0, w, ldw};
-    gemm_w(x, ldx, &m, bias, y, ldy, M, nthreads);
+    return gemm_w(x, ldx, &m, bias, y, ldy, M, nthreads);
 }

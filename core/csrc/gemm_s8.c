@@ -93,11 +93,17 @@ void quantize_weight_s8(const uint16_t *w, int64_t ldw, int8_t *q, float *scale,
     for (int n = 0; n < N; n++) scale[n] = quantize_row(w + n * ldw, K, 0, (uint8_t *)(q + (int64_t)n * K), sums + n);
 }
 
-void gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscale, const int32_t *wsum,
-             const uint16_t *bias, uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
+// 0, or -1 where the quantized rows' memory could not be had.
+int gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscale, const int32_t *wsum,
+            const uint16_t *bias, uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
     int64_t ldu = (K + 63) / 64 * 64;
     uint8_t *u = aligned_alloc(64, (size_t)(M * ldu));
-    float xs[M];
+    float *xs = (float *)malloc((size_t)M * sizeof(float));  // on the heap: M is the caller's
+    if (!u || !xs) {
+        free(u);
+        free(xs);
+        return -1;
+    }
     for (int m = 0; m < M; m++) {  // each row: u = round(x / s) + 128, s = max|x| / 127
         int32_t unused;
         xs[m] = quantize_row(x + m * ldx, K, 128, u + m * ldu, &unused);
@@ -141,4 +147,6 @@ void gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscal
         }
     }
     free(u);
+    free(xs);
+    return 0;
 }

@@ -55,8 +55,11 @@ static void topk_row(const uint16_t *x, int N, int k, float *out_v, int64_t *out
     }
 }
 
-void topk_logprobs_bf16(const uint16_t *x, int64_t ldx, float *vals, int64_t *idx, int M, int N, int k,
-                        int nthreads) {
+// 0, or -1 for k outside 1 .. MAX_K (topk_row keeps its candidates on the stack).
+int topk_logprobs_bf16(const uint16_t *x, int64_t ldx, float *vals, int64_t *idx, int M, int N, int k,
+                       int nthreads) {
+    if (k < 1 || k > MAX_K) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int m = 0; m < M; m++) topk_row(x + m * ldx, N, k, vals + (int64_t)m * k, idx + (int64_t)m * k);
+    return 0;
 }
