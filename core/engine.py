@@ -218,6 +218,8 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
         fallback = probe(target.model, target.dtype, "sdpa", device)
         return target, Numerics("float32", "sdpa", fallback,
                                 note=f"bf16 exact kernels failed the probe here ({result.reason}), so fp32 runs"), None
+    if step is not None:
+        step.drop_bf16_layers()  # q4: the layers' bf16 copies go (nothing to drop for bf16 weights)
     return target, Numerics(str(target.dtype).removeprefix("torch."), attention, result, step=step_text), step
 
 

@@ -169,20 +169,44 @@ def exact_attention(module, query, key, value, attention_mask, scaling: float, d
 K_CHUNK = 768  # largest inner size measured row-invariant for oneDNN's bf16 GEMMs on this CPU
 
 
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's F.linear made row-invariant: the inner size reduced in fixed chunks of K_CHUNK,
+    partials added in fp32, left to right."""
+    out = None
+    for start in range(0, weight.shape[1], K_CHUNK):
+        part = F.linear(x[..., start:start + K_CHUNK], weight[:, start:start + K_CHUNK]).float()
+        out = part if out is None else out + part
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 class InvariantLinear(torch.nn.Linear):
     """nn.Linear computing each row independently of the others in the batch (row-invariant)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native.usable(x, self.weight):
             return native.linear(x, self.weight, self.bias)
-        # oneDNN: reduce over in_features in fixed chunks, partials added in fp32, left to right
-        out = None
-        for start in range(0, self.in_features, K_CHUNK):
-            part = F.linear(x[..., start:start + K_CHUNK], self.weight[:, start:start + K_CHUNK]).float()
-            out = part if out is None else out + part
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.to(x.dtype)
+        return chunked_linear(x, self.weight, self.bias)
+
+
+class BlockLinear(InvariantLinear):
+    """A linear layer whose weight lives only as GGUF blocks (core.quant; `weight` is empty):
+    decoding-sized calls multiply the blocks in place (native.linear_w: the bits its bf16 copy
+    gives), longer ones (a prompt's prefill) dequantize them to those bf16 values per call for
+    oneDNN. Made by core.step once the native step serves from the blocks; make_invariant and
+    undo_invariant leave it as it is."""
+
+    wmat: native.WMat
+    blocks: object  # core.quant.Blocks that wmat points into
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            return native.linear_w(x, self.wmat, self.bias)
+        weight = native.dequantize(self.wmat)  # (N, K) bf16, a few MB, gone after the call
+        return chunked_linear(x, weight, self.bias) if x.dtype is torch.bfloat16 else F.linear(
+            x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 # transformers' RMSNorm classes that compute weight * bf16(x / rms(x)), as native.rms_norm does

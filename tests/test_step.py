@@ -12,7 +12,7 @@ from core import cache as kv
 from core import native, quant
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, EngineError, forward_tree, plain_forward, prefill
-from core.invariant import make_invariant, tree_ancestors
+from core.invariant import BlockLinear, chunked_linear, make_invariant, tree_ancestors
 from core.step import NativeStep, StepError, load_step, unsupported
 from core.tree import tree_from_parents
 from tests.test_exact import wide_llama
@@ -238,13 +238,25 @@ def smollm2():
 
 @pytest.mark.slow
 def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
-    params = dict(smollm2.target.model.named_parameters())
+    from safetensors import safe_open
+
+    from core.models import embedded_model_dir
+
     blocks = quant.load_llama_blocks(smollm2.target.gguf, smollm2.target.model.config)
     assert len(blocks) == 211 and {b.type_name for b in blocks.values()} == {"Q4_1", "Q8_0"}
-    for name, b in blocks.items():
-        assert torch.equal(native.dequantize(native.wmat(blocks=b)), params[name]), name
-    assert "Q4_1/Q8_0 blocks from SmolLM2-135M-Instruct.Q4_1.gguf" in smollm2.numerics.describe()
+    # the bf16 copy the engine computed with before: transformers' fp32 conversion, rounded to bf16
+    with safe_open(embedded_model_dir() / "model.safetensors", "pt") as f:
+        for name, b in blocks.items():
+            assert torch.equal(native.dequantize(native.wmat(blocks=b)), f.get_tensor(name).bfloat16()), name
+    assert "Q4_1 blocks from SmolLM2-135M-Instruct.Q4_1.gguf" in smollm2.numerics.describe()
     assert smollm2.numerics.exact
+    # the layers' bf16 copies are gone: transformers' forward (prefill) reads the same blocks
+    down = smollm2.target.model.model.layers[3].mlp.down_proj
+    assert isinstance(down, BlockLinear) and down.weight.numel() == 0
+    x = torch.randn(700, 1536).bfloat16()  # a prefill-sized call: dequantized per call for oneDNN
+    with safe_open(embedded_model_dir() / "model.safetensors", "pt") as f:
+        ref = chunked_linear(x, f.get_tensor("model.layers.3.mlp.down_proj.weight").bfloat16(), None)
+    assert torch.equal(down(x), ref) and torch.equal(down(x[:5]), native.linear_w(x[:5], down.wmat))
 
 
 @pytest.mark.slow
