@@ -283,3 +283,25 @@ def test_greedy_speculation_equals_plain_on_the_q4_step(smollm2):
 def test_engine_refuses_unknown_weights():
     with pytest.raises(EngineError, match="unknown weights 'q8'"):
         Engine.load(weights="q8")
+
+
+def test_silu_mul_is_row_invariant_over_rows_and_threads_and_matches_torchs_formula():
+    """Issue 32 item 6: SiLU x up is native (one vector sequence per element, masked tails), so an
+    element's bits do not depend on the row count, its row's place or the threads."""
+    gen = torch.Generator().manual_seed(5)
+    gate = (torch.randn(128, 1536, generator=gen) * 4).bfloat16()
+    up = torch.randn(128, 1536, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([native.silu_mul(gate[i:i + 1], up[i:i + 1]) for i in range(128)])
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 7, 16, 33, 64, 128):
+                assert torch.equal(native.silu_mul(gate[:rows], up[:rows]), alone[:rows]), (threads, rows)
+        # an odd width: the masked tail takes the same instructions as the body
+        assert torch.equal(native.silu_mul(gate[:5, :37], up[:5, :37]), alone[:5, :37])
+    finally:
+        torch.set_num_threads(before)
+    ref = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
+    assert (alone.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()  # torch's formula, ~1 ulp
