@@ -3,7 +3,8 @@
 Loads the embedded SmolLM2 with its EAGLE head (or the model used last time), serves the
 Gradio app on 127.0.0.1 and opens the browser. A public share link is created only with
 --share; with --share and no --auth, visitors through the link cannot download or switch models
-and each of their answers is capped (--remote-max-new-tokens, --remote-max-seconds).
+and each of their answers is capped (--remote-max-new-tokens, --remote-max-seconds,
+--remote-max-prompt-tokens, --remote-max-message-chars; one answer at a time).
 --backend URL chats through an OpenAI-compatible server instead of a local model; --api serves
 the loaded model as an OpenAI-compatible API (core.serve) instead of the UI.
 """
@@ -41,6 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remote-max-seconds", type=float, default=60.0, metavar="S",
                    help="without --auth, the most seconds one answer may take for a visitor through the "
                    "public link")
+    p.add_argument("--remote-max-prompt-tokens", type=int, default=2048, metavar="N",
+                   help="without --auth, the most prompt tokens one answer may prefill for a visitor through the "
+                   "public link (the oldest exchanges are left out to fit; a longer message is refused), so the "
+                   "prefill fits --remote-max-seconds too")
+    p.add_argument("--max-message-chars", type=int, default=32_000, metavar="N",
+                   help="the longest message (and system prompt) in characters, for every visitor")
+    p.add_argument("--remote-max-message-chars", type=int, default=4_000, metavar="N",
+                   help="without --auth, the longest message in characters for a visitor through the public link")
     p.add_argument("--load-in-4bit", action="store_true", help="load the target in 4-bit nf4 (bitsandbytes)")
     p.add_argument("--device", default=None, help="cpu or cuda [default: cpu, or the last one used]")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16; auto = bf16 with exact "
@@ -74,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--remote-max-new-tokens must be at least 1, got {args.remote_max_new_tokens}")
     if not args.remote_max_seconds > 0:
         p.error(f"--remote-max-seconds must be positive, got {args.remote_max_seconds}")
+    for flag in ("remote_max_prompt_tokens", "max_message_chars", "remote_max_message_chars"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
     refuse_combinations(p, args)
@@ -188,7 +200,8 @@ def access(args):
     from app.state import Access
 
     return Access(authenticated=args.auth is not None, remote_max_new_tokens=args.remote_max_new_tokens,
-                  remote_max_seconds=args.remote_max_seconds)
+                  remote_max_seconds=args.remote_max_seconds, remote_max_prompt_tokens=args.remote_max_prompt_tokens,
+                  max_message_chars=args.max_message_chars, remote_max_message_chars=args.remote_max_message_chars)
 
 
 def main(argv=None) -> None:
@@ -215,7 +228,8 @@ def main(argv=None) -> None:
         print(f"Public link: {share_url}", flush=True)
         if args.auth is None:
             print(f"Anyone with the link can chat, up to {args.remote_max_new_tokens} new tokens and "
-                  f"{args.remote_max_seconds:g} s per answer; downloads and model switching are disabled for "
+                  f"{args.remote_max_seconds:g} s per answer, prompts of {args.remote_max_prompt_tokens} tokens, "
+                  f"messages of {args.remote_max_message_chars} characters, one answer at a time; downloads and model switching are disabled for "
                   "them (use --auth USER:PASS to allow everything).", flush=True)
     elif args.share:
         app.banner = ("Notice: the public share link could not be created (no internet connection to Gradio's "

@@ -23,6 +23,7 @@ class Ticket:
 
     stop: threading.Event = field(default_factory=threading.Event)
     clear_chat: bool = False
+    visitor: str = ""  # visitor_of(the request): bounds the requests one visitor holds
 
     def cancel(self, clear_chat: bool = False) -> None:
         self.clear_chat = self.clear_chat or clear_chat
@@ -31,6 +32,16 @@ class Ticket:
 
 def session_of(request) -> str:
     return getattr(request, "session_hash", None) or "local"
+
+
+def visitor_of(request) -> str:
+    """Who sent this request, across their tabs and sessions: the address that the nearest proxy
+    (the share tunnel) saw, i.e. the last X-Forwarded-For entry, which a visitor cannot forge by
+    sending the header themselves; else the client's address; else the session."""
+    headers = getattr(request, "headers", None) or {}
+    forwarded = [a.strip() for a in (headers.get("x-forwarded-for") or "").split(",") if a.strip()]
+    client = getattr(getattr(request, "client", None), "host", None)
+    return (forwarded[-1] if forwarded else client) or session_of(request)
 
 
 def http_request(request):
@@ -49,13 +60,13 @@ class Tickets:
         """A request joins the queue: give it a ticket that Stop can reach while it waits."""
         http = http_request(request)
         if http is not None and getattr(http.state, "ticket", None) is None:
-            http.state.ticket = self._add(session_of(request))
+            http.state.ticket = self._add(request)
 
     def ticket(self, request) -> Ticket:
         """The ticket given at join time (a fresh one for calls that did not join the queue)."""
         http = http_request(request)
         ticket = getattr(http.state, "ticket", None) if http is not None else None
-        return ticket if ticket is not None else self._add(session_of(request))
+        return ticket if ticket is not None else self._add(request)
 
     def done(self, request, ticket: Ticket) -> None:
         session = session_of(request)
@@ -80,15 +91,20 @@ class Tickets:
             for t in self._tickets.pop(session_of(request), []):
                 t.cancel()
 
+    def held_by(self, visitor: str, besides: Ticket | None = None) -> int:
+        """How many requests (waiting or running) this visitor holds, `besides` not counted."""
+        with self._guard:
+            return sum(t.visitor == visitor and t is not besides for ts in self._tickets.values() for t in ts)
+
     def sessions(self) -> set[str]:
         """Sessions that hold state here (a request waiting or running)."""
         with self._guard:
             return set(self._tickets)
 
-    def _add(self, session: str) -> Ticket:
-        ticket = Ticket()
+    def _add(self, request) -> Ticket:
+        ticket = Ticket(visitor=visitor_of(request))
         with self._guard:
-            self._tickets.setdefault(session, []).append(ticket)
+            self._tickets.setdefault(session_of(request), []).append(ticket)
         return ticket
 
 

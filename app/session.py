@@ -19,7 +19,7 @@ from app.chat import AnswerView, empty_frame, engine_messages, trim_to_context
 from app.compare import compare_outputs, race
 from app.controls import control_updates
 from app.errors import UserError, fault, refuse, user_error
-from app.lane import Ticket, Tickets
+from app.lane import Ticket, Tickets, visitor_of
 from app.manager import ModelManager
 from app.models_tab import ModelHandlers
 from app.remote import RemoteError
@@ -49,24 +49,47 @@ class Handlers(ModelHandlers, BackendHandlers):
     # ---- the queue: validators run when a request joins it --------------------------------
     def check_chat(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
                    highlight, request: gr.Request = None):
-        return self._check_text(message, 11, request, "Type a message first.")
+        return self._check_text(message, system, 11, request, "Type a message first.")
 
     def check_regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
                          highlight, request: gr.Request = None):
-        self.tickets.join(request)
-        return [gr.validate(True, "")] * 10
+        return self._join(self._too_long(request, system=system) or self._busy(request), 10, request)
 
     def check_compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
                       request: gr.Request = None):
-        return self._check_text(prompt, 8, request, "Type a prompt to compare.")
+        return self._check_text(prompt, system, 8, request, "Type a prompt to compare.")
 
-    def _check_text(self, text, n_inputs: int, request, problem: str):
-        """An empty text is refused inline, on its box, before the request joins the queue.
-        (Gradio passes the request only to named positional parameters, hence the long lists.)"""
-        ok = bool((text or "").strip())
-        if ok:
+    def _check_text(self, text, system, n_inputs: int, request, empty: str):
+        """An empty or over-long text is refused inline, on its box, before the request joins the
+        queue. (Gradio passes the request only to named positional parameters, hence the long lists.)"""
+        problem = "" if (text or "").strip() else empty
+        return self._join(problem or self._too_long(request, text, system) or self._busy(request), n_inputs,
+                          request)
+
+    def _join(self, problem: str, n_inputs: int, request):
+        """The validators' answer: the problem shown on the first input, or the request joins the queue."""
+        if not problem:
             self.tickets.join(request)
-        return [gr.validate(ok, problem)] + [gr.validate(True, "")] * (n_inputs - 1)
+        return [gr.validate(not problem, problem)] + [gr.validate(True, "")] * (n_inputs - 1)
+
+    def _too_long(self, request, message=None, system=None) -> str:
+        """Why this message or system prompt is refused for its length, or ""."""
+        limit = self.access.message_chars(request)
+        who = " for visitors through the public link" if self.access.limited(request) else ""
+        for text, what in ((message, "This message"), (system, "The system prompt")):
+            if text is not None and len(text) > limit:
+                return (f"{what} is {len(text):,} characters long; the limit is {limit:,} characters{who}. "
+                        "Shorten it (your chat is kept).")
+        return ""
+
+    def _busy(self, request, ticket: Ticket | None = None) -> str:
+        """A limited visitor holds at most remote_max_queued answers, running or waiting: why this
+        one is refused, or "". `ticket` is this request's own, not counted."""
+        most = self.access.remote_max_queued
+        if not self.access.limited(request) or self.tickets.held_by(visitor_of(request), ticket) < most:
+            return ""
+        return (f"Limit for visitors through the public link: {most} answer{'s' if most > 1 else ''} at a time, "
+                "running or waiting. Wait for your answer to finish (or press Stop), then send this again.")
 
     def stop(self, request: gr.Request = None):
         """Runs outside the queue: stops this session's answer after its current step, and its
@@ -113,6 +136,8 @@ class Handlers(ModelHandlers, BackendHandlers):
         try:
             if empty_first:
                 raise UserError(empty_message)
+            if problem := self._busy(request, ticket):  # a call that bypassed the validator
+                raise UserError(problem)
             if ticket.stop.is_set():
                 yield self._cancelled(ticket, n_outputs, notice_at)
                 return
@@ -163,15 +188,25 @@ class Handlers(ModelHandlers, BackendHandlers):
             cfg = replace(cfg, max_new_tokens=cap)
         return cfg, self.access.remote_max_seconds
 
-    @staticmethod
-    def _prompt(engine, turns, system, cfg, notices: list[str]) -> list[dict]:
-        """The chat-template messages for this answer, oldest turns trimmed to fit the context."""
+    def _prompt(self, engine, turns, system, cfg, notices: list[str], budget: int | None) -> list[dict]:
+        """The chat-template messages for this answer, oldest turns trimmed to fit the context
+        and, for a limited visitor, their prompt budget (`budget` tokens)."""
         try:
             msgs, dropped = trim_to_context(engine_messages(turns, system), engine.count_tokens,
                                             engine.max_context, cfg.max_new_tokens)
-            too_long = engine.count_tokens(msgs) >= engine.max_context
+            msgs, over_budget = (trim_to_context(msgs, engine.count_tokens, budget, 0) if budget is not None
+                                 else (msgs, 0))
+            n_tokens = engine.count_tokens(msgs)
+            too_long = n_tokens >= engine.max_context
         except ValueError as e:  # e.g. a tokenizer without a chat template
             raise UserError(f"Cannot build the prompt: {e}") from e
+        if budget is not None and n_tokens > budget:
+            raise UserError(self._over_budget(n_tokens, budget))
+        if over_budget:
+            notices.append(f"Limit for visitors through the public link: prompts of at most {budget:,} tokens, so "
+                           f"the oldest {over_budget} exchange(s) were left out of the prompt. Clear the chat to "
+                           "start afresh.")
+            gr.Warning(notices[-1])
         if too_long:
             raise UserError(f"This message is longer than the model's whole context ({engine.max_context} "
                             "tokens); shorten it.")
@@ -181,10 +216,19 @@ class Handlers(ModelHandlers, BackendHandlers):
             gr.Warning(notices[-1])
         return msgs
 
+    def _over_budget(self, n_tokens: int, budget: int) -> str:
+        """The seconds cap is checked between steps and the prefill is one step: a limited
+        visitor's prompt is capped in tokens so that the prefill, too, fits the time."""
+        return (f"Limit for visitors through the public link: prompts of at most {budget:,} tokens, so that an "
+                f"answer starts well within its {self.access.remote_max_seconds:g} s; this one is {n_tokens:,} "
+                "tokens (your message with the system prompt). Shorten it (your chat is kept).")
+
     def _chat(self, before, turns, system, settings, highlight, request, restore):
         """The work of one answer to `turns`; on a failure before the first token, `before` is
         shown again and the message goes back into the box."""
         def work(ticket: Ticket):
+            if problem := self._too_long(request, restore, system):
+                raise UserError(problem)
             notices: list[str] = []
             cfg, seconds = self._settings(settings, request, notices)
             backend = self.manager.backend
@@ -199,7 +243,7 @@ class Handlers(ModelHandlers, BackendHandlers):
                     notices.append(NO_HEAD)
                 if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
-                msgs = self._prompt(engine, turns, system, cfg, notices)
+                msgs = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
                 yield from self._answer(engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices,
                                         restore)
         return work
@@ -255,6 +299,8 @@ class Handlers(ModelHandlers, BackendHandlers):
         settings = (temperature, top_p, max_new, True, depth, top_k, tree_size)
 
         def work(ticket: Ticket):
+            if problem := self._too_long(request, prompt, system):
+                raise UserError(problem)
             notices: list[str] = []
             if self.manager.backend is not None:
                 raise UserError("Side by side needs the local engine: the chat goes to a remote server now. "
@@ -267,6 +313,9 @@ class Handlers(ModelHandlers, BackendHandlers):
                 if not engine.has_head:
                     raise UserError("Side by side needs an EAGLE head: load a model with a head in the Models tab.")
                 msgs = engine_messages([{"role": "user", "content": prompt}], system)
+                budget = self.access.prompt_tokens(request)
+                if budget is not None and (n_tokens := engine.count_tokens(msgs)) > budget:
+                    raise UserError(self._over_budget(n_tokens, budget))
                 yield from self._race(engine, msgs, spec_cfg, seconds, ticket, notices)
 
         yield from self._run(work, request, 4, 2, empty_first=not prompt,

@@ -23,14 +23,31 @@ class Access:
     """What a visitor may do. Without a password, a visitor from another machine (through the
     public share link) may chat within a per-answer cap on new tokens and seconds, so no one
     holds the single generation lane for long, and may not switch models: that would let
-    strangers make the server read local paths or fill its disk. Local visitors are not limited."""
+    strangers make the server read local paths or fill its disk. Local visitors are not limited.
+
+    The seconds cap is checked between the engine's steps, and the first step ends only after the
+    whole prompt is prefilled, so a limited visitor's prompt is also capped in tokens: it keeps the
+    prefill inside the time. Each of them holds at most `remote_max_queued` answers, running or
+    waiting, so no one fills the queue. Every visitor's message has a length limit in characters
+    (the tokenizer would otherwise read a pasted book before the context check could refuse it)."""
 
     authenticated: bool = False
     remote_max_new_tokens: int = 256
     remote_max_seconds: float = 60.0
+    remote_max_prompt_tokens: int = 2048  # SmolLM2 on 2 CPU cores prefills this in a few seconds
+    remote_max_queued: int = 1
+    max_message_chars: int = 32_000
+    remote_max_message_chars: int = 4_000
 
     def limited(self, request) -> bool:
         return not self.authenticated and is_remote(request)
+
+    def message_chars(self, request) -> int:
+        return self.remote_max_message_chars if self.limited(request) else self.max_message_chars
+
+    def prompt_tokens(self, request) -> int | None:
+        """The most prompt tokens one answer may prefill for this visitor (None: the context decides)."""
+        return self.remote_max_prompt_tokens if self.limited(request) else None
 
     def can_manage_models(self, request) -> bool:
         return not self.limited(request)

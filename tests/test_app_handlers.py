@@ -20,7 +20,7 @@ from app.state import Access, ModelChoice
 from core.config import TreeConfig
 from core.engine import Engine
 from core.treestore import TreeChoice
-from tests.app_server import LOCAL, SHARE_LINK
+from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
 from tests.tiny import oracle_head, tiny_target
 
 SYSTEM = "system w7"
@@ -283,3 +283,76 @@ def test_the_tuned_tree_keeps_its_chain_size_and_a_hand_set_tree_its_own(bigram)
     assert cfg.tree.lookup == 8 and cfg.tree.lookup_total_tokens == 3 and cfg.tree.with_chain().total_tokens == 3
     cfg, _ = h._settings(tuple(GREEDY._replace(tree_size=9)[:7]), None, [])
     assert cfg.tree.lookup == 8 and cfg.tree.with_chain().total_tokens == 9
+
+
+def limited_handlers(bigram, **caps) -> Handlers:
+    return Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=Engine(*bigram)), Access(**caps))
+
+
+def test_a_visitors_prompt_is_capped_in_tokens_so_the_prefill_fits_the_time(bigram):
+    # The seconds cap is checked after each engine event and the first comes after the whole
+    # prefill: only a token budget keeps a long prompt's prefill inside the cap.
+    h = limited_handlers(bigram, remote_max_prompt_tokens=24)
+    words = " ".join(f"w{i}" for i in range(10, 40))  # 35 tokens with the system prompt
+    history = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    with pytest.warns(UserWarning, match="prompts of at most 24 tokens"):
+        outs = list(h.respond(words, history, SYSTEM, *GREEDY, request=SHARE_LINK))
+    assert len(outs) == 1 and all(o == SKIP for o in outs[0][:7]), "the chat and the message in its box are kept"
+    assert "at most 24 tokens" in outs[0][7] and "this one is 35 tokens" in outs[0][7] and "Shorten" in outs[0][7]
+    assert list(h.respond(words, history, SYSTEM, *GREEDY, request=LOCAL))[-1][5]["tokens"] >= 1, "local: no cap"
+    old = " ".join(f"w{i}" for i in range(40, 52))
+    long_chat = [{"role": "user", "content": old}, {"role": "assistant", "content": old}]
+    with pytest.warns(UserWarning, match="left out"):
+        last = list(h.respond("w5 w6", long_chat, SYSTEM, *GREEDY, request=SHARE_LINK))[-1]
+    assert "prompts of at most 24 tokens, so the oldest 1 exchange(s) were left out" in last[7]
+    assert last[1][:2] == long_chat and last[5]["tokens"] >= 1, "the visible chat keeps every turn"
+    with pytest.warns(UserWarning, match="this one is 35 tokens"):
+        assert "at most 24 tokens" in list(h.compare(words, SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=SHARE_LINK))[-1][2]
+
+
+def test_messages_have_a_length_limit_said_with_its_numbers(bigram):
+    h = limited_handlers(bigram, max_message_chars=50, remote_max_message_chars=20)
+    history = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    message = " ".join(["w5"] * 10)  # 29 characters
+    with pytest.warns(UserWarning, match="29 characters long; the limit is 20 characters for visitors"):
+        outs = list(h.respond(message, history, SYSTEM, *GREEDY, request=SHARE_LINK))
+    assert outs == [(*[SKIP] * 7, outs[0][7])], "the chat, its history and the message in the box are kept"
+    check = h.check_chat(message, history, SYSTEM, *GREEDY, request=SHARE_LINK)
+    assert check[0]["is_valid"] is False and "the limit is 20 characters" in check[0]["message"]
+    assert all(v["is_valid"] for v in check[1:]) and len(check) == 11
+    assert list(h.respond(message, history, SYSTEM, *GREEDY, request=LOCAL))[-1][5]["tokens"] >= 1
+    longer = " ".join(["w5"] * 20)  # 59 characters: over every visitor's limit
+    with pytest.warns(UserWarning, match="59 characters long; the limit is 50 characters. Shorten"):
+        assert list(h.respond(longer, history, SYSTEM, *GREEDY, request=LOCAL))[0][:7] == (SKIP,) * 7
+    with pytest.warns(UserWarning, match="The system prompt is 59 characters long"):
+        list(h.regenerate(history, longer, *GREEDY, request=LOCAL))
+    assert h.check_compare(longer, SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=LOCAL)[0]["is_valid"] is False
+
+
+def test_a_visitor_through_the_public_link_holds_one_answer_at_a_time(bigram):
+    h = limited_handlers(bigram, remote_max_new_tokens=1000)
+    settings = GREEDY._replace(spec=False, max_new=40)
+    first = h.respond("w5", [], SYSTEM, *settings, request=SHARE_LINK)
+    next(first), next(first)  # generating
+    other_tab = FakeRequest(host="abcd1234.gradio.live", forwarded="203.0.113.7", session_hash="s2")
+    check = h.check_chat("w6", [], SYSTEM, *settings, request=other_tab)
+    assert check[0]["is_valid"] is False and "Wait for your answer to finish" in check[0]["message"]
+    with pytest.warns(UserWarning, match="1 answer at a time"):
+        chat = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+        assert list(h.regenerate(chat, SYSTEM, *settings, request=other_tab))[0][:7] == (SKIP,) * 7
+    with pytest.warns(UserWarning, match="Wait for your answer to finish"):
+        outs = list(h.respond("w6", [], SYSTEM, *settings, request=other_tab))
+    assert outs == [(*[SKIP] * 7, outs[0][7])], "refused before it queues, the chat kept"
+    someone_else = FakeRequest(host="abcd1234.gradio.live", forwarded="203.0.113.8", session_hash="s3")
+    assert all(v["is_valid"] for v in h.check_chat("w6", [], SYSTEM, *settings, request=someone_else))
+    assert all(v["is_valid"] for v in h.check_chat("w6", [], SYSTEM, *settings, request=LOCAL)), "local: no bound"
+    list(first)
+    assert list(h.respond("w6", [], SYSTEM, *settings, request=other_tab))[-1][5]["tokens"] == 40
+
+
+def test_a_visitor_is_the_address_the_share_tunnel_saw():
+    from app.lane import visitor_of
+
+    assert visitor_of(SHARE_LINK) == "203.0.113.7"
+    assert visitor_of(FakeRequest(forwarded="198.51.100.1, 203.0.113.7")) == "203.0.113.7", "a forged entry is ignored"
+    assert visitor_of(FakeRequest(client="192.168.1.9")) == "192.168.1.9" and visitor_of(None) == "local"

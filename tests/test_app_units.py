@@ -159,9 +159,15 @@ def test_launcher_arguments(tmp_path, monkeypatch):
     assert launcher.access(args) == Access(authenticated=True)
     capped = launcher.access(launcher.parse_args(["--remote-max-new-tokens", "32", "--remote-max-seconds", "7.5"]))
     assert capped == Access(authenticated=False, remote_max_new_tokens=32, remote_max_seconds=7.5)
+    sized = launcher.access(launcher.parse_args(["--remote-max-prompt-tokens", "512", "--max-message-chars", "900",
+                                                 "--remote-max-message-chars", "300"]))
+    assert (sized.remote_max_prompt_tokens, sized.max_message_chars, sized.remote_max_message_chars) == (512, 900, 300)
+    assert (Access().remote_max_prompt_tokens, Access().max_message_chars, Access().remote_max_message_chars,
+            Access().remote_max_queued) == (2048, 32_000, 4_000, 1)
     assert launcher.choose(args) == ModelChoice()  # nothing remembered: the embedded model + our head
     for bad in (["--auth", "nopassword"], ["--auth", ":x"], ["--port", "70000"], ["--remote-max-new-tokens", "0"],
-                ["--remote-max-seconds", "-1"]):
+                ["--remote-max-seconds", "-1"], ["--remote-max-prompt-tokens", "0"], ["--max-message-chars", "0"],
+                ["--remote-max-message-chars", "-5"]):
         with pytest.raises(SystemExit):
             launcher.parse_args(bad)
     (tmp_path / "last_model.json").write_text(json.dumps({"model": "/some/folder", "head": None,
