@@ -14,6 +14,23 @@ DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16",
 WEIGHTS = ("auto", "q4", "bf16")  # what the native step reads (core.step.WEIGHTS), torch-free for the CLIs
 
 
+def add_runtime_args(p, dtype_help: str = "") -> None:
+    """The options that say how the target computes, shared by the CLIs (torch-free: the
+    arguments are checked before a model loads): --dtype, --attention, --weights, --threads,
+    --device, --load-in-4bit."""
+    p.add_argument("--dtype", default="auto", help="auto (CPU: bf16 with exact kernels where the probe "
+                   "passes, else fp32), float32, bfloat16, float16" + dtype_help)
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                   help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
+                   "the GGUF's own blocks (the embedded model), bf16 = the model's bf16 tensors, auto = q4 where "
+                   "the target came from a GGUF")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
+                   "quiet machine, the idle ones on a busy one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-in-4bit", action="store_true")
+
+
 class ConfigError(ValueError):
     """A setting is out of range; the message names the setting and the allowed range."""
 

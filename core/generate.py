@@ -14,8 +14,8 @@ from pathlib import Path
 
 from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
 
-from core.config import (ATTENTIONS, DTYPE_NAMES, WEIGHTS, ConfigError, GenerationConfig, SamplingConfig,
-                         TreeConfig)
+from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
+                         add_runtime_args)
 
 # torch and transformers load only after the arguments are checked (that takes seconds)
 EMBEDDED = "smollm2"
@@ -40,17 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "tree when it repeats (0 = off; default: the tuned tree's)")
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = shipped head")
-    p.add_argument("--dtype", default="auto", help="auto (CPU: bf16 with exact kernels where the probe "
-                   "passes, else fp32), float32, bfloat16, float16")
-    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
-                   help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
-    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
-                   "the GGUF's own blocks (the embedded model), bf16 = the model's bf16 tensors, auto = q4 where "
-                   "the target came from a GGUF")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
-                   "quiet machine, the idle ones on a busy one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--load-in-4bit", action="store_true")
+    add_runtime_args(p)
     p.add_argument("--seed", type=int, default=None)
     return p.parse_args(argv)
 

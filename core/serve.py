@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from core.config import ATTENTIONS, DTYPE_NAMES, WEIGHTS, ConfigError, GenerationConfig, SamplingConfig
+from core.config import DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, add_runtime_args
 from core.engine import Engine, EngineError, StepEvent
 
 log = logging.getLogger("eagle_chat.serve")
@@ -537,17 +537,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = the model's "
                    "shipped or catalogue head; 'none' = plain decoding")
     p.add_argument("--served-model-name", default=None, help="the model id clients send [default: --model]")
-    p.add_argument("--dtype", default="auto", help="auto (CPU: bf16 with exact kernels where the probe "
-                   "passes, else fp32), float32, bfloat16, float16: as core.generate and the app")
-    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
-                   help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
-    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
-                   "the GGUF's own blocks (the embedded model), bf16 = the model's bf16 tensors, auto = q4 where "
-                   "the target came from a GGUF")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
-                   "quiet machine, the idle ones on a busy one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--load-in-4bit", action="store_true")
+    add_runtime_args(p, dtype_help=': as core.generate and the app')
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; any but a loopback one "
                    "(127.0.0.1, ::1, localhost) needs --api-key")
     p.add_argument("--port", type=int, default=8000)
