@@ -92,7 +92,7 @@ def unsupported(model) -> str | None:
 
 @dataclass(frozen=True)
 class StepInfo:
-    weights: str        # "q4_1 blocks from SmolLM2-...gguf (92 MB)" or "bf16 (270 MB)"
+    weights: str        # e.g. "Q4_1 blocks from SmolLM2-...gguf (123 MB per token)" or "bf16 (269 MB per token)"
     weight_bytes: int   # bytes the step's GEMMs stream per forward
 
 
@@ -108,7 +108,7 @@ class NativeStep:
         c, attn = model.config, model.model.layers[0].self_attn
         params = dict(model.named_parameters())
         blocks = blocks or {}
-        self._keep = [blocks]  # the tensors the C structures point into
+        self.blocks = blocks  # the block tensors the C structures point into (bf16 ones: the model's)
 
         def weight(name: str) -> native.WMat:
             return native.wmat(blocks=blocks[name]) if name in blocks else native.wmat(params[name].detach())
@@ -153,10 +153,9 @@ class NativeStep:
         that fails falls back to fp32 on the bf16 weights)."""
         from core.invariant import BlockLinear
 
-        blocks = self._keep[0]
         freed = 0
         for name, module in self.hf.named_modules():
-            b = blocks.get(f"{name}.weight")
+            b = self.blocks.get(f"{name}.weight")
             if b is None or not isinstance(module, torch.nn.Linear) or isinstance(module, BlockLinear):
                 continue
             freed += module.weight.numel() * module.weight.element_size()
