@@ -12,7 +12,7 @@ the two phases itself, in each reply's `timings`:
   predicted_ms  from the first token to the last: predicted_n - 1 decoding steps.
 Its HTTP and JSON time is outside both, as our tokenizer and chat template are outside ours.
 
-Build llama.cpp from the PyPI sdist: README, "Comparing with llama.cpp".
+Build llama.cpp from the PyPI sdist: docs/benchmarks.md, "Comparing with llama.cpp".
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def parse_completion(reply: dict) -> Completion:
 def find_server(bin_dir: str | Path) -> Path:
     """The llama-server executable in a llama.cpp build's bin folder, or a LlamaCppError saying how to get one."""
     folder = Path(bin_dir).expanduser()
-    how = (f"build it (README, \"Comparing with llama.cpp\": ninja -C build {SERVER}) and pass its bin folder, "
-           f"e.g. --llama-cpp llama.cpp/build/bin (or {ENV}=DIR)")
+    how = (f"build it (docs/benchmarks.md, \"Comparing with llama.cpp\": ninja -C build {SERVER}) and pass its "
+           f"bin folder, e.g. --llama-cpp llama.cpp/build/bin (or {ENV}=DIR)")
     if not folder.is_dir():
         raise LlamaCppError(f"llama.cpp build folder {folder} does not exist; {how}")
     exe = folder / SERVER

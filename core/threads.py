@@ -8,7 +8,7 @@ gap decides the speed:
     descheduled thread (a 2-thread generation fell to 0.4 tok/s on this 2-core machine);
   - sleep at once (OMP_WAIT_POLICY=PASSIVE): safe on a busy machine, but on a quiet one
     every kernel pays a futex wake-up; plain decoding ran at 11 tok/s against 22 tok/s
-    with a short spin (SmolLM2 bf16, 2 threads, README "Threads");
+    with a short spin (SmolLM2 bf16, 2 threads, docs/threads.md);
   - spin briefly, then sleep (GOMP_SPINCOUNT=10000, tens of microseconds): as fast as
     spinning on a quiet machine, and it gives the core back soon after.
 So at import we sample /proc/stat for 0.2 s: a quiet machine (every core this process may
@@ -127,7 +127,7 @@ def load_sample() -> LoadSample | None:
 class Governor:
     """Refits the thread count, once per answer, to the cores other processes left idle since
     the last refit: a job that starts after the app does would otherwise fight our threads
-    for its core (README "Threads"). Used by the launcher when no thread count is given."""
+    for its core (docs/threads.md). Used by the launcher when no thread count is given."""
 
     MIN_WINDOW_S = 1.0  # shorter windows say too little about the others' load
 

@@ -1,4 +1,4 @@
-"""The thread governor against a job that starts and stops between answers (README "Threads").
+"""The thread governor against a job that starts and stops between answers (docs/threads.md).
 
     python scripts/governor_demo.py            # governor on, as in the app
     python scripts/governor_demo.py --no-gov   # fixed thread count, for comparison

@@ -1,4 +1,4 @@
-"""Speculation in a long chat (README "Long chats"): plain against eagle at several context lengths.
+"""Speculation in a long chat (docs/long-context.md): plain against eagle at several context lengths.
 
     python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2]
 

@@ -1,4 +1,4 @@
-"""Context-lookup rules, compared offline by replaying recorded answers (README "Context lookup").
+"""Context-lookup rules, compared offline by replaying recorded answers (docs/context-lookup.md).
 
     python scripts/lookup_replay.py record PROMPTS.jsonl OUT.jsonl [--exclude FILE.jsonl] [--limit N] [--threads 1]
     python scripts/lookup_replay.py replay OUT.jsonl [OUT2.jsonl ...]
