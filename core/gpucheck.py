@@ -29,7 +29,7 @@ import json
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -39,10 +39,10 @@ from core.autotune import DEPTHS
 from core.clock import median_time
 from core.config import GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
-from core.gpureport import to_markdown
+from core.gpureport import Correctness, LogitCheck, PromptCheck, QuantResult, Report, to_markdown
 from core.head import HeadCache, HeadLoadError, load_head, new_head
 from core.models import LoadedModel, ModelLoadError, load_target
-from core.projection import CostCurve, Projection, project, step_overheads
+from core.projection import CostCurve, project, step_overheads
 from core.shapes import SHAPES, build_random, free_memory, random_nf4
 from core.tree import DraftTree, catch_up, draft, tree_from_parents
 
@@ -55,57 +55,6 @@ LOGIT_CHECK_TOKENS = 16
 
 class GpuCheckError(RuntimeError):
     """The check cannot run as asked (no CUDA, no bitsandbytes, ...); the message says why."""
-
-
-@dataclass(frozen=True)
-class PromptCheck:
-    identical: bool
-    tokens_before_divergence: int  # length of the common prefix of the two answers
-    plain_tokens: int
-    spec_tokens: int
-
-
-@dataclass(frozen=True)
-class Correctness:
-    prompts: tuple[PromptCheck, ...]
-    identical: bool                 # every prompt identical
-    agreement_rate: float           # fraction of prompts identical
-    mean_prefix_fraction: float     # mean of tokens before divergence / plain answer length
-    tau: float                      # speculative tokens per target forward (random head: ~1)
-    plain_tokens_per_s: float       # measured wall time of the answers, prefill included
-    spec_tokens_per_s: float
-    plain_step_s: float             # median wall time of one plain step
-    spec_step_s: float              # median wall time of one speculative step
-    spec_tree_size: int             # median nodes verified per speculative step
-    error: str | None = None        # what generation raised, if it did
-
-    @classmethod
-    def failed(cls, error: str) -> "Correctness":
-        return cls((), False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, error=error)
-
-
-@dataclass(frozen=True)
-class LogitCheck:
-    """One target call over a chain of n tokens (tree mask) against n plain one-token steps."""
-    context: int
-    n: int
-    bit_identical: bool
-    max_abs_diff: float             # over all n x V logits
-    argmax_agreement: float         # fraction of the n positions with the same greedy token
-
-
-@dataclass(frozen=True)
-class QuantResult:
-    quant: str
-    load_s: float
-    peak_memory_gb: float
-    peak_memory_kind: str
-    correctness: Correctness
-    logits: tuple[LogitCheck, ...]  # one per context
-    other_s: float                  # per speculative step, outside target forward and drafting
-    plain_other_s: float            # per plain step, outside the target forward
-    curves: tuple[CostCurve, ...]
-    projections: tuple[Projection, ...]
 
 
 # ---------------------------------------------------------------- targets and heads
@@ -245,23 +194,6 @@ def peak_memory(device) -> tuple[float, str]:
 
 
 # ---------------------------------------------------------------- the run and its report
-
-@dataclass(frozen=True)
-class Report:
-    target: str                     # shape name (random weights) or --model
-    random_weights: bool
-    head: str
-    device: str
-    device_name: str
-    versions: dict[str, str]
-    prompts: int
-    prompt_tokens: int
-    new_tokens: int
-    tree: TreeConfig                # tree of the correctness runs
-    top_k: int                      # top_k of the cost curve and the projection
-    bandwidth_ratio: float | None
-    results: tuple[QuantResult, ...]
-
 
 def clamp_contexts(contexts, max_context: int) -> tuple[int, ...]:
     room = max_context - max(SIZES) - 1  # the largest call must still fit

@@ -1,13 +1,82 @@
-"""The GPU check's report as markdown; core.gpucheck prints it and writes it beside the JSON."""
+"""The GPU check's results (frozen dataclasses) and their markdown report: core.gpucheck
+measures and fills them, prints the report and writes it beside the JSON. The results live here,
+not in gpucheck, so the two modules import in one direction only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from core.projection import REFERENCE_TREE
+from core.config import TreeConfig
+from core.projection import REFERENCE_TREE, CostCurve, Projection
 
-if TYPE_CHECKING:  # gpucheck imports this module to render its results
-    from core.gpucheck import QuantResult, Report
+
+@dataclass(frozen=True)
+class PromptCheck:
+    identical: bool
+    tokens_before_divergence: int  # length of the common prefix of the two answers
+    plain_tokens: int
+    spec_tokens: int
+
+
+@dataclass(frozen=True)
+class Correctness:
+    prompts: tuple[PromptCheck, ...]
+    identical: bool                 # every prompt identical
+    agreement_rate: float           # fraction of prompts identical
+    mean_prefix_fraction: float     # mean of tokens before divergence / plain answer length
+    tau: float                      # speculative tokens per target forward (random head: ~1)
+    plain_tokens_per_s: float       # measured wall time of the answers, prefill included
+    spec_tokens_per_s: float
+    plain_step_s: float             # median wall time of one plain step
+    spec_step_s: float              # median wall time of one speculative step
+    spec_tree_size: int             # median nodes verified per speculative step
+    error: str | None = None        # what generation raised, if it did
+
+    @classmethod
+    def failed(cls, error: str) -> "Correctness":
+        return cls((), False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, error=error)
+
+
+@dataclass(frozen=True)
+class LogitCheck:
+    """One target call over a chain of n tokens (tree mask) against n plain one-token steps."""
+    context: int
+    n: int
+    bit_identical: bool
+    max_abs_diff: float             # over all n x V logits
+    argmax_agreement: float         # fraction of the n positions with the same greedy token
+
+
+@dataclass(frozen=True)
+class QuantResult:
+    quant: str
+    load_s: float
+    peak_memory_gb: float
+    peak_memory_kind: str
+    correctness: Correctness
+    logits: tuple[LogitCheck, ...]  # one per context
+    other_s: float                  # per speculative step, outside target forward and drafting
+    plain_other_s: float            # per plain step, outside the target forward
+    curves: tuple[CostCurve, ...]
+    projections: tuple[Projection, ...]
+
+
+@dataclass(frozen=True)
+class Report:
+    target: str                     # shape name (random weights) or --model
+    random_weights: bool
+    head: str
+    device: str
+    device_name: str
+    versions: dict[str, str]
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+    tree: TreeConfig                # tree of the correctness runs
+    top_k: int                      # top_k of the cost curve and the projection
+    bandwidth_ratio: float | None
+    results: tuple[QuantResult, ...]
+
 
 DRAFT_DEPTHS_SHOWN = (1, 4, REFERENCE_TREE.depth, 8)
 

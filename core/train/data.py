@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from core.train.prompt import Prompt
+from core.train.templates import more_templated_prompts, templated_prompts
+
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
                 "system": "system"}
@@ -155,25 +158,6 @@ def _render(tokenizer, conv: list[dict], add_generation_prompt: bool) -> list[in
 # ----------------------------------------------------------------------------- prompt set
 
 @dataclass(frozen=True)
-class Prompt:
-    id: str
-    category: str
-    turns: tuple[str, ...]
-    group: str = ""  # held-out split unit (topic or source item)
-    history: tuple[tuple[str, str], ...] = ()  # (role, content) messages before turns[0]
-
-    def to_json(self) -> dict:
-        out = {"id": self.id, "category": self.category, "turns": list(self.turns)}
-        if self.history:
-            out["history"] = [{"role": r, "content": c} for r, c in self.history]
-        return out
-
-    def messages(self) -> list[dict]:
-        """The conversation the target answers: the history, then the first turn."""
-        return [{"role": r, "content": c} for r, c in self.history] + [{"role": "user", "content": self.turns[0]}]
-
-
-@dataclass(frozen=True)
 class PromptSetConfig:
     seed: int = 0
     heldout_fraction: float = 0.06
@@ -190,8 +174,6 @@ def is_heldout(group: str, fraction: float) -> bool:
 
 def build_prompts(cfg: PromptSetConfig) -> tuple[list[Prompt], list[Prompt]]:
     """(train prompts shuffled, held-out prompts <= heldout_per_category per category)."""
-    from core.train.templates import templated_prompts
-
     prompts: list[Prompt] = []
     if "templates" in cfg.sources:
         prompts += templated_prompts(cfg.templated_per_category, cfg.seed)
@@ -220,8 +202,6 @@ def more_prompts(cfg: PromptSetConfig, per_category: int = 300, docs: int = 300,
     """Training prompts on topics (and, for set 2, modules) the earlier prompt sets do not
     have (shuffled). Groups that hash into the held-out split are dropped, not held out: the
     held-out file stays the one `build_prompts` wrote, so figures measured on it remain comparable."""
-    from core.train.templates import more_templated_prompts
-
     prompts = more_templated_prompts(per_category, cfg.seed, topic_set)
     if topic_set == 2:
         prompts += docs_prompts(docs, cfg.seed, MORE_DOC_MODULES)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from core.train.data import Prompt
+from core.train.prompt import Prompt
 
 TOPICS = {
     "writing": ["a rainy morning in a small town", "the first day at a new job", "a lost dog finding its way home",
