@@ -16,6 +16,7 @@ import gradio as gr
 
 from app.backend import BackendHandlers
 from app.chat import AnswerView, empty_frame, engine_messages, trim_to_context
+from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
 from app.errors import UserError, fault, refuse, user_error
@@ -23,7 +24,7 @@ from app.lane import Ticket, Tickets, visitor_of
 from app.manager import ModelManager
 from app.models_tab import ModelHandlers
 from app.remote import RemoteError
-from app.state import Access, generation_config, tree_limit
+from app.state import Access, ChatSettings, tree_limit
 from core.config import ConfigError
 from core.engine import EngineError
 from core.head import HeadLoadError
@@ -31,7 +32,9 @@ from core.models import ModelLoadError
 
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
-CHAT_OUTPUTS = 8  # chatbot, history, box, chart, stats, stats json, token view, notice
+# the chat events' outputs, in the order of ui.build's `outs`
+CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")
+CHAT_OUTPUTS, NOTICE = len(CHAT_OUTPUT_NAMES), CHAT_OUTPUT_NAMES.index("notice")
 
 
 def chart(view: AnswerView, y_max: int) -> gr.BarPlot:
@@ -40,7 +43,7 @@ def chart(view: AnswerView, y_max: int) -> gr.BarPlot:
                       colors_in_legend=view.kinds(), x_lim=view.x_range())
 
 
-class Handlers(ModelHandlers, BackendHandlers):
+class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
     def __init__(self, manager: ModelManager, access: Access):
         self.manager = manager
         self.access = access
@@ -115,18 +118,17 @@ class Handlers(ModelHandlers, BackendHandlers):
         message = (message or "").strip()
         history = list(history or [])
         turns = history + [{"role": "user", "content": message}]
-        settings = (temperature, top_p, max_new, spec, depth, top_k, tree_size)
-        work = self._chat(history, turns, system, settings, highlight, request, restore=message)
-        yield from self._run(work, request, CHAT_OUTPUTS, 7, empty_first=not message)
+        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight)
+        work = self._chat(history, turns, system, settings, request, restore=message)
+        yield from self._run(work, request, CHAT_OUTPUTS, NOTICE, empty_first=not message)
 
     def regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
                    tree_size, highlight, request: gr.Request = None):
         history = list(history or [])
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
-        settings = (temperature, top_p, max_new, spec, depth, top_k, tree_size)
-        work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, highlight,
-                          request, restore=None)
-        yield from self._run(work, request, CHAT_OUTPUTS, 7,
+        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight)
+        work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
+        yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
                              empty_first=not users, empty_message="Nothing to regenerate yet: send a message first.")
 
     def _run(self, work, request, n_outputs: int, notice_at: int, *, empty_first=False,
@@ -161,17 +163,14 @@ class Handlers(ModelHandlers, BackendHandlers):
                             "again. Load one in the Models tab.")
         return self.manager.engine
 
-    def _settings(self, settings: tuple, request, notices: list[str]):
+    def _settings(self, settings: ChatSettings, request, notices: list[str]):
         """The controls -> (GenerationConfig, deadline in seconds or None), with the caps for
         visitors through the public link applied and said."""
-        temperature, top_p, max_new, spec, depth, top_k, tree_size = settings
         engine = self.manager.engine  # its default tree says whether to copy from the context
         default = engine.default_tree if engine is not None and engine.has_head else None
         try:
-            cfg = generation_config(max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                                    speculative=spec, depth=depth, top_k=top_k, tree_size=tree_size,
-                                    lookup=default.lookup if default else 0,
-                                    long_context=default.long_context if default else ())
+            cfg = settings.config(lookup=default.lookup if default else 0,
+                                  long_context=default.long_context if default else ())
         except ConfigError as e:
             raise UserError(f"Invalid setting: {e}") from e
         if default is not None and (cfg.tree.depth, cfg.tree.top_k, cfg.tree.total_tokens) == \
@@ -223,7 +222,7 @@ class Handlers(ModelHandlers, BackendHandlers):
                 f"answer starts well within its {self.access.remote_max_seconds:g} s; this one is {n_tokens:,} "
                 "tokens (your message with the system prompt). Shorten it (your chat is kept).")
 
-    def _chat(self, before, turns, system, settings, highlight, request, restore):
+    def _chat(self, before, turns, system, settings: ChatSettings, request, restore):
         """The work of one answer to `turns`; on a failure before the first token, `before` is
         shown again and the message goes back into the box."""
         def work(ticket: Ticket):
@@ -244,8 +243,8 @@ class Handlers(ModelHandlers, BackendHandlers):
                 if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
                 msgs = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
-                yield from self._answer(engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices,
-                                        restore)
+                yield from self._answer(engine, msgs, cfg, seconds, before, turns, settings.highlight, ticket,
+                                        notices, restore)
         return work
 
     def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore):
@@ -296,7 +295,7 @@ class Handlers(ModelHandlers, BackendHandlers):
     def compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
                 request: gr.Request = None):
         prompt = (prompt or "").strip()
-        settings = (temperature, top_p, max_new, True, depth, top_k, tree_size)
+        settings = ChatSettings(temperature, top_p, max_new, True, depth, top_k, tree_size, highlight=False)
 
         def work(ticket: Ticket):
             if problem := self._too_long(request, prompt, system):

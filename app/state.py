@@ -8,7 +8,8 @@ same message as in the CLI.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import secrets
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from app.lane import is_remote
@@ -16,6 +17,7 @@ from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfi
 from core.models import EMBEDDED, cache_home
 
 LAST_MODEL_FILE = "last_model.json"
+BROWSER_SECRET_FILE = "browser_secret"
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,65 @@ def recall() -> ModelChoice | None:
                            attention=str(data.get("attention", "auto")), weights=str(data.get("weights", "auto")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def browser_secret() -> str:
+    """The key the page encrypts its stored chats with (gr.BrowserState). Kept in the cache folder,
+    so chats saved in a browser can still be read after the app restarts; a random one per start
+    (chats then last until the next start) if the folder cannot be written."""
+    path = cache_home() / BROWSER_SECRET_FILE
+    try:
+        if path.exists() and len(key := path.read_text().strip()) >= 16:
+            return key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_urlsafe(24)
+        path.write_text(key)
+        path.chmod(0o600)
+        return key
+    except OSError:
+        return secrets.token_urlsafe(24)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The chat's generation controls, named. The UI builds its list of input components from
+    `names()`, so the handlers' parameters, the page and the stored settings share one order."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new: int = 512
+    spec: bool = True
+    depth: int = 4
+    top_k: int = 8
+    tree_size: int = 10
+    highlight: bool = True
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def stored(cls, data, defaults: "ChatSettings") -> "ChatSettings":
+        """Settings kept in the browser -> valid settings; a value that is missing or does not
+        parse as a setting (an older app, an edited storage) keeps its default."""
+        values = {}
+        for f in fields(cls):
+            value = data.get(f.name) if isinstance(data, dict) else None
+            if isinstance(value, bool) and f.type == "bool" or \
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and f.type != "bool":
+                values[f.name] = value
+        merged = cls(**{**asdict(defaults), **values})
+        try:
+            merged.config()
+        except ConfigError:
+            return defaults
+        return merged
+
+    def config(self, **tree_defaults) -> GenerationConfig:
+        """A GenerationConfig (raises ConfigError naming the setting); see generation_config."""
+        return generation_config(max_new_tokens=self.max_new, temperature=self.temperature, top_p=self.top_p,
+                                 speculative=self.spec, depth=self.depth, top_k=self.top_k,
+                                 tree_size=self.tree_size, **tree_defaults)
 
 
 def tree_limit(depth, tree_size) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import gradio as gr
 
 from app.chat import BONUS, DRAFT, PLAIN, empty_frame
+from app.chats_ui import CHATS_VIEW, chat_list, stores
 from app.controls import control_props
 from app.manager import CUSTOM, ModelManager, catalogue_frame
 from app.models_tab import LOCKED
 from app.session import Handlers
-from app.state import TREE_LIMIT_JS, Access, follow_depth_js, tree_limit
+from app.state import TREE_LIMIT_JS, Access, ChatSettings, follow_depth_js, tree_limit
 from core.config import GenerationConfig, TreeConfig
 from core.models import CATALOGUE
 
@@ -74,6 +75,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
     props = control_props(manager)  # disabled, with a reason, while a remote backend answers
     with gr.Blocks(title="eagle-chat", analytics_enabled=False) as demo:
         app = App(demo, h)
+        store, kept_settings = stores()  # the visitor's chats and settings, kept in their browser
         gr.Markdown(HEADER)
         status = gr.Markdown(manager.status_markdown(), elem_id="status")
         banner = gr.Markdown(elem_id="banner")
@@ -81,6 +83,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
             with gr.Tab("Chat"):
                 with gr.Row():
                     with gr.Column(scale=3):
+                        listing = chat_list()
                         chatbot = gr.Chatbot(label="Conversation", height=430, elem_id="chatbot",
                                              buttons=["copy"], feedback_options=None,
                                              placeholder="Ask anything. Speculation settings are on the right.")
@@ -141,20 +144,30 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
             with gr.Tab("Models"):
                 models = models_tab(h, manager, status, tree_origin, controls)
 
-        settings = [temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight]
+        named = dict(temperature=temperature, top_p=top_p, max_new=max_new, spec=spec, depth=depth, top_k=top_k,
+                     tree_size=tree_size, highlight=highlight)
+        settings = [named[name] for name in ChatSettings.names()]  # the handlers' parameter order
         history = gr.State([])
+        view = dict(store=store, chatbot=chatbot, history=history, **listing)
+        chats_out = [view[name] for name in CHATS_VIEW]
+        save = dict(fn=h.chats_save, inputs=[history, store], outputs=chats_out, api_visibility="private",
+                    show_progress="hidden")
         outs = [chatbot, history, box, chart, stats, stats_json, tokens, notice]
         # one generation at a time on the shared engine, whichever button started it; the
         # validators run when a request joins the queue (see app.lane)
         lane = dict(concurrency_id="engine", concurrency_limit=1)
         chat_args = dict(fn=h.respond, inputs=[box, history, system] + settings, outputs=outs,
                          validator=h.check_chat, **lane)
-        send.click(api_name="chat", **chat_args)
-        box.submit(api_visibility="private", **chat_args)
+        send.click(api_name="chat", **chat_args).success(**save)
+        box.submit(api_visibility="private", **chat_args).success(**save)
         regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
-                    validator=h.check_regenerate, **lane)
+                    validator=h.check_regenerate, **lane).success(**save)
         stop.click(h.stop, None, None, queue=False, api_name="stop")
-        clear.click(h.clear, None, outs, api_name="clear", queue=False)
+        clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save)
+        chat_events(h, listing, store, chats_out)
+        keep = dict(fn=h.settings_save, inputs=[system] + settings, outputs=kept_settings, queue=False,
+                    api_visibility="private")
+        gr.on([c.input for c in [system] + settings], **keep)
         run.click(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
                   [plain_out, spec_out, summary, compare_json], api_name="compare",
                   validator=h.check_compare, **lane)
@@ -162,15 +175,29 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         # a deeper tree needs room: the size follows the depth up, and a smaller size says what it caps
         # (in the page: two server round trips could land out of order and undo the newer value)
         depth.input(None, [depth, tree_size], [tree_size, tree_note], js=follow_depth_js(MAX_DEPTH),
-                    api_visibility="private")
+                    api_visibility="private").then(**keep)  # the size it grew to is kept too
         tree_size.input(None, [depth, tree_size], tree_note, js=TREE_LIMIT_JS, api_visibility="private")
 
         def page_load(request: gr.Request):
             return h.page_load(app.banner, request)
 
-        demo.load(page_load, None, [status, banner, tree_origin, *controls, *models], api_visibility="private")
+        demo.load(page_load, None, [status, banner, tree_origin, *controls, *models], api_visibility="private") \
+            .then(h.chats_load, store, chats_out, api_visibility="private", show_progress="hidden") \
+            .then(h.settings_load, [kept_settings, system] + settings, [system] + settings, api_visibility="private",
+                  show_progress="hidden")
         demo.unload(h.session_end)
     return app
+
+
+def chat_events(h: Handlers, listing: dict, store, chats_out: list) -> None:
+    """The chat list's buttons; each shows its result through the same outputs (CHATS_VIEW)."""
+    private = dict(outputs=chats_out, api_visibility="private", queue=False, show_progress="hidden")
+    listing["new"].click(h.chats_new, store, **private)
+    listing["picker"].input(h.chats_select, [listing["picker"], store], **private)
+    listing["rename"].click(h.chats_rename, [listing["title"], store], **private)
+    listing["title"].submit(h.chats_rename, [listing["title"], store], **private)
+    listing["delete"].click(h.chats_delete, store, **private)
+    listing["upload"].upload(h.chats_import, [listing["upload"], store], **private)
 
 
 def models_tab(h: Handlers, manager: ModelManager, status, tree_origin, controls: list) -> list:

@@ -5,6 +5,7 @@ the checkbox and the catalogue stay readable."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -57,13 +58,16 @@ def send(page, text: str, wait=True) -> None:
 
 
 def snapshot(page) -> dict:
-    return {k: page.locator(k).inner_text() for k in ("#chatbot", "#stats", "#tokens")}
+    """What the visitor reads: the chat's messages (not the status timer Gradio keeps hidden in
+    it while a chained event runs), the stats line and the token view."""
+    bubbles = page.locator('#chatbot [data-testid="user"], #chatbot [data-testid="bot"]').all_inner_texts()
+    return {"#chatbot": bubbles, **{k: page.locator(k).inner_text() for k in ("#stats", "#tokens")}}
 
 
 def test_problems_are_messages_and_every_component_keeps_its_content(page):
     send(page, "w5 w9")
     before = snapshot(page)
-    assert "w" in before["#chatbot"] and "τ" in before["#stats"]
+    assert "w5 w9" in before["#chatbot"] and "τ" in before["#stats"]
     send(page, "   ", wait=False)
     page.get_by_text("Type a message first.").first.wait_for(timeout=10_000)
     assert snapshot(page) == before and page.evaluate(ERROR_PILLS) == 0
@@ -177,3 +181,73 @@ def test_the_pages_tree_note_is_the_servers(page):
     assert followed[pairs.index([12, 4])] == [13, ""] and followed[pairs.index([3, 96])] == [96, ""]
     typed = page.evaluate(f"({follow_depth_js(16)})(100, 8)")
     assert typed == [17, ""], "a typed depth past the slider is clamped to it first, as Gradio clamps the box"
+
+
+BUBBLES = ("() => JSON.stringify([...document.querySelectorAll("
+           "'#chatbot [data-testid=\"user\"], #chatbot [data-testid=\"bot\"]')].map(e => e.innerText))")
+
+
+def wait_for_chat(page, expected: list[str], timeout_s: float = 20) -> None:
+    """Until the chat shows exactly these messages; else fail showing what it showed."""
+    try:
+        want = json.dumps(expected, separators=(",", ":"), ensure_ascii=False)  # as JSON.stringify writes it
+        page.wait_for_function(f"({BUBBLES})() === {json.dumps(want)}", timeout=timeout_s * 1000)
+    except Exception:
+        raise AssertionError(f"the chat shows {page.evaluate(BUBBLES)} instead of {expected}") from None
+
+
+def upload(page, path) -> None:
+    with page.expect_file_chooser() as chooser:
+        page.locator("#import-json").click()
+    chooser.value.set_files(str(path))
+
+
+def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch(page, tmp_path):
+    page.locator("#new-chat").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    send(page, "w11 w12")
+    page.wait_for_function("document.querySelector('#chat-pick input').value === 'w11 w12'", timeout=10_000)
+    shown = snapshot(page)["#chatbot"]
+    assert len(shown) == 2 and shown[0] == "w11 w12"
+    page.reload()
+    wait_for_chat(page, shown)
+    page.locator("#sampling").get_by_text("Sampling").first.click()
+    assert page.locator("#max-new input[type=number]").input_value() == "60", "the settings are kept too"
+    page.locator("#manage-chats").get_by_text("Manage chats").first.click()
+    with page.expect_download() as got:
+        page.locator("#export-json").click()
+    exported = json.loads(open(got.value.path(), encoding="utf-8").read())
+    assert exported["messages"][-2] == {"role": "user", "content": "w11 w12"}
+    assert exported["messages"][-1]["content"].strip() == shown[1].strip() and len(shown[1]) > 5
+    with page.expect_download() as got:
+        page.locator("#export-md").click()
+    assert "**You:**\n\nw11 w12" in open(got.value.path(), encoding="utf-8").read()
+
+    page.locator("#new-chat").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({**exported, "title": "Imported one",
+                                "messages": [{"role": "user", "content": "w20 w21"},
+                                             {"role": "assistant", "content": "w22 w23"}]}))
+    upload(page, mine)
+    page.wait_for_function("document.querySelector('#chatbot')?.innerText.includes('w22 w23')", timeout=10_000)
+    assert page.locator("#chat-pick input").input_value() == "Imported one"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    upload(page, bad)
+    page.wait_for_function("document.querySelector('#chats-note')?.innerText.includes('is not JSON')", timeout=10_000)
+    assert "w22 w23" in page.locator("#chatbot").inner_text(), "a bad file loses nothing"
+
+    page.locator("#chat-pick input").click()
+    page.get_by_role("option", name="w11 w12").click()
+    wait_for_chat(page, shown)
+    page.locator("#chat-title input").fill("Renamed")
+    page.locator("#rename-chat").click()
+    page.wait_for_function("document.querySelector('#chat-pick input')?.value === 'Renamed'", timeout=10_000)
+    page.reload()
+    wait_for_chat(page, shown)
+    assert page.locator("#chat-pick input").input_value() == "Renamed", "the open chat and its name survive"
+    page.locator("#manage-chats").get_by_text("Manage chats").first.click()
+    page.locator("#delete-chat").click()
+    page.wait_for_function("document.querySelector('#chatbot')?.innerText.includes('w22 w23')", timeout=10_000)
+    assert page.evaluate("document.querySelector('#chat-pick input').value") == "Imported one"

@@ -16,7 +16,7 @@ import torch
 from app.chat import PLAIN
 from app.manager import ModelManager, Request
 from app.session import NO_HEAD, Handlers
-from app.state import Access, ModelChoice
+from app.state import Access, ChatSettings, ModelChoice
 from core.config import TreeConfig
 from core.engine import Engine
 from core.treestore import TreeChoice
@@ -25,7 +25,7 @@ from tests.tiny import oracle_head, tiny_target
 
 SYSTEM = "system w7"
 # message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight
-Settings = namedtuple("Settings", "temperature top_p max_new spec depth top_k tree_size highlight")
+Settings = namedtuple("Settings", ChatSettings.names())
 GREEDY = Settings(0.0, 1.0, 12, True, 3, 2, 6, True)
 SKIP = gr.skip()  # an output left as it is
 
@@ -279,9 +279,9 @@ def test_the_tuned_tree_keeps_its_chain_size_and_a_hand_set_tree_its_own(bigram)
     assert h.manager.tree_markdown().startswith(
         "Default tree: depth 3, top-k 2, 6 nodes, plus up to 8 tokens copied from earlier text when it repeats "
         "(then 3 nodes)")
-    cfg, _ = h._settings(tuple(GREEDY[:7]), None, [])
+    cfg, _ = h._settings(ChatSettings(*GREEDY), None, [])
     assert cfg.tree.lookup == 8 and cfg.tree.lookup_total_tokens == 3 and cfg.tree.with_chain().total_tokens == 3
-    cfg, _ = h._settings(tuple(GREEDY._replace(tree_size=9)[:7]), None, [])
+    cfg, _ = h._settings(ChatSettings(*GREEDY._replace(tree_size=9)), None, [])
     assert cfg.tree.lookup == 8 and cfg.tree.with_chain().total_tokens == 9
 
 

@@ -10,6 +10,7 @@ import pytest
 from app.chat import BONUS, DRAFT, PLAIN, AnswerView, engine_messages, flatten, trim_to_context
 from app.compare import compare_markdown
 from app.lane import is_remote
+from app.errors import UserError
 from app.state import Access, ModelChoice, generation_config, recall, remember, tree_limit
 from core.config import ConfigError
 from core.engine import StepEvent
@@ -207,3 +208,59 @@ def test_the_race_advances_the_column_whose_own_clock_is_behind():
     assert (plain.total_tokens, spec.total_tokens) == (12, 12) and plain.token_ids() == spec.token_ids()
     assert plain.own_tokens_per_s == pytest.approx(1.0) and spec.own_tokens_per_s == pytest.approx(1.5), \
         "each run's figures come from its own clock, not the wall time of the race"
+
+
+def test_the_chat_store_keeps_chats_apart_and_never_changes_its_argument():
+    from app import chats
+
+    store = chats.normal(None)
+    first = chats.save(store, [{"role": "user", "content": [{"type": "text", "text": "Plan  a\ntrip to Oslo"}]},
+                               {"role": "assistant", "content": "Sure."}])
+    assert chats.current(store)["messages"] == [], "the argument is left as it was"
+    assert chats.current(first)["title"] == "Plan a trip to Oslo"
+    assert chats.current(first)["messages"][0] == {"role": "user", "content": "Plan  a\ntrip to Oslo"}
+    second = chats.start_new(first)
+    assert second["current"] != first["current"] and len(second["chats"]) == 2
+    assert chats.start_new(second) == second, "an empty current chat is reused"
+    second = chats.save(second, [{"role": "user", "content": "x" * 80}])
+    assert chats.current(second)["title"] == "x" * 47 + "…"
+    renamed = chats.rename(chats.select(second, first["current"]), "  Oslo   notes ")
+    assert chats.current(renamed)["title"] == "Oslo notes"
+    assert chats.current(chats.save(renamed, [{"role": "user", "content": "other"}]))["title"] == "Oslo notes"
+    assert [label for label, _ in chats.choices(renamed)] == ["x" * 47 + "…", "Oslo notes"], "latest first"
+    left = chats.delete(renamed)
+    assert len(left["chats"]) == 1 and chats.current(left)["messages"][0]["content"] == "x" * 80
+    assert len(chats.delete(left)["chats"]) == 1, "deleting the last chat leaves an empty one"
+    with pytest.raises(UserError, match="Type a title first"):
+        chats.rename(left, "   ")
+    with pytest.raises(UserError, match="no longer in this browser"):
+        chats.select(left, "gone")
+
+
+def test_export_and_import_round_trip_and_bad_files_are_refused_with_the_fix(tmp_path):
+    from app import chats
+
+    store = chats.save(chats.normal(None), [{"role": "user", "content": "Hi <b>"}, {"role": "assistant", "content": "Hello"}])
+    md, js = chats.export_files(chats.current(store), tmp_path)
+    assert open(md).read() == "# Hi <b>\n\n**You:**\n\nHi <b>\n\n**Assistant:**\n\nHello\n"
+    back = chats.parse_import(open(js, "rb").read())
+    assert back["messages"] == chats.current(store)["messages"] and back["title"] == "Hi <b>"
+    both = chats.add_imported(store, back)
+    assert both["current"] == back["id"] and len(both["chats"]) == 2
+    assert len(chats.add_imported(chats.normal(None), back)["chats"]) == 1, "an empty chat gives way"
+    for raw, problem in [(b"{oops", "is not JSON"), (b'{"title": "t"}', 'has no "messages" list'),
+                         (b'{"messages": [{"role": "system", "content": "x"}]}', "Message 1 of the file is not"),
+                         (b" " * (chats.MAX_IMPORT_BYTES + 1), "chats of at most 5,000,000 bytes")]:
+        with pytest.raises(UserError, match=problem) as e:
+            chats.parse_import(raw)
+        assert "Export JSON" in str(e.value) or "shorter" in str(e.value)
+
+
+def test_stored_settings_keep_their_defaults_where_a_value_is_missing_or_invalid():
+    from app.state import ChatSettings
+
+    shown = ChatSettings(max_new=512, depth=4)
+    assert ChatSettings.stored({"max_new": 60, "spec": False, "depth": "9"}, shown) == \
+        ChatSettings(max_new=60, spec=False, depth=4)
+    assert ChatSettings.stored({"top_p": 0.0}, shown) == shown, "an invalid value is not restored"
+    assert ChatSettings.stored(None, shown) == shown

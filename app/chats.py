@@ -1,0 +1,178 @@
+"""Past chats, kept in the visitor's browser: the store's pure operations and export / import.
+
+The store lives in a gr.BrowserState (the browser's localStorage, encrypted); this server holds
+no copy between requests and nothing leaves the machine. It is a plain JSON value:
+
+    {"version": 1, "current": "<id>", "chats": [Chat, ...]}   Chat: {"id", "title", "named",
+                                                                   "messages", "updated"}
+
+`messages` are the chat's {"role", "content"} turns with text content; `named` is True once the
+visitor renamed the chat (else the title follows its first message). Every operation returns a
+new store and leaves its argument unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from app.chat import flatten
+from app.errors import UserError
+
+VERSION = 1
+FORMAT = "eagle-chat conversation"
+TITLE_CHARS = 48
+UNTITLED = "New chat"
+MAX_IMPORT_BYTES = 5_000_000  # a browser's localStorage holds about 5 MB per site in all
+ROLES = ("user", "assistant")
+
+
+def empty_store() -> dict:
+    chat = new_chat_record()
+    return {"version": VERSION, "current": chat["id"], "chats": [chat]}
+
+
+def new_chat_record(messages: list | None = None, title: str = "", named: bool = False) -> dict:
+    messages = clean_messages(messages or [])
+    return {"id": uuid.uuid4().hex[:12], "title": title or auto_title(messages), "named": named,
+            "messages": messages, "updated": time.time()}
+
+
+def normal(store) -> dict:
+    """A usable store from whatever the browser held (None at first visit, or an older shape)."""
+    if not isinstance(store, dict) or not isinstance(store.get("chats"), list):
+        return empty_store()
+    chats = [c for c in store["chats"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    if not chats:
+        return empty_store()
+    ids = [c["id"] for c in chats]
+    current = store.get("current") if store.get("current") in ids else ids[0]
+    return {"version": VERSION, "current": current, "chats": copy.deepcopy(chats)}
+
+
+def current(store: dict) -> dict:
+    return next(c for c in store["chats"] if c["id"] == store["current"])
+
+
+def clean_messages(messages: list) -> list[dict]:
+    """The UI history -> stored turns: text content, user and assistant roles only."""
+    return [{"role": m["role"], "content": flatten(m.get("content"))}
+            for m in messages if isinstance(m, dict) and m.get("role") in ROLES]
+
+
+def auto_title(messages: list[dict]) -> str:
+    first = next((m["content"] for m in messages if m["role"] == "user"), "")
+    words = " ".join(first.split())
+    if not words:
+        return UNTITLED
+    return words if len(words) <= TITLE_CHARS else words[:TITLE_CHARS - 1].rstrip() + "…"
+
+
+def save(store, messages: list) -> dict:
+    """The current chat now holds `messages` (its title follows them unless renamed)."""
+    store = normal(store)
+    chat = current(store)
+    chat["messages"] = clean_messages(messages)
+    chat["updated"] = time.time()
+    if not chat.get("named"):
+        chat["title"] = auto_title(chat["messages"])
+    return store
+
+
+def start_new(store) -> dict:
+    """A new empty chat becomes current (an empty current chat is reused instead)."""
+    store = normal(store)
+    if not current(store)["messages"]:
+        return store
+    chat = new_chat_record()
+    return {**store, "current": chat["id"], "chats": [chat] + store["chats"]}
+
+
+def select(store, chat_id) -> dict:
+    store = normal(store)
+    if chat_id not in [c["id"] for c in store["chats"]]:
+        raise UserError("That chat is no longer in this browser (deleted in another tab?); pick another one.")
+    return {**store, "current": chat_id}
+
+
+def rename(store, title) -> dict:
+    title = " ".join((title or "").split())
+    if not title:
+        raise UserError("Type a title first, then press Rename.")
+    store = normal(store)
+    chat = current(store)
+    chat["title"], chat["named"] = title[:200], True
+    return store
+
+
+def delete(store) -> dict:
+    """Remove the current chat; the most recently updated other chat (or a new one) becomes current."""
+    store = normal(store)
+    rest = [c for c in store["chats"] if c["id"] != store["current"]]
+    if not rest:
+        return empty_store()
+    latest = max(rest, key=lambda c: c.get("updated", 0))
+    return {**store, "current": latest["id"], "chats": rest}
+
+
+def choices(store: dict) -> list[tuple[str, str]]:
+    """(label, id) for the chat picker, the most recently updated first."""
+    ordered = sorted(store["chats"], key=lambda c: c.get("updated", 0), reverse=True)
+    return [(c["title"], c["id"]) for c in ordered]
+
+
+# ---- export / import ---------------------------------------------------------------------
+
+def to_markdown(chat: dict) -> str:
+    parts = [f"# {chat['title']}\n"]
+    for m in chat["messages"]:
+        parts.append(f"**{'You' if m['role'] == 'user' else 'Assistant'}:**\n\n{m['content']}\n")
+    return "\n".join(parts)
+
+
+def to_json(chat: dict) -> str:
+    data = {"format": FORMAT, "version": VERSION, "title": chat["title"], "messages": chat["messages"]}
+    return json.dumps(data, ensure_ascii=False, indent=2)
+
+
+def export_files(chat: dict, folder: Path | None = None) -> tuple[str, str]:
+    """Write the chat as Markdown and JSON for the download buttons; returns both paths."""
+    folder = folder or Path(tempfile.gettempdir()) / "eagle-chat-exports" / chat["id"]
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^\w\-]+", "-", chat["title"]).strip("-")[:60] or "chat"
+    md, js = folder / f"{stem}.md", folder / f"{stem}.json"
+    md.write_text(to_markdown(chat), encoding="utf-8")
+    js.write_text(to_json(chat), encoding="utf-8")
+    return str(md), str(js)
+
+
+def parse_import(raw: bytes, name: str = "the file") -> dict:
+    """An exported JSON file -> a new chat record (raises UserError naming the problem and the fix)."""
+    fix = "Choose a .json file saved with “Export JSON”."
+    if len(raw) > MAX_IMPORT_BYTES:
+        raise UserError(f"{name} is {len(raw):,} bytes; chats of at most {MAX_IMPORT_BYTES:,} bytes fit in the "
+                        "browser's storage. Import a shorter chat.")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{name} is not JSON ({e}). {fix}") from e
+    messages = data.get("messages") if isinstance(data, dict) else data
+    if not isinstance(messages, list):
+        raise UserError(f"{name} has no \"messages\" list. {fix}")
+    for i, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise UserError(f"Message {i} of {name} is not {{\"role\": \"user\" or \"assistant\", \"content\": "
+                            f"text}}. {fix}")
+    title = data.get("title") if isinstance(data, dict) and isinstance(data.get("title"), str) else ""
+    return new_chat_record(messages, title=" ".join(title.split())[:200], named=bool(title.strip()))
+
+
+def add_imported(store, chat: dict) -> dict:
+    store = normal(store)
+    chats = [c for c in store["chats"] if c["messages"] or c["id"] != store["current"]]  # drop an empty current
+    return {**store, "current": chat["id"], "chats": [chat] + chats}

@@ -1,0 +1,155 @@
+"""The chat list (new, pick, rename, delete, export, import) and the settings kept in the browser.
+
+Both live in gr.BrowserState: the visitor's localStorage, encrypted with app.state.browser_secret.
+The handlers here are pure functions of what the page sends (app.chats holds the operations); no
+chat is kept on the server between requests, and nothing is sent anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from app import chats
+from app.errors import UserError, user_error
+from app.lane import session_of
+from app.state import ChatSettings, browser_secret
+
+STORE_KEY, SETTINGS_KEY = "eagle-chat-chats", "eagle-chat-settings"
+KEPT_HERE = "Chats and settings are kept in this browser only; nothing is sent anywhere."
+BUSY = "An answer is being written: press Stop (or wait for it), then switch chats."
+
+
+def skip():
+    return gr.skip()
+
+
+@dataclass
+class ChatsView:
+    """The outputs of every chat-list event, by name; `outputs()` gives them in CHATS_VIEW order."""
+
+    store: Any = field(default_factory=skip)
+    chatbot: Any = field(default_factory=skip)
+    history: Any = field(default_factory=skip)
+    picker: Any = field(default_factory=skip)
+    title: Any = field(default_factory=skip)
+    export_md: Any = field(default_factory=skip)
+    export_json: Any = field(default_factory=skip)
+    note: Any = field(default_factory=skip)
+
+    def outputs(self) -> tuple:
+        return tuple(getattr(self, name) for name in CHATS_VIEW)
+
+
+CHATS_VIEW = tuple(ChatsView.__dataclass_fields__)
+
+
+def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
+    """Everything that follows from the store: the picker, the title box, the export files and,
+    with `messages`, the current chat in the conversation."""
+    chat = chats.current(store)
+    md, js = chats.export_files(chat) if chat["messages"] else (None, None)
+    view = ChatsView(store=store, picker=gr.Dropdown(choices=chats.choices(store), value=store["current"]),
+                     title=chat["title"] if chat["messages"] or chat.get("named") else "",
+                     export_md=gr.DownloadButton(value=md, interactive=md is not None),
+                     export_json=gr.DownloadButton(value=js, interactive=js is not None), note=note)
+    if messages:
+        view.chatbot = view.history = chat["messages"]
+    return view
+
+
+class ChatsHandlers:
+    """Mixed into app.session.Handlers, which provides `tickets` (who has an answer running)."""
+
+    def chats_load(self, store):
+        """Page load: the chat the visitor had open, as it was."""
+        return shown(chats.normal(store)).outputs()
+
+    def chats_save(self, history, store):
+        """After an answer (or Clear): the current chat now holds the conversation shown."""
+        return shown(chats.save(store, history or []), messages=False).outputs()
+
+    def chats_new(self, store, request: gr.Request = None):
+        return self._switch(lambda: chats.start_new(store), request)
+
+    def chats_select(self, chat_id, store, request: gr.Request = None):
+        if chat_id == chats.normal(store)["current"]:
+            return ChatsView().outputs()  # the picker echoing a switch made elsewhere
+        return self._switch(lambda: chats.select(store, chat_id), request)
+
+    def chats_delete(self, store, request: gr.Request = None):
+        return self._switch(lambda: chats.delete(store), request)
+
+    def chats_rename(self, title, store):
+        try:
+            return shown(chats.rename(store, title), messages=False).outputs()
+        except UserError as e:
+            return ChatsView(note=user_error(str(e))).outputs()
+
+    def chats_import(self, file, store, request: gr.Request = None):
+        def imported():
+            path = Path(file) if file else None
+            if path is None or not path.is_file():
+                raise UserError("No file arrived; choose a .json file saved with “Export JSON”.")
+            chat = chats.parse_import(path.read_bytes(), f"“{path.name}”")
+            return chats.add_imported(store, chat)
+
+        return self._switch(imported, request)
+
+    def _switch(self, change, request) -> tuple:
+        """A change of the chat shown; refused while this tab has an answer running or waiting
+        (its last update would land in the other chat)."""
+        try:
+            if session_of(request) in self.tickets.sessions():
+                raise UserError(BUSY)
+            return shown(change(), note="").outputs()
+        except UserError as e:
+            return ChatsView(note=user_error(str(e))).outputs()
+
+    # ---- settings ---------------------------------------------------------------------------
+    @staticmethod
+    def settings_save(system, *values):
+        """Any setting changed: keep them all (the order of ChatSettings.names())."""
+        return {"system": system or "", **asdict(ChatSettings(*values))}
+
+    def settings_load(self, stored, system, *values):
+        """Page load: the settings kept in this browser, each checked as the chat would check it.
+        Speculation stays off when this model cannot speculate."""
+        shown_now = ChatSettings(*values)
+        kept = ChatSettings.stored(stored, shown_now)
+        spec_ok = self.manager.backend is None and self.manager.engine is not None and self.manager.engine.has_head
+        kept_system = stored.get("system") if isinstance(stored, dict) and isinstance(stored.get("system"), str) \
+            else system
+        updates = [kept_system] + [getattr(kept, name) for name in ChatSettings.names()]
+        updates[1 + ChatSettings.names().index("spec")] = kept.spec and spec_ok
+        return tuple(updates)
+
+
+def stores() -> tuple[gr.BrowserState, gr.BrowserState]:
+    secret = browser_secret()
+    return (gr.BrowserState(None, storage_key=STORE_KEY, secret=secret),
+            gr.BrowserState(None, storage_key=SETTINGS_KEY, secret=secret))
+
+
+def chat_list() -> dict:
+    """The chat picker row and the 'Manage chats' section; returns their components by name."""
+    with gr.Row(elem_id="chats-bar", equal_height=True):
+        picker = gr.Dropdown([], label="Chat", show_label=False, scale=4, elem_id="chat-pick",
+                             info=None, container=False)
+        new = gr.Button("New chat", scale=1, elem_id="new-chat", size="md")
+    with gr.Accordion("Manage chats: rename, delete, export, import", open=False, elem_id="manage-chats"):
+        with gr.Row():
+            title = gr.Textbox(label="Title", scale=3, elem_id="chat-title", max_lines=1)
+            rename = gr.Button("Rename", scale=1, elem_id="rename-chat")
+            delete = gr.Button("Delete chat", scale=1, variant="stop", elem_id="delete-chat")
+        with gr.Row():
+            export_md = gr.DownloadButton("Export Markdown", elem_id="export-md", interactive=False)
+            export_json = gr.DownloadButton("Export JSON", elem_id="export-json", interactive=False)
+            upload = gr.UploadButton("Import JSON", file_types=[".json"], elem_id="import-json")
+        gr.Markdown(KEPT_HERE, elem_id="kept-here")
+    note = gr.Markdown(elem_id="chats-note")
+    return dict(picker=picker, new=new, title=title, rename=rename, delete=delete, export_md=export_md,
+                export_json=export_json, upload=upload, note=note)
