@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 
-import core.threads  # noqa: F401,I001 (picks OpenMP's wait policy before anything imports torch)
+import core.threads  # noqa: I001
 from core.config import WEIGHTS
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -205,6 +205,7 @@ def access(args):
 
 
 def main(argv=None) -> None:
+    core.threads.start()  # OpenMP's wait policy, before anything imports torch (core.threads)
     args = parse_args(argv)
     if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:  # an explicit setting wins
         core.threads.set_threads(args.threads)

@@ -1,5 +1,3 @@
-"""eagle-chat's core. Importing it sets the CPU threading policy before torch loads (see
-core/threads.py: idle OpenMP threads sleep instead of spinning, which keeps a busy machine
-from collapsing a generation)."""
-
-from core import threads as _threads  # noqa: F401
+"""eagle-chat's core: the decoding library (engine, tree, verify, heads, cache), its kernels and
+the commands built on it. Importing it does nothing but import; a command chooses the CPU
+threading policy itself, before torch loads (`core.threads.start()`)."""

@@ -20,12 +20,16 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import core.threads  # noqa: I001
+
+if __name__ == "__main__":  # run as a command: choose the OpenMP policy before torch loads (core.threads)
+    core.threads.start()
+
 import torch
 from tqdm import tqdm
 
 from core import cache as kv
 from core.clock import median_time
-from core.threads import set_threads
 from core.config import WEIGHTS, GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
@@ -396,7 +400,8 @@ def main(argv=None) -> None:
                    help=f"also write the choice beside the head: to tree.<gemm>.json where the head has one for "
                         f"this machine's GEMM (amx, avx512), else to {TREE_FILE}")
     a = p.parse_args(argv)
-    set_threads(a.threads)
+    core.threads.start()  # no-op where the command line already did
+    core.threads.set_threads(a.threads)
     engine = Engine.load(a.model, a.head, dtype=a.dtype, attention=a.attention, device=a.device, weights=a.weights)
     print(f"numerics: {engine.numerics.describe()}")
     tree = choose_tree(engine, top_k=a.top_k, refresh=True, lookup=a.lookup, confirm_top=a.confirm)

@@ -43,7 +43,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
+import core.threads  # noqa: I001
+from core.threads import set_threads
+
+if __name__ == "__main__":  # run as a command: choose the OpenMP policy before torch loads (core.threads)
+    core.threads.start()
 
 import torch
 
@@ -418,7 +422,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
         "numerics": engine.numerics.describe(),
         "draft_weights": draft_weights(engine.drafter) if engine.has_head else None,
         "threads": torch.get_num_threads(),
-        "thread_policy": THREAD_POLICY.describe(),
+        "thread_policy": core.threads.policy().describe(),
         "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
                      "top_p": s.sampling.top_p, "top_k": s.sampling.top_k, "seed": s.seed,
                      "tree": asdict(s.tree), "tree_source": s.tree_source, "lookup_tokens": s.lookup_tokens,
@@ -707,6 +711,7 @@ def load_engine(a: argparse.Namespace, need_head: bool) -> tuple[Engine, str | N
 
 
 def main(argv=None) -> int:
+    core.threads.start()  # no-op where the command line already did
     a = parse_args(argv)
     try:
         modes = parse_modes(a.modes or list(DEFAULT_MODES) + ([LLAMA_CPP] if llama_cpp_dir(a) else []))

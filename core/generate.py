@@ -12,8 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
-
+import core.threads
 from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
                          add_runtime_args)
 
@@ -84,7 +83,8 @@ def main(argv=None) -> int:
     except (ArgumentError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    set_threads(a.threads)
+    core.threads.start()  # before torch loads: OpenMP reads its wait policy once
+    core.threads.set_threads(a.threads)
     import torch
 
     from core.engine import Engine, EngineError
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     sys.stdout.write("\n")  # the answer alone on stdout; statistics and diagnostics on stderr
     print(f"[{'plain' if a.plain else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
-          f"finish={last.finish_reason} threads={torch.get_num_threads()} ({THREAD_POLICY.wait} wait)",
+          f"finish={last.finish_reason} threads={torch.get_num_threads()} ({core.threads.policy().wait} wait)",
           file=sys.stderr)
     print(f"[numerics] {engine.numerics.describe()}" + (f"; tree {config.tree} ({engine.tree_origin})"
                                                         if config.speculative else ""), file=sys.stderr)

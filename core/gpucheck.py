@@ -32,6 +32,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import core.threads  # noqa: I001
+
+if __name__ == "__main__":  # run as a command: choose the OpenMP policy before torch loads (core.threads)
+    core.threads.start()
+
 import torch
 
 from core import cache as kv

@@ -45,7 +45,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from core.threads import POLICY as THREAD_POLICY, set_threads  # noqa: I001 (sets the OpenMP policy before torch loads)
+import core.threads  # noqa: I001
+from core.threads import set_threads
+
+if __name__ == "__main__":  # run as a command: choose the OpenMP policy before torch loads (core.threads)
+    core.threads.start()
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -572,6 +576,7 @@ def check_args(a: argparse.Namespace) -> ServeConfig:
 
 
 def main(argv=None) -> int:
+    core.threads.start()  # no-op where the command line (or the launcher) already did
     import uvicorn
 
     from core.head import HeadLoadError
@@ -592,7 +597,7 @@ def main(argv=None) -> int:
         return 2
     app = build_app(engine, a.served_model_name or a.model, limits, threads)
     print(f"[numerics] {engine.numerics.describe()}", file=sys.stderr)
-    print(f"[threads] {threads} torch threads ({THREAD_POLICY.wait} wait)", file=sys.stderr, flush=True)
+    print(f"[threads] {threads} torch threads ({core.threads.policy().wait} wait)", file=sys.stderr, flush=True)
     print(f"eagle-chat API at http://{a.host}:{a.port}/v1 (model {a.served_model_name or a.model!r}, "
           f"{'EAGLE head' if engine.has_head else 'plain decoding'}"
           f"{', API key required' if limits.api_key else ''})", flush=True)

@@ -1,4 +1,4 @@
-"""CPU threading defaults, chosen from how busy the machine is when `core` is imported.
+"""CPU threading defaults, chosen from how busy the machine is when a command starts.
 
 Why: torch's CPU kernels run on an OpenMP team (libgomp). A decoding step is hundreds of
 small kernels with microsecond gaps between them, so what the team's idle threads do in a
@@ -11,14 +11,15 @@ gap decides the speed:
     with a short spin (SmolLM2 bf16, 2 threads, docs/threads.md);
   - spin briefly, then sleep (GOMP_SPINCOUNT=10000, tens of microseconds): as fast as
     spinning on a quiet machine, and it gives the core back soon after.
-So at import we sample /proc/stat for 0.2 s: a quiet machine (every core this process may
+So at start we sample /proc/stat for 0.2 s: a quiet machine (every core this process may
 use is idle) gets the short spin and all its cores; a busy one gets the passive policy and
 as many threads as there are idle cores (at least 1): with one of two cores taken, 1 thread
 ran plain decoding at 16.5 tok/s against 7.3 with 2 passive threads. An OpenMP setting in
 the environment, or `--threads N`, wins over the choice.
 
-Import this module before torch (the CLIs and the launcher do; so does `import core`);
-OpenMP reads its settings once, when torch first starts its thread team.
+Importing this module (or `core`) does nothing but import: every command calls `start()`
+before it imports torch (the CLIs under `if __name__ == "__main__":` at their top, the launcher,
+the scripts), because OpenMP reads its settings once, when torch loads.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ OMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 @dataclass(frozen=True)
 class ThreadPolicy:
-    """What was chosen at import, and why (shown by the CLIs and stored in bench results)."""
+    """What was chosen at start, and why (shown by the CLIs and stored in bench results)."""
 
-    idle_cores: float | None    # idle cores measured at import (None: not measured)
+    idle_cores: float | None    # idle cores measured at start (None: not measured)
     cores: int                  # cores this process may use
     wait: str                   # "short spin", "passive" or "user: <VAR>=<value>"
     default_threads: int        # threads when --threads is not given
@@ -97,16 +98,33 @@ def choose(env: dict[str, str], idle: float | None, cores: int) -> tuple[ThreadP
     return ThreadPolicy(idle, cores, "short spin", threads), {"GOMP_SPINCOUNT": SHORT_SPIN}
 
 
-def _choose_at_import() -> ThreadPolicy:
-    if any(k in os.environ for k in OMP_VARIABLES):
-        policy, _ = choose(dict(os.environ), None, available_cores())
-        return policy
-    policy, variables = choose(dict(os.environ), measure_idle_cores(), available_cores())
-    os.environ.update(variables)
-    return policy
+_policy: ThreadPolicy | None = None
 
 
-POLICY = _choose_at_import()
+def start() -> ThreadPolicy:
+    """Choose the policy from how busy the machine is now and set its OpenMP variables in
+    os.environ (an OpenMP variable already there wins: nothing is measured or set). Once per
+    process: later calls return the same policy. Call it before torch loads."""
+    global _policy
+    if _policy is None:
+        if any(k in os.environ for k in OMP_VARIABLES):
+            _policy, _ = choose(dict(os.environ), None, available_cores())
+        else:
+            _policy, variables = choose(dict(os.environ), measure_idle_cores(), available_cores())
+            os.environ.update(variables)
+    return _policy
+
+
+def policy() -> ThreadPolicy:
+    """The policy this process runs with: the one `start()` chose (choosing it now if no command
+    did, too late to change OpenMP's wait policy but right about the thread count)."""
+    return start()
+
+
+def __getattr__(name: str):
+    if name == "POLICY":  # the name readers used when the policy was chosen at import (app/manager.py)
+        return policy()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +169,7 @@ _governor: Governor | None = None
 def govern(enabled: bool = True) -> None:
     """Turn the per-answer refit on (the launcher does when the user chose no thread count)."""
     global _governor
-    _governor = Governor(POLICY.cores, POLICY.default_threads) if enabled else None
+    _governor = Governor(policy().cores, policy().default_threads) if enabled else None
 
 
 def refit() -> None:
@@ -184,7 +202,7 @@ def set_threads(threads: int | None) -> int:
     """Use `threads` torch threads (None: the policy's default); returns the count."""
     import torch
 
-    n = threads or POLICY.default_threads
+    n = threads or policy().default_threads
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(n)

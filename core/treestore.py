@@ -50,7 +50,7 @@ def profile_key(engine) -> str:
     vocab = engine.drafter.vocab
     parts = [engine.target.name, head_fingerprint(engine.head), str(engine.target.device),
              str(engine.target.dtype), engine.numerics.attention, f"threads{torch.get_num_threads()}",
-             f"wait:{threads.POLICY.wait}", native.status().describe(),
+             f"wait:{threads.policy().wait}", native.status().describe(),
              str(None if vocab is None else vocab.numel()),
              engine.step.info.weights if engine.step else "transformers forward"]  # what a verified row costs
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]

@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(shapes[spec]) != 3:
             p.error(f"--tree {spec!r}: expected DEPTH,TOP_K,TOTAL_TOKENS, e.g. 3,8,12")
 
-    from core.threads import set_threads
+    from core import threads
 
-    set_threads(args.threads)
+    threads.start()  # the OpenMP policy, before torch loads
+    threads.set_threads(args.threads)
     from core.bench import load_prompts
     from core.config import GenerationConfig
     from core.engine import Engine

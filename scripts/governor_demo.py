@@ -13,7 +13,10 @@ import subprocess
 import sys
 import time
 
-from core import threads  # noqa: I001 (chooses the OpenMP policy before torch loads)
+from core import threads  # noqa: I001
+
+if __name__ == "__main__":  # the OpenMP policy, before torch loads (core.threads)
+    threads.start()
 
 import torch
 

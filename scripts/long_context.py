@@ -14,7 +14,10 @@ import argparse
 import time
 from dataclasses import replace
 
-from core import threads  # noqa: I001 (chooses the OpenMP policy before torch loads)
+from core import threads  # noqa: I001
+
+if __name__ == "__main__":  # the OpenMP policy, before torch loads (core.threads)
+    threads.start()
 
 import torch
 

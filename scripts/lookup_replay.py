@@ -79,8 +79,9 @@ RULES = (
 
 
 def record(a) -> None:
-    from core import threads  # noqa: I001 (chooses the OpenMP policy before torch loads)
+    from core import threads
 
+    threads.start()  # the OpenMP policy, before torch loads
     threads.set_threads(a.threads)
     import torch
     from tqdm import tqdm

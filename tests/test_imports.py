@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+from core.threads import OMP_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "core"
@@ -81,3 +89,55 @@ def test_the_import_graph_sees_imports_inside_functions_and_type_checking(tmp_pa
 def test_core_has_no_import_circles_but_the_known_one():
     found = circles(import_graph())
     assert all(c in KNOWN_CIRCLES for c in found), [sorted(c) for c in found if c not in KNOWN_CIRCLES]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in OMP_VARIABLES}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_importing_core_and_its_commands_has_no_side_effects():
+    out = run_python(
+        "import json, os, time\n"
+        "import torch, fastapi, transformers.models.llama.modeling_llama  # their own imports set variables\n"
+        "slept = []\n"
+        "time.sleep = slept.append\n"
+        "before = dict(os.environ)\n"
+        "import core, core.threads, core.config, core.generate, core.bench, core.serve\n"
+        "print(json.dumps({'slept': slept, 'changed': sorted(set(os.environ.items()) ^ set(before.items())),\n"
+        "                  'chosen': core.threads._policy is not None}))\n")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"slept": [], "changed": [], "chosen": False}
+
+
+def test_start_measures_once_and_sets_the_environment():
+    """The negative control of the test above: start() does what importing must not."""
+    out = run_python(
+        "import json, os, time\n"
+        "from core import threads\n"
+        "first, again = threads.start(), threads.start()\n"
+        "print(json.dumps({'wait': first.wait, 'same': first is again is threads.policy() is threads.POLICY,\n"
+        "                  'omp': {k: os.environ.get(k) for k in threads.OMP_VARIABLES}}))\n")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["same"]
+    expected = {"short spin": {"GOMP_SPINCOUNT": "10000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}[got["wait"]]
+    assert {k: v for k, v in got["omp"].items() if v is not None} == expected
+
+
+@pytest.mark.parametrize("command", ["core.bench", "core.serve", "core.autotune", "core.gpucheck", "core.train"])
+def test_each_command_starts_the_thread_policy_before_torch_loads(command):
+    out = run_python(
+        "import runpy, sys\n"
+        "import core.threads\n"
+        "start, seen = core.threads.start, []\n"
+        "core.threads.start = lambda: (seen.append('torch' in sys.modules), start())[1]\n"
+        f"sys.argv = [{command!r}, '--help']\n"
+        "try:\n"
+        f"    runpy.run_module({command!r}, run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch loaded first:', seen[:1])\n")  # the first call counts; main() calls it again
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "torch loaded first: [False]"

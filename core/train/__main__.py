@@ -40,6 +40,11 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import core.threads  # noqa: I001
+
+if __name__ == "__main__":  # run as a command: choose the OpenMP policy before torch loads (core.threads)
+    core.threads.start()
+
 from core.models import DEFAULT_HEAD_DIR, ROOT
 
 WORK = ROOT / "runs" / "train"
