@@ -6,12 +6,16 @@ bad value is refused with the same message wherever it comes from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 
 ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # "exact" = core.invariant's batch-invariant kernels
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
-WEIGHTS = ("auto", "q4", "bf16")  # what the native step reads (core.step.WEIGHTS), torch-free for the CLIs
+WEIGHTS = ("auto", "w4a8", "q4", "bf16")  # what the native step reads (core.step.WEIGHTS), torch-free for the CLIs
+WEIGHTS_HELP = ("what the native decode step reads and how it multiplies: w4a8 = the GGUF's 4-bit blocks times 8-bit "
+                "activations (integer dot products, as llama.cpp; the fastest), q4 = the same blocks rebuilt to bf16 "
+                "(answers bit-identical to bf16), bf16 = the model's bf16 tensors, auto = w4a8 where the target came "
+                "from a GGUF, else bf16")
 
 
 def add_runtime_args(p, dtype_help: str = "") -> None:
@@ -22,13 +26,33 @@ def add_runtime_args(p, dtype_help: str = "") -> None:
                    "passes, else fp32), float32, bfloat16, float16" + dtype_help)
     p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="exact = batch-invariant kernels (bit-identical verification); sdpa; eager")
-    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
-                   "the GGUF's own blocks (the embedded model), bf16 = the model's bf16 tensors, auto = q4 where "
-                   "the target came from a GGUF")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help=WEIGHTS_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core on a "
                    "quiet machine, the idle ones on a busy one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--load-in-4bit", action="store_true")
+
+
+TREE_ARGS = ("depth", "top_k", "total_tokens", "lookup")  # the tree settings a command line may give
+
+
+def add_tree_args(p) -> None:
+    """--depth, --top-k, --total-tokens, --lookup: a user's settings over the default tree
+    (TreeConfig.override), shared by the CLIs; each left out keeps the default tree's."""
+    p.add_argument("--depth", type=int, default=None, help="tree depth (default: the tuned tree's)")
+    p.add_argument("--top-k", type=int, default=None, help="draft tree branching (default: the tuned tree's)")
+    p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. root (default: the tuned "
+                   "tree's)")
+    p.add_argument("--lookup", type=int, default=None, help="tokens copied from earlier text into the tree "
+                   "when it repeats (0 = off; default: the tuned tree's)")
+
+
+def tree_changes(a) -> dict[str, int]:
+    """The tree settings given on the command line, for TreeConfig.override; checked here, so a
+    bad value is refused before the model loads (ConfigError)."""
+    changes = {k: getattr(a, k) for k in TREE_ARGS if getattr(a, k) is not None}
+    TreeConfig().override(**changes)
+    return changes
 
 
 class ConfigError(ValueError):
@@ -124,6 +148,24 @@ class TreeConfig:
         return TreeConfig(depth=min(self.depth, depth), top_k=self.top_k,
                           total_tokens=min(self.total_tokens, total), lookup=self.lookup,
                           lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0)
+
+    SHAPE = ("depth", "top_k", "total_tokens", "static_paths")  # what lookup_total_tokens was tuned for
+
+    def override(self, **changes) -> "TreeConfig":
+        """This tree (the default one: tuned, shipped or built in) with a user's settings over it:
+        the one rule the CLIs, the API server and the app use. A change given as None is no change.
+        The default's context lookup and long-chat caps stay unless changed, and `at` still caps a
+        larger tree by hand in a long chat. The smaller head tree beside a lookup chain
+        (`lookup_total_tokens`) was tuned for the default's shape, so it stays only while depth,
+        top_k, total_tokens and static_paths are the default's: a tree shaped by hand keeps the size
+        the user chose on every step. Raises ConfigError for an unknown setting or a bad value."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        _check(not unknown, f"unknown tree setting(s) {', '.join(unknown)}")
+        if "lookup_total_tokens" not in changes and any(changes.get(k, getattr(self, k)) != getattr(self, k)
+                                                           for k in self.SHAPE):
+            changes["lookup_total_tokens"] = 0
+        return replace(self, **changes)
 
     def with_chain(self) -> "TreeConfig":
         """The head's tree for a step that also verifies a lookup chain (never larger than

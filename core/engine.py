@@ -197,7 +197,7 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
                   check: bool, weights: str = "auto") -> tuple[LoadedModel, Numerics, NativeStep | None]:
     """Load the target in the requested numerics ("auto": bf16 + exact kernels on CPU when the
     probe passes, else fp32 + sdpa with the probe's reason kept), and the native step that runs
-    its decoding forwards where it can (core.step; `weights`: "q4" the GGUF's blocks, "bf16")."""
+    its decoding forwards where it can (core.step; `weights`: one of core.config.WEIGHTS)."""
     if attention not in ATTENTIONS:
         raise EngineError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     if weights not in WEIGHTS:

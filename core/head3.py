@@ -342,11 +342,23 @@ def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None
         return Drafter3(head=head, embed=target_model.get_input_embeddings())
     from core.tree import Drafter
 
-    weight = target_model.lm_head.weight
+    weight = lm_head_weight(target_model)
     lm_weight = (weight if vocab is None else weight[vocab].clone()).to(weight.dtype)
     lm_int8 = native.quantize(lm_weight) if draft_int8_enabled(lm_weight) else None
     return Drafter(head=head, embed=target_model.get_input_embeddings(), lm_weight=lm_weight, vocab=vocab,
                    lm_int8=lm_int8)
+
+
+def lm_head_weight(target_model) -> torch.Tensor:
+    """The target's LM head as a bf16 (V, H) tensor, also where the native step serves it from
+    blocks (core.step, w4a8: the module's weight is empty): a tied head is the input embedding
+    (the same values), an untied one is dequantized."""
+    lm = target_model.lm_head
+    if lm.weight.numel():
+        return lm.weight
+    if getattr(target_model.config, "tie_word_embeddings", False):
+        return target_model.get_input_embeddings().weight
+    return native.dequantize(lm.wmat)
 
 
 def draft_weights(drafter) -> str:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
-AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")  # gcc >= 11; an older compiler builds the rest without AMX
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")  # gcc >= 11; an older compiler builds the rest without AMX
 # gcc 10 (the first with -mavx512bf16) knows neither -march=x86-64-v4 nor AMX (both gcc 11): the
 # same instruction sets as x86-64-v4 named one by one. gcc 12 enables the same target options
 # with both and emits the same instructions (objdump, every kernel), FMA contraction included.
@@ -190,6 +190,8 @@ i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void
 SIGNATURES = {
     # int amx_enable(int want): 1 where Linux granted the tile state (csrc/gemm_amx.c)
     "amx_enable": ([i32], i32),
+    # int x8_amx_enable(int want): 1 where AMX-INT8 now serves 8-bit-activation GEMMs of 2+ rows (csrc/gemm_x8.c)
+    "x8_amx_enable": ([i32], i32),
     # int gemm_bf16(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads)
     "gemm_bf16": ([ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32], i32),
     # int gemm_w(x, ldx, const wmat *w, bias, y, ldy, M, nthreads): -1 also for an unknown weight type
@@ -244,6 +246,7 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     amx = bool(kernels.amx_enable(int(amx_wanted())))
+    kernels.x8_amx_enable(int(amx and "amx_int8" in _cpu_flags()))
     problem = _self_test(kernels)
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")

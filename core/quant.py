@@ -23,6 +23,9 @@ import torch
 # ggml type id -> (name, bytes per block of 32 weights); csrc/weights.h has the same ids
 SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
+# our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544)}
+X8_OF = {2: 100, 3: 100, 8: 101}  # the GGUF type each is packed from
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
 LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -45,7 +48,7 @@ class Blocks:
 
     @property
     def type_name(self) -> str:
-        return SUPPORTED[self.type][0]
+        return (SUPPORTED.get(self.type) or X8[self.type])[0]
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +95,35 @@ def tile_blocks(blocks: Blocks) -> Blocks:
     bs = SUPPORTED[blocks.type][1]
     data = blocks.data.view(rows // 16, 16, row // bs, bs).transpose(1, 2).contiguous().view(rows, row)
     return Blocks(blocks.type, data, blocks.n, blocks.k, tiled=True)
+
+
+def pack_x8(blocks: Blocks) -> Blocks:
+    """The blocks regrouped for csrc/gemm_x8.c (8-bit activations x these weights; layout in its
+    header): per 16 rows and block column, the rows' codes interleaved 4 bytes at a time (what
+    one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4 minimums; Q4_0's -8 d, exact).
+    The same information in the same bytes (Q4) or 2 bytes more per 32 weights (none for Q8)."""
+    if blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK:
+        raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be packed for 8-bit "
+                               f"activations (Q4_0, Q4_1, Q8_0 with rows a multiple of 16, in file order)")
+    g, kb, bs = blocks.n // 16, blocks.k // BLOCK, SUPPORTED[blocks.type][1]
+    raw = blocks.data.numpy().reshape(g, 16, kb, bs)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
+    if blocks.type == 8:
+        codes = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # (g, 16, kb, 32)
+        parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512)]
+    else:
+        if blocks.type == 3:
+            m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:20]
+        else:  # Q4_0: d (q - 8) = d q + (-8 d), and -8 d is exact in fp16 short of overflow
+            with np.errstate(over="ignore"):
+                m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:18]
+            if not np.isfinite(m).all():
+                raise QuantWeightError("a Q4_0 block scale too large for 8-bit activations (|d| * 8 overflows fp16)")
+        parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256),
+                 m.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)]
+    parts.insert(1, d.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32))
+    data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
+    return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k)
 
 
 def open_gguf(path: Path):

@@ -8,8 +8,11 @@ final norm, LM head) with the same row-invariant kernels and the same roundings 
 transformers-driven exact path (core.invariant), so its logits are bit-identical to that
 path's, row by row, alone or in a tree (tests/test_step.py), and the start-up probe checks it.
 
-Weights: the model's bf16 tensors, or the GGUF's own 4-/8-bit blocks (core.quant) that the
-GEMMs dequantize per panel to those same bf16 values ("q4": weights at the file's size).
+Weights (core.config.WEIGHTS): the GGUF's own 4-bit blocks times 8-bit activations ("w4a8",
+the default where the model came from a GGUF: integer dot products as llama.cpp computes,
+csrc/gemm_x8.c; its own numerics, row-invariant by construction), the same blocks rebuilt per
+panel to the bf16 copy's values ("q4": bit-identical to "bf16", weights at the file's size), or
+the model's bf16 tensors ("bf16").
 
 transformers stays the loader, the prefill (long prompts: oneDNN's compute-bound GEMMs and
 sdpa, shared by both decoding modes) and the reference; the step writes its keys and values
@@ -25,7 +28,8 @@ import torch
 
 from core import native
 from core.cache import BufferedLayer
-from core.config import WEIGHTS  # q4: the GGUF's blocks where the target came from one
+from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
+from core.quant import X8
 
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 STEP_TYPES = ("llama", "mistral", "qwen2")
@@ -92,7 +96,8 @@ def unsupported(model) -> str | None:
 
 @dataclass(frozen=True)
 class StepInfo:
-    weights: str        # e.g. "Q4_1 blocks from SmolLM2-...gguf (123 MB per token)" or "bf16 (269 MB per token)"
+    weights: str        # e.g. "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2-...gguf) (96 MB
+                        # per token)", "Q4_1 blocks from SmolLM2-...gguf (123 MB per token)", "bf16 (269 MB per token)"
     weight_bytes: int   # bytes the step's GEMMs stream per forward
 
 
@@ -139,6 +144,8 @@ class NativeStep:
                        for n in params if n.endswith("proj.weight")) + (
             blocks[lm_name].nbytes if lm_name in blocks else params[lm_name].numel() * 2)
         kind = f"{'/'.join(sorted(names))} blocks from {source}" if names else "bf16"
+        if any(b.type in X8 for b in blocks.values()):
+            kind = f"4-bit weights x 8-bit activations ({kind})"
         self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed)
 
     @property
@@ -154,11 +161,13 @@ class NativeStep:
         from core.invariant import BlockLinear
 
         freed = 0
+        embedding = self.hf.get_input_embeddings().weight
         for name, module in self.hf.named_modules():
             b = self.blocks.get(f"{name}.weight")
             if b is None or not isinstance(module, torch.nn.Linear) or isinstance(module, BlockLinear):
                 continue
-            freed += module.weight.numel() * module.weight.element_size()
+            if module.weight.data_ptr() != embedding.data_ptr():  # a tied LM head's weight stays: the embedding
+                freed += module.weight.numel() * module.weight.element_size()
             module.__class__ = BlockLinear
             module.blocks, module.wmat = b, native.wmat(blocks=b)
             module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
@@ -225,31 +234,36 @@ class NativeStep:
 
 def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
     """The native step for a loaded target (core.models.LoadedModel), or None, and one line
-    saying what serves decoding steps and why. weights: "q4" reads the GGUF's own blocks (an
-    error if it cannot), "bf16" the model's bf16 tensors, "auto" the blocks where the target
-    came from a GGUF they can be read from, else bf16 (with the reason)."""
+    saying what serves decoding steps and why. weights (core.config.WEIGHTS): "w4a8" the GGUF's
+    own blocks times 8-bit activations (csrc/gemm_x8.c; its LM head the file's Q8_0 embedding),
+    "q4" the same blocks rebuilt to bf16 (bit-identical to "bf16"), "bf16" the model's bf16
+    tensors; "auto" is w4a8 where the target came from a GGUF it can read, else bf16 (with the
+    reason). "w4a8" and "q4" are errors where they cannot serve."""
     assert weights in WEIGHTS, weights
     reason = unsupported(target.model)
     if reason:
-        if weights == "q4":
-            raise StepError(f"--weights q4 needs the native step, which cannot run here: {reason}")
+        if weights in ("q4", "w4a8"):
+            raise StepError(f"--weights {weights} needs the native step, which cannot run here: {reason}")
         return None, f"transformers forward ({reason})"
     note = ""
     blocks = {}
     if weights != "bf16":
-        from core.quant import QuantWeightError, load_llama_blocks, tile_blocks
+        from core.quant import QuantWeightError, load_llama_blocks, pack_x8, tile_blocks
 
         if target.gguf is None:
-            if weights == "q4":
-                raise StepError("--weights q4 reads a GGUF's blocks, and this model was not loaded from one")
+            if weights != "auto":
+                raise StepError(f"--weights {weights} reads a GGUF's blocks, and this model was not loaded from one")
         else:
-            try:  # layers only: the embedding / tied LM head stays bf16, which transformers and the draft
-                # head read anyway; the step on its Q8_0 blocks measured no faster (10.5-10.8 against
-                # 10.6-11.0 ms a plain step) and would hold 30 MB more
-                blocks = {k: tile_blocks(v) for k, v in load_llama_blocks(target.gguf, target.model.config).items()
-                          if ".layers." in k}
+            try:
+                found = load_llama_blocks(target.gguf, target.model.config)
+                if weights == "q4":  # layers only: the embedding / tied LM head stays bf16 (on its Q8_0
+                    # blocks rebuilt to bf16 the step measured no faster, 10.5-10.8 against 10.6-11.0 ms)
+                    blocks = {k: tile_blocks(v) for k, v in found.items() if ".layers." in k}
+                else:  # the LM head too: the file's own (or its tied embedding's) Q8_0 blocks
+                    blocks = {k: pack_x8(v) for k, v in found.items() if ".layers." in k}
+                    blocks["lm_head.weight"] = pack_x8(found.get("lm_head.weight", found["model.embed_tokens.weight"]))
             except QuantWeightError as e:
-                if weights == "q4":
+                if weights != "auto":
                     raise
                 note = f" (bf16 weights: {e})"
     step = NativeStep(target.model, blocks, target.gguf.name if blocks else "")

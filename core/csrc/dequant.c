@@ -101,7 +101,8 @@ const uint16_t *weight_panel(const wmat *w, int n0, int rows, uint16_t *scratch,
 }
 
 void weight_row(const wmat *w, int64_t n, uint16_t *out) {
-    if (w->type == WT_BF16) memcpy(out, (const uint16_t *)w->data + n * w->ld, (size_t)w->K * 2);
+    if (is_x8(w->type)) x8_row(w, n, out);
+    else if (w->type == WT_BF16) memcpy(out, (const uint16_t *)w->data + n * w->ld, (size_t)w->K * 2);
     else dequant_row(w, n, out);
 }
 

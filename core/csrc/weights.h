@@ -7,6 +7,9 @@
 #include <stdint.h>
 
 enum { WT_BF16 = 30, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8 };  // ggml's type ids (GGML_TYPE_BF16 = 30)
+// Our own layouts for 8-bit activations (csrc/gemm_x8.c, core.quant.pack_x8): Q4_0 / Q4_1 and
+// Q8_0 blocks regrouped per 16 output rows for VNNI.
+enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101 };
 
 typedef struct {
     int32_t type;      // WT_*
@@ -48,5 +51,12 @@ static inline int64_t scratch_elems(int K) { return (int64_t)64 * K; }
 // weight has a type the kernels do not read.
 int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
               uint16_t *scratch);
+// The batch's GEMMs on 8-bit activations (every job's w an X8 type): x quantized per row into
+// `work` (x8_work_bytes(M, K) <= pack_elems(M, K) * 2 bytes), then the 16-row groups split
+// over the team. 0, or -1 for a weight that is not X8 or does not fit K.
+int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *work);
+int is_x8(int type);
+int64_t x8_work_bytes(int M, int K);
+void x8_row(const wmat *w, int64_t n, uint16_t *out);
 void amx_begin(void);  // per thread, once per parallel region that runs AMX GEMMs (no-op without AMX)
 void amx_end(void);

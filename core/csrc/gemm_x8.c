@@ -1,0 +1,283 @@
+// W4A8: y = x @ w.T (+ bias) with 8-bit integer activations against a GGUF's 4- and 8-bit
+// weight blocks, as llama.cpp computes (issue 30, the integer-activation design).
+//
+// Why: the W4A16 path (dequant.c + gemm_amx.c) rebuilds every weight as bf16 before a
+// multiply; that reconstruction was 37% of a plain step. Here each row of x is quantized once
+// per call, per block of 32 (d = max|x| / 127, q = round(x / d), int8), and a block's dot
+// product with a weight block is one chain of VNNI vpdpbusd on the raw 4-bit codes: 64
+// multiply-adds per instruction, nothing rebuilt.
+//
+// Numerics (these are the reference numerics of `--weights w4a8`, not the bf16 path's):
+//   Q4 weights (Q4_1: w = d_w q + m_w; Q4_0: m_w = -8 d_w, exact), per block b:
+//     acc = fma(d_w * d_x, float(sum q_w q_x), acc);  acc = fma(m_w, d_x * float(sum q_x), acc)
+//   Q8 weights (Q8_0, stored + 128 as unsigned bytes): acc = fma(d_w * d_x, float(sum (q_w+128) q_x - 128 sum q_x), acc)
+// over b = 0, 1, ... in order, then + bias in fp32 and one round to bf16 (nearest even).
+// Integer sums are exact and every output element runs this same fixed sequence of fp32
+// operations whatever M is and wherever its row sits, so a row computes the same bits alone
+// (a plain step) or inside a tree: row-invariant by construction.
+//
+// Weight layout (core.quant.pack_x8; N % 16 == 0): per group of 16 output rows g and block
+// column kb, contiguous, groups in order:
+//   WT_Q4_X8: 256 bytes of codes (4 vectors; vector p, dword j = row j's code bytes 4p..4p+3:
+//             low nibbles = elements 4p..4p+3, high = 16+4p..16+4p+3, GGUF's own nibble order),
+//             16 fp16 d_w, 16 fp16 m_w                                   -> 320 bytes
+//   WT_Q8_X8: 512 bytes (vector t, dword j = row j's elements 4t..4t+3, + 128), 16 fp16 d_w -> 544 bytes
+// so one vector holds 4 consecutive K positions of 16 output rows (vpdpbusd's layout) and a
+// thread reads its groups front to back.
+#include "common.h"
+#include "weights.h"
+#include <omp.h>
+
+#define ROWS_X8 8  // rows of x per pass over a group's weights (accumulators in registers)
+#define AMX_X8_MIN_ROWS 2  // from this many rows AMX-INT8 serves, where the CPU has it
+
+int x8_group_bytes(int type) { return type == WT_Q4_X8 ? 320 : 544; }
+
+// One row of x -> q (K int8), and per block: d (fp32), d * sum q (fp32), sum q (int32).
+static void quantize_row_x8(const uint16_t *x, int K, int8_t *q, float *d, float *ds, int32_t *s) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int kb = 0; kb < K / 32; kb++) {
+        __m512 a = bf16x16_to_ps(x + 32 * kb), b = bf16x16_to_ps(x + 32 * kb + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+        float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 lim = _mm512_set1_ps(127.0f);
+        __m512 fa = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a, _mm512_set1_ps(id)), -lim), lim);
+        __m512 fb = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(b, _mm512_set1_ps(id)), -lim), lim);
+        __m512i ia = _mm512_cvt_roundps_epi32(fa, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i ib = _mm512_cvt_roundps_epi32(fb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(q + 32 * kb), _mm512_cvtepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q + 32 * kb + 16), _mm512_cvtepi32_epi8(ib));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        d[kb] = dd;
+        s[kb] = sum;
+        ds[kb] = dd * (float)sum;
+    }
+}
+
+// Where quantize_x8 puts row m's parts in `work` (x8_work_bytes(M, K) bytes).
+typedef struct {
+    int8_t *q;        // (M, K)
+    float *d, *ds;    // (M, K / 32)
+    int32_t *s;       // (M, K / 32)
+} qrows;
+
+static qrows x8_parts(void *work, int M, int K) {
+    qrows r;
+    int64_t blocks = (int64_t)M * (K / 32);
+    r.q = (int8_t *)work;
+    r.d = (float *)((char *)work + (((int64_t)M * K + 63) & ~(int64_t)63));
+    r.ds = r.d + blocks;
+    r.s = (int32_t *)(r.ds + blocks);
+    return r;
+}
+
+int64_t x8_work_bytes(int M, int K) { return (((int64_t)M * K + 63) & ~(int64_t)63) + (int64_t)M * (K / 32) * 12; }
+
+static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+// AMX-INT8 (Intel Sapphire Rapids and later) for 2-16 rows: one TDPBSUD multiplies 16 rows of
+// x by a block of 16 output rows, a 16th of VNNI's instructions per row, so a tree's rows cost
+// little more than one. Its integer block sums are VNNI's exactly (integers), and the fp32 steps
+// after them are the same instructions in the same order (block_fp32 below): a row's bits do not
+// depend on which of the two computed it, so a plain step (1 row, VNNI) and a tree row (AMX)
+// agree by construction.
+static int x8_amx = 0;
+
+int x8_amx_enable(int want) {  // want: this CPU has amx_int8 and the AMX tiles were granted
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    x8_amx = want != 0;
+#else
+    (void)want;
+    x8_amx = 0;
+#endif
+    return x8_amx;
+}
+
+// The fp32 part of one block for one row, shared by the VNNI and the AMX paths (see the header).
+static inline __m512 block_q4_fp32(__m512 acc, __m512i isum, __m512 dw, __m512 mw, float d, float ds) {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d)), _mm512_cvtepi32_ps(isum), acc);
+    return _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), acc);
+}
+static inline __m512 block_q8_fp32(__m512 acc, __m512i isum, __m512 dw, float d, int32_t s) {
+    __m512i t = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * s));
+    return _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d)), _mm512_cvtepi32_ps(t), acc);
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+// Block kb's 8 B-operand rows (4 K positions x 16 output rows each) into b (rows 64 bytes apart).
+static inline void b_rows(int type, const uint8_t *blk, uint8_t *b) {
+    if (type == WT_Q4_X8) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int p = 0; p < 4; p++) {
+            __m512i z = _mm512_loadu_si512(blk + 64 * p);
+            _mm512_store_si512(b + 64 * p, _mm512_and_si512(z, low));
+            _mm512_store_si512(b + 64 * (4 + p), _mm512_and_si512(_mm512_srli_epi16(z, 4), low));
+        }
+    } else {
+        memcpy(b, blk, 512);
+    }
+}
+
+// Rows [m0, m0 + rows) (rows <= 16) of one group on tiles (amx_begin's 16 x 64-byte shapes):
+// tile 4 holds 16 rows of x over two blocks (64 bytes), tiles 6 and 7 the weights of the first
+// and the second block in their half of K (the other half zero), tiles 0 and 1 the two blocks'
+// integer sums, stored to memory and finished in fp32 as VNNI's.
+static void group_amx(const wmat *w, const uint8_t *wg, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    int gb = x8_group_bytes(w->type);
+    uint8_t b0[1024] __attribute__((aligned(64))), b1[1024] __attribute__((aligned(64)));
+    int32_t c[2][16][16] __attribute__((aligned(64)));
+    memset(b0 + 512, 0, 512);
+    memset(b1, 0, 512);
+    for (int kb = 0; kb < KB; kb += 2) {
+        int two = kb + 1 < KB;
+        b_rows(w->type, wg + (int64_t)kb * gb, b0);
+        if (two) b_rows(w->type, wg + (int64_t)(kb + 1) * gb, b1 + 512);
+        else memset(b1 + 512, 0, 512);
+        _tile_loadd(4, a->q + (int64_t)m0 * K + 32 * kb, K);  // rows past M: ignored
+        _tile_loadd(6, b0, 64);
+        _tile_loadd(7, b1, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        for (int h = 0; h <= two; h++) {
+            const uint8_t *blk = wg + (int64_t)(kb + h) * gb;
+            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + (w->type == WT_Q4_X8 ? 256 : 512))));
+            __m512 mw = w->type == WT_Q4_X8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)))
+                                            : _mm512_setzero_ps();
+            for (int i = 0; i < rows; i++) {
+                int64_t blkid = (int64_t)(m0 + i) * KB + kb + h;
+                __m512i isum = _mm512_load_si512(c[h][i]);
+                acc[i] = w->type == WT_Q4_X8 ? block_q4_fp32(acc[i], isum, dw, mw, a->d[blkid], a->ds[blkid])
+                                             : block_q8_fp32(acc[i], isum, dw, a->d[blkid], a->s[blkid]);
+            }
+        }
+    }
+}
+#endif
+
+// Rows [m0, m0 + rows) (rows <= ROWS_X8) of one 16-row group of a Q4_X8 weight -> acc[i]
+static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = w + (int64_t)kb * 320;
+        __m512i lo[4], hi[4];
+        for (int p = 0; p < 4; p++) {
+            __m512i z = _mm512_loadu_si512(b + 64 * p);
+            lo[p] = _mm512_and_si512(z, low);
+            hi[p] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
+        for (int i = 0; i < rows; i++) {
+            int64_t m = m0 + i, blk = m * KB + kb;
+            const int8_t *qx = a->q + m * K + 32 * kb;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) {
+                s0 = _mm512_dpbusd_epi32(s0, lo[p], bcast4(qx + 4 * p));
+                s1 = _mm512_dpbusd_epi32(s1, hi[p], bcast4(qx + 16 + 4 * p));
+            }
+            acc[i] = block_q4_fp32(acc[i], _mm512_add_epi32(s0, s1), dw, mw, a->d[blk], a->ds[blk]);
+        }
+    }
+}
+
+// The same for a Q8_X8 weight.
+static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = w + (int64_t)kb * 544;
+        __m512i v[8];
+        for (int t = 0; t < 8; t++) v[t] = _mm512_loadu_si512(b + 64 * t);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 512)));
+        for (int i = 0; i < rows; i++) {
+            int64_t m = m0 + i, blk = m * KB + kb;
+            const int8_t *qx = a->q + m * K + 32 * kb;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                s0 = _mm512_dpbusd_epi32(s0, v[t], bcast4(qx + 4 * t));
+                s1 = _mm512_dpbusd_epi32(s1, v[t + 4], bcast4(qx + 16 + 4 * t));
+            }
+            acc[i] = block_q8_fp32(acc[i], _mm512_add_epi32(s0, s1), dw, a->d[blk], a->s[blk]);
+        }
+    }
+}
+
+// One 16-row group of one job, every row of x.
+static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
+    const wmat *w = job->w;
+    int KB = K / 32, n0 = 16 * g;
+    const uint8_t *wg = (const uint8_t *)w->data + (int64_t)g * KB * x8_group_bytes(w->type);
+    __m512 b = job->bias ? bf16x16_to_ps(job->bias + n0) : _mm512_setzero_ps();
+    if (w->type == WT_Q8_X8 && g + 2 < w->N / 16)  // the LM head: its next groups, ahead of the stream
+        for (int off = 0; off < KB * 544; off += 64) _mm_prefetch((const char *)wg + 2 * KB * 544 + off, _MM_HINT_T1);
+    int chunk = x8_amx && M >= AMX_X8_MIN_ROWS ? 16 : ROWS_X8;
+    for (int m0 = 0; m0 < M; m0 += chunk) {
+        int rows = M - m0 < chunk ? M - m0 : chunk;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+        if (chunk == 16) group_amx(w, wg, KB, a, K, m0, rows, acc);
+        else
+#endif
+        if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
+        else group_q8(wg, KB, a, K, m0, rows, acc);
+        for (int i = 0; i < rows; i++)
+            _mm256_storeu_si256((__m256i *)(job->y + (int64_t)(m0 + i) * job->ldy + n0), to_bf16x16(_mm512_add_ps(acc[i], b)));
+    }
+}
+
+int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8; }
+
+int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *work) {
+    for (int j = 0; j < count; j++)
+        if (!is_x8(jobs[j].w->type) || jobs[j].w->K != K || K % 32 || jobs[j].w->N % 16) return -1;
+    qrows a = x8_parts(work, M, K);
+    int KB = K / 32;
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
+                        a.s + (int64_t)m * KB);
+    int first[9], total = 0;  // job j's groups are [first[j], first[j + 1]) of the batch's
+    for (int j = 0; j < count && j < 8; j++) { first[j] = total; total += jobs[j].w->N / 16; }
+    first[count] = total;
+#pragma omp for schedule(static)
+    for (int t = 0; t < total; t++) {
+        int j = 0;
+        while (t >= first[j + 1]) j++;
+        x8_group(&jobs[j], t - first[j], &a, M, K);
+    }
+    return 0;
+}
+
+// Row n of an X8 weight as bf16: the converter's values (Q4: bf16(d q + m); Q8: bf16(d q)),
+// for the embedding lookup and the prefill's dequantized copy.
+void x8_row(const wmat *w, int64_t n, uint16_t *out) {
+    int KB = w->K / 32, gb = x8_group_bytes(w->type);
+    int64_t g = n / 16, j = n % 16;
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
+        uint16_t dh, mh = 0;
+        if (w->type == WT_Q4_X8) {
+            memcpy(&dh, b + 256 + 2 * j, 2);
+            memcpy(&mh, b + 288 + 2 * j, 2);
+        } else {
+            memcpy(&dh, b + 512 + 2 * j, 2);
+        }
+        float d = _cvtsh_ss(dh), mv = _cvtsh_ss(mh);
+        for (int e = 0; e < 32; e++) {
+            float v;
+            if (w->type == WT_Q4_X8) {
+                int half = e / 16, r = e % 16, p = r / 4, byte = r % 4;
+                int code = b[64 * p + 4 * j + byte];
+                int qv = half ? code >> 4 : code & 15;
+                v = d * (float)qv + mv;  // d * q is exact (fp16 x 4 bits): one rounding, as gguf's
+            } else {
+                int t = e / 4, byte = e % 4;
+                v = d * (float)((int)b[64 * t + 4 * j + byte] - 128);
+            }
+            out[32 * kb + e] = to_bf16(v);
+        }
+    }
+}

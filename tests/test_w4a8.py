@@ -1,0 +1,186 @@
+"""W4A8 (issue 30, the integer-activation design): the GGUF's 4-/8-bit blocks times 8-bit
+activations (csrc/gemm_x8.c). These numerics are their own reference: a row computes the same
+bits alone or in a tree (integer block sums, one fixed fp32 sequence per element), VNNI and
+AMX-INT8 give the same bits, the native step equals the transformers path on them, and greedy
+speculation equals plain decoding; their distance from the bf16 numerics is measured."""
+
+import numpy as np
+import pytest
+import torch
+
+from core import cache as kv
+from core import native, quant
+from core.config import GenerationConfig, TreeConfig
+from core.engine import Engine, forward_tree, plain_forward, prefill
+from core.invariant import BlockLinear, tree_ancestors
+from core.step import NativeStep
+from tests.test_step import TYPES, quantized_llama, random_tree
+
+pytestmark = pytest.mark.skipif(not native.status().available,
+                                reason=f"core.native unavailable: {native.status().reason}")
+
+
+def x8_model(kind: str):
+    """quantized_llama with its layers packed for 8-bit activations and a Q8_0 LM head."""
+    from gguf import quants
+
+    model, blocks = quantized_llama(kind, tiled=False)
+    packed = {name: quant.pack_x8(b) for name, b in blocks.items()}
+    lm = model.lm_head.weight
+    raw = quants.quantize(lm.float().numpy(), TYPES["Q8_0"])
+    packed["lm_head.weight"] = quant.pack_x8(quant.Blocks(int(TYPES["Q8_0"]), torch.from_numpy(raw.copy()), *lm.shape))
+    return model, blocks, packed
+
+
+def reference(x: torch.Tensor, b: quant.Blocks) -> np.ndarray:
+    """csrc/gemm_x8.c's numerics from their definition, in float64 after the exact integer sums:
+    x per block of 32 -> d = max|x| / 127, q = rint(x * (127 / max|x|)) (fp32), weights from the
+    file's blocks."""
+    xf = x.float().numpy().reshape(x.shape[0], -1, 32)                         # (M, KB, 32)
+    amax = np.abs(xf).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((xf * inv).astype(np.float32)), -127, 127).astype(np.int64)
+    d = (amax / np.float32(127)).astype(np.float32)[..., 0].astype(np.float64)   # (M, KB)
+    n, kb, bs = b.n, b.k // 32, quant.SUPPORTED[b.type][1]
+    raw = b.data.numpy().reshape(n, kb, bs)
+    dw = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)      # (N, KB)
+    if b.type == 8:
+        qw, mw = raw[..., 2:34].view(np.int8).astype(np.int64), np.zeros((n, kb))
+    else:
+        qs = raw[..., 4:20] if b.type == 3 else raw[..., 2:18]
+        qw = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64)             # (N, KB, 32)
+        mw = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if b.type == 3 else -8 * dw
+    isum = np.einsum("mbk,nbk->mnb", q, qw)                                      # exact integers
+    return (isum * dw[None] * d[:, None] + mw[None] * (d * q.sum(-1))[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_packed_blocks_hold_the_same_weights_and_multiply_as_defined(kind):
+    model, blocks = quantized_llama(kind, tiled=False)
+    gen = torch.Generator().manual_seed(3)
+    for name, b in list(blocks.items())[:4]:
+        packed = quant.pack_x8(b)
+        assert packed.nbytes <= b.nbytes + b.n * (b.k // 32) * 2  # Q4_0 gains its minimum, nothing more
+        assert torch.equal(native.dequantize(native.wmat(blocks=packed)), native.dequantize(native.wmat(blocks=b)))
+        x = torch.randn(6, b.k, generator=gen).bfloat16()
+        x[0, 5] = 40.0  # an outlier: its block's scale, not the row's
+        y = native.linear_w(x, native.wmat(blocks=packed)).float().numpy()
+        ref = reference(x, b)
+        assert np.all(np.abs(y - ref) <= np.abs(ref) * 2 ** -8 + 1e-4), (name, np.abs(y - ref).max())
+
+
+def test_packing_refuses_what_the_kernel_cannot_read():
+    model, blocks = quantized_llama("Q4_1", tiled=True)
+    name, b = next(iter(blocks.items()))
+    with pytest.raises(quant.QuantWeightError, match="cannot be packed for 8-bit activations"):
+        quant.pack_x8(b)
+    odd = quant.Blocks(3, torch.zeros(24, 20, dtype=torch.uint8), 24, 32)  # 24 rows: not a multiple of 16
+    with pytest.raises(quant.QuantWeightError, match="Q4_1 weight 24 x 32"):
+        quant.pack_x8(odd)
+
+
+def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
+    model, blocks, packed = x8_model("Q4_1")
+    k = native._library()[0]
+    gen = torch.Generator().manual_seed(5)
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
+        w = native.wmat(blocks=packed[name])
+        x = torch.randn(40, w.K, generator=gen).bfloat16()
+        alone = torch.cat([native.linear_w(x[i:i + 1], w) for i in range(40)])
+        had = k.x8_amx_enable(1)  # 1 where this machine has AMX-INT8
+        try:
+            for m in (2, 5, 9, 16, 17, 40):  # VNNI chunks of 8, AMX chunks of 16, and leftovers
+                for amx in {0, had}:
+                    k.x8_amx_enable(amx)
+                    assert torch.equal(native.linear_w(x[:m], w), alone[:m]), (name, m, amx)
+        finally:
+            k.x8_amx_enable(had)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
+def test_step_on_w4a8_equals_the_transformers_path_alone_and_in_random_trees(kind):
+    model, _, packed = x8_model(kind)
+    step = NativeStep(model, packed, "test")
+    assert step.info.weights.startswith("4-bit weights x 8-bit activations")
+    step.drop_bf16_layers()  # transformers' linears (and LM head) now read the same packed blocks
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.wmat.type == 101
+    gen = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for case in range(5):
+            context = int(torch.randint(3, 90, (1,), generator=gen))
+            ids = torch.randint(0, 512, (context,), generator=gen)
+            tree = random_tree(gen, int(torch.randint(1, 25, (1,), generator=gen)), 512)
+            ref_cache, cache = kv.new_cache(model), kv.new_cache(model)
+            prefill(model, ids, ref_cache)
+            prefill(step, ids, cache)
+            ref_feat, ref_logits = forward_tree(model, tree, ref_cache, context)
+            feat, logits = forward_tree(step, tree, cache, context)
+            assert torch.equal(logits, ref_logits) and torch.equal(feat, ref_feat), (case, context, tree.size)
+            node = tree.size - 1  # the deepest-numbered node again, as a plain one-token step
+            path = tree_ancestors(tree.parents, tree.depths)[node, :int(tree.depths[node]) + 1]
+            kv.keep(cache, context, path[:-1])
+            _, row = plain_forward(step, int(tree.tokens[node]), cache, context + len(path) - 1)
+            assert torch.equal(row, logits[node])
+
+
+# ---- the real embedded model ----
+
+@pytest.fixture(scope="module")
+def smollm2_w4a8():
+    torch.set_num_threads(2)
+    eng = Engine.load(weights="w4a8")
+    yield eng
+    torch.set_num_threads(1)
+
+
+@pytest.mark.slow
+def test_greedy_speculation_equals_plain_on_the_w4a8_step(smollm2_w4a8):
+    eng = smollm2_w4a8
+    assert isinstance(eng.forwarder, NativeStep) and eng.numerics.exact
+    assert "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2" in eng.numerics.describe()
+    long = "Summarise this text in two sentences:\n" + " ".join(
+        f"Paragraph {i}: the river carries silt from the mountains to the delta, where farmers plant rice." for i in range(24))
+    prompts = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
+               [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "Mars."},
+                {"role": "user", "content": "Tell me one fact about it."}],
+               long, "List three ways to save water at home."]
+    assert len(eng.encode(long)) >= 256
+    trees = [TreeConfig(depth=1, top_k=1, total_tokens=2), TreeConfig(depth=3, top_k=4, total_tokens=8),
+             TreeConfig(depth=4, top_k=6, total_tokens=10), TreeConfig(depth=5, top_k=8, total_tokens=16),
+             TreeConfig(depth=6, top_k=10, total_tokens=32), TreeConfig(depth=4, top_k=8, total_tokens=24, lookup=8)]
+    for prompt in prompts:
+        run = lambda **kw: [t for ev in eng.generate(prompt, GenerationConfig(max_new_tokens=40, **kw))
+                            for t in ev.token_ids]
+        plain = run(speculative=False)
+        for tree in trees:
+            assert run(tree=tree) == plain, (prompt, tree)
+
+
+@pytest.mark.slow
+def test_w4a8_stays_close_to_the_bf16_numerics_on_a_fixed_text(smollm2_w4a8):
+    """Quality against the bf16 path (the same weights, bf16 activations): teacher-forced over a
+    fixed text, the next-token choice agrees at >= 90% of positions and the perplexity is within
+    5%. Measured 2026-12-02: see docs/native-step.md (w4a8 section)."""
+    eng = smollm2_w4a8
+    text = ("The water cycle describes how water moves between the oceans, the air and the land. The sun warms "
+            "the surface of the sea, and water evaporates into the atmosphere as vapour. As the vapour rises it "
+            "cools and condenses into tiny droplets that form clouds. When the droplets grow heavy they fall as "
+            "rain or snow. Some of that water runs off into rivers and lakes, some soaks into the ground and "
+            "refills aquifers, and some is taken up by plants, which release it again through their leaves. "
+            "Over time the rivers carry the water back to the sea, and the cycle begins again.")
+    ids = torch.tensor(eng.encode(text))
+    scores = {}
+    with torch.inference_mode():
+        for name, model in (("w4a8", eng.step), ("bf16", None)):
+            if model is None:
+                bf16 = Engine.load(weights="bf16")
+                model = bf16.step
+            cache = kv.new_cache(model.hf)
+            prefill(model, ids[:1], cache)
+            rows = [plain_forward(model, int(ids[i]), cache, i)[1].float() for i in range(1, len(ids) - 1)]
+            logits = torch.stack(rows)                                   # (T - 2, V): predicts ids[2:]
+            scores[name] = (logits.argmax(-1), torch.nn.functional.cross_entropy(logits, ids[2:]).exp().item())
+    agree = (scores["w4a8"][0] == scores["bf16"][0]).float().mean().item()
+    ppl_w, ppl_b = scores["w4a8"][1], scores["bf16"][1]
+    assert agree >= 0.90, agree
+    assert abs(ppl_w / ppl_b - 1) <= 0.05, (ppl_w, ppl_b)
