@@ -51,7 +51,8 @@ if __name__ == "__main__":  # run as a command: choose the OpenMP policy before 
 
 import torch
 
-from core.config import WEIGHTS, ConfigError, GenerationConfig, SamplingConfig, TreeConfig
+from core.config import (WEIGHTS, ConfigError, GenerationConfig, SamplingConfig, TreeConfig, add_tree_args,
+                         tree_changes)
 from core.engine import Engine, EngineError, uses_exact_kernels
 from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
@@ -605,12 +606,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", choices=("auto", "manual"), help="auto (default) unless --depth/--top-k/--total-tokens")
-    p.add_argument("--depth", type=int)
-    p.add_argument("--top-k", type=int, help="draft tree branching")
-    p.add_argument("--total-tokens", type=int, help="tree size incl. root")
-    p.add_argument("--lookup", type=int, help="eagle: tokens copied from earlier text into the tree "
-                   "(0 = off; default: the chosen tree's); mode eagle-head always runs without")
+    p.add_argument("--tree", choices=("auto", "manual"), help="auto (default unless --depth/--top-k/--total-tokens): "
+                   "the tree the app drafts with, tuned now where none is tuned or shipped; manual: the engine's "
+                   "default tree with those settings over it (TreeConfig.override: its lookup and long-chat caps "
+                   "stay). Mode eagle-head always runs without lookup")
+    add_tree_args(p)
     p.add_argument("--lookup-tokens", type=int, default=10, help="hf-lookup: prompt_lookup_num_tokens")
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default",
@@ -685,13 +685,27 @@ def start_llama_cpp(a: argparse.Namespace, exe: Path | None, engine: Engine) -> 
     return LlamaServer(exe, gguf, torch.get_num_threads(), engine.max_context, llama_cpp_args(a))
 
 
-def _tree_choice(a: argparse.Namespace) -> TreeConfig | None:
-    """The manual tree, or None for auto; refuses auto mixed with manual settings."""
-    given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens))
-             if v is not None}
-    if a.tree == "auto" and given:
+def _tree_choice(a: argparse.Namespace) -> tuple[bool, dict[str, int]]:
+    """(manual?, the tree settings given), checked before the model loads; refuses auto mixed
+    with settings of the tree's shape (--lookup goes with either)."""
+    given = tree_changes(a)
+    shaped = any(k != "lookup" for k in given)
+    if a.tree == "auto" and shaped:
         raise BenchError("--tree auto chooses the tree itself; drop --depth/--top-k/--total-tokens")
-    return TreeConfig(**given) if given or a.tree == "manual" else None
+    return shaped or a.tree == "manual", given
+
+
+def bench_tree(engine: Engine, manual: bool, given: dict[str, int], spec: bool) -> tuple[TreeConfig, str]:
+    """(the tree the eagle modes draft with, where it came from): the user's settings over the
+    engine's default tree (manual) or over the app's tree (auto), by TreeConfig.override."""
+    if manual:
+        tree, source = engine.default_tree, "manual"
+    elif spec:
+        tree, source = auto_tree(engine)
+    else:
+        tree, source = TreeConfig(), "unused (no eagle mode)"
+    lookup = f", lookup {given['lookup']} (--lookup)" if "lookup" in given else ""
+    return tree.override(**given), source + lookup
 
 
 def load_engine(a: argparse.Namespace, need_head: bool) -> tuple[Engine, str | None]:
@@ -723,7 +737,7 @@ def main(argv=None) -> int:
                 raise BenchError(f"--limit must be >= 1, got {a.limit}")
             prompts = prompts[:a.limit]
         sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
-        manual = _tree_choice(a)
+        manual, given = _tree_choice(a)
         settings = BenchSettings(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed,
                                  lookup_tokens=a.lookup_tokens, warmup=not a.no_warmup)
         if a.threads is not None:
@@ -732,14 +746,7 @@ def main(argv=None) -> int:
         set_threads(a.threads)
         spec = any(m in SPEC_MODES for m in modes)
         engine, head_name = load_engine(a, spec)
-        if manual is not None:
-            tree, source = manual, "manual"
-        elif spec:
-            tree, source = auto_tree(engine)
-        else:
-            tree, source = TreeConfig(), "unused (no eagle mode)"
-        if a.lookup is not None:
-            tree, source = replace(tree, lookup=a.lookup), f"{source}, lookup {a.lookup} (--lookup)"
+        tree, source = bench_tree(engine, manual, given, spec)
         settings = replace(settings, tree=tree, tree_source=source)
         with start_llama_cpp(a, llama_exe, engine) as llama:
             result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True, llama=llama)

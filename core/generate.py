@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import core.threads
-from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
-                         add_runtime_args)
+from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, add_runtime_args,
+                         add_tree_args, tree_changes)
 
 # torch and transformers load only after the arguments are checked (that takes seconds)
 EMBEDDED = "smollm2"
@@ -32,11 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--depth", type=int, default=None, help="tree depth (default: tuned for this machine)")
-    p.add_argument("--top-k", type=int, default=None, help="draft tree branching")
-    p.add_argument("--total-tokens", type=int, default=None, help="tree size incl. root")
-    p.add_argument("--lookup", type=int, default=None, help="tokens copied from earlier text into the "
-                   "tree when it repeats (0 = off; default: the tuned tree's)")
+    add_tree_args(p)
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = shipped head")
     add_runtime_args(p)
@@ -68,9 +64,7 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
         raise ArgumentError(f"--threads must be >= 1, got {a.threads}")
     if a.dtype not in DTYPE_NAMES:
         raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    given = {k: v for k, v in (("depth", a.depth), ("top_k", a.top_k), ("total_tokens", a.total_tokens),
-                               ("lookup", a.lookup)) if v is not None}
-    TreeConfig(**given)
+    given = tree_changes(a)
     config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
                               sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p))
     return prompt, given, config
@@ -94,7 +88,7 @@ def main(argv=None) -> int:
     try:
         engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, attention=a.attention,
                              device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
-        config = replace(config, tree=replace(engine.default_tree, **given))
+        config = replace(config, tree=engine.default_tree.override(**given))
         last = None
         for last in engine.generate(prompt, config):
             sys.stdout.write(last.text)

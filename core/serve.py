@@ -57,7 +57,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from core.config import DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, add_runtime_args
+from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig, add_runtime_args,
+                         add_tree_args, tree_changes)
 from core.engine import Engine, EngineError, StepEvent
 
 log = logging.getLogger("eagle_chat.serve")
@@ -92,6 +93,7 @@ class ServeConfig:
     max_prompt_tokens: int = 8192   # and never more than the model's context leaves room for
     default_max_tokens: int = 512   # a chat request without max_tokens
     max_queue: int = 8              # answers that may wait behind the running one
+    tree: tuple[tuple[str, int], ...] = ()  # (setting, value) over the engine's default tree (--depth, ...)
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -101,6 +103,11 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {value!r}")
+        TreeConfig().override(**dict(self.tree))
+
+    def tree_over(self, default: TreeConfig) -> TreeConfig:
+        """The tree every answer drafts: the engine's default with this server's settings over it."""
+        return default.override(**dict(self.tree))
 
 
 def is_loopback(host: str) -> bool:
@@ -222,7 +229,8 @@ def parse(body, engine: Engine, model_id: str, chat: bool, limits: ServeConfig =
                                   top_p=_number(body, "top_p", 1.0, 0, 1))
         default = limits.default_max_tokens if chat else 16  # 16: OpenAI's default for completions
         config = GenerationConfig(max_new_tokens=max_tokens or min(default, room),
-                                  speculative=engine.has_head, tree=engine.default_tree, sampling=sampling,
+                                  speculative=engine.has_head, tree=limits.tree_over(engine.default_tree),
+                                  sampling=sampling,
                                   stop_strings=_stops(body.get("stop")), seed=seed)
     except ConfigError as e:
         raise ApiError(400, str(e)) from e
@@ -542,6 +550,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "shipped or catalogue head; 'none' = plain decoding")
     p.add_argument("--served-model-name", default=None, help="the model id clients send [default: --model]")
     add_runtime_args(p, dtype_help=': as core.generate and the app')
+    add_tree_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; any but a loopback one "
                    "(127.0.0.1, ::1, localhost) needs --api-key")
     p.add_argument("--port", type=int, default=8000)
@@ -567,7 +576,8 @@ def check_args(a: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"--port must be in 0..65535, got {a.port}")
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
     limits = ServeConfig(api_key=key, max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens,
-                         default_max_tokens=a.default_max_tokens, max_queue=a.max_queue)
+                         default_max_tokens=a.default_max_tokens, max_queue=a.max_queue,
+                         tree=tuple(tree_changes(a).items()))
     if key is None and not is_loopback(a.host):
         raise ConfigError(f"--host {a.host} is not a loopback address, so anyone who can reach this machine "
                           f"could use the API: give --api-key KEY (or set {API_KEY_ENV}; clients then send "

@@ -213,3 +213,25 @@ def test_auto_tree_is_the_apps_tree_and_tunes_only_without_one(tmp_path, monkeyp
     eng.tree_choice = TreeChoice(TreeConfig(), BUILT_IN)
     assert bench.auto_tree(eng) == (TreeConfig(depth=1, top_k=2, total_tokens=2), "auto (tuned now)")
     assert tuned == [{"confirm_top": 4}]
+
+
+def test_tree_settings_go_over_the_default_tree_keeping_lookup_and_long_chat_caps():
+    """TreeConfig.override, the rule every entry point uses: a tree by hand keeps the default's
+    lookup and caps (the bench built it from scratch before, without them)."""
+    from core.treestore import TreeChoice
+
+    target = tiny_target()
+    eng = Engine(target, random_head(target))
+    shipped = TreeConfig(depth=3, top_k=8, total_tokens=10, lookup=24, lookup_total_tokens=6,
+                         long_context=((2048, 0, 0),))
+    eng.tree_choice = TreeChoice(shipped, "shipped with the head")
+    manual, given = bench._tree_choice(bench.parse_args(["--total-tokens", "4"]))
+    tree, source = bench.bench_tree(eng, manual, given, spec=True)
+    assert manual and source == "manual"
+    assert tree == TreeConfig(depth=3, top_k=8, total_tokens=4, lookup=24, long_context=((2048, 0, 0),))
+    manual, given = bench._tree_choice(bench.parse_args(["--lookup", "0"]))
+    assert not manual, "--lookup alone keeps the auto tree"
+    assert bench.bench_tree(eng, manual, given, spec=True) == (
+        shipped.override(lookup=0), "auto (shipped with the head), lookup 0 (--lookup)")
+    manual, given = bench._tree_choice(bench.parse_args(["--tree", "manual"]))
+    assert bench.bench_tree(eng, manual, given, spec=True) == (shipped, "manual")

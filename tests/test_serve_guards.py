@@ -24,6 +24,26 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = {"messages": user("w5 w6"), "max_tokens": 4000, "temperature": 0}
 
 
+def test_tree_settings_go_over_the_engines_default_tree():
+    """--depth, --top-k, --total-tokens, --lookup: TreeConfig.override on the engine's default tree,
+    for every answer (the server ignored them before)."""
+    from core.config import TreeConfig
+    from core.serve import parse
+    from core.treestore import TreeChoice
+
+    limits = check_args(parse_args(["--depth", "2", "--lookup", "0"]))
+    assert limits.tree == (("depth", 2), ("lookup", 0)) and check_args(parse_args([])).tree == ()
+    engine = eos_free_engine()
+    shipped = TreeConfig(depth=3, top_k=8, total_tokens=10, lookup=24, lookup_total_tokens=6,
+                         long_context=((2048, 0, 0),))
+    engine.tree_choice = TreeChoice(shipped, "shipped with the head")
+    body = {"messages": user("w5 w6"), "max_tokens": 4}
+    assert parse(body, engine, "tiny", True, limits).config.tree == shipped.override(depth=2, lookup=0)
+    assert parse(body, engine, "tiny", True).config.tree == shipped
+    with pytest.raises(ConfigError, match="tree depth"):
+        check_args(parse_args(["--depth", "0"]))
+
+
 def eos_free_engine() -> Engine:
     target = tiny_target(mix=0.005, seed=3, max_pos=4096)
     target.model.lm_head.weight[0].zero_()  # eos logit 0: never the argmax, so answers run to their cap
