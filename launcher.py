@@ -18,7 +18,7 @@ import socket
 import sys
 
 import core.threads  # noqa: I001
-from core.config import WEIGHTS
+from core.config import WEIGHTS, WEIGHTS_HELP
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -59,9 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention kernels of the target; exact = batch-invariant (speculation bit-identical "
                    "to plain decoding in bf16) [default: auto, or the last one used]")
     p.add_argument("--weights", default=None, choices=WEIGHTS,
-                   help="what the native decode step reads: q4 = the GGUF's own 4-bit blocks (the embedded model), "
-                   "bf16 = the model's bf16 tensors; auto = q4 where the target came from a GGUF [default: auto, or "
-                   "the last one used]")
+                   help=WEIGHTS_HELP + " [default: auto, or the last one used]")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads [default: OMP_NUM_THREADS if set, else every core on a quiet machine and "
                    "the idle ones on a busy one]")

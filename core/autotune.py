@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from core import cache as kv
 from core.clock import median_time
-from core.config import WEIGHTS, GenerationConfig, TreeConfig
+from core.config import WEIGHTS, WEIGHTS_HELP, GenerationConfig, TreeConfig
 from core.engine import Engine, forward_tree, prefill
 from core.head import HeadCache
 from core.lookup import DEFAULT_TOKENS, chain_tree
@@ -385,9 +385,7 @@ def main(argv=None) -> None:
     p.add_argument("--head", default="default")
     p.add_argument("--dtype", default="auto", help="auto: bf16 with exact kernels on CPU where the probe passes")
     p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
-    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = "
-                   "the GGUF's own blocks, bf16 = the model's bf16 tensors, auto = q4 where the target came from "
-                   "a GGUF")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
@@ -398,7 +396,7 @@ def main(argv=None) -> None:
                         "the fastest (0 = trust the cost model; default 4)")
     p.add_argument("--ship", action="store_true",
                    help=f"also write the choice beside the head: to tree.<gemm>.json where the head has one for "
-                        f"this machine's GEMM (amx, avx512), else to {TREE_FILE}")
+                        f"this machine's GEMM (amx, avx512, amx-w4a8, avx512-w4a8), else to {TREE_FILE}")
     a = p.parse_args(argv)
     core.threads.start()  # no-op where the command line already did
     core.threads.set_threads(a.threads)

@@ -51,8 +51,8 @@ if __name__ == "__main__":  # run as a command: choose the OpenMP policy before 
 
 import torch
 
-from core.config import (WEIGHTS, ConfigError, GenerationConfig, SamplingConfig, TreeConfig, add_tree_args,
-                         tree_changes)
+from core.config import (WEIGHTS, WEIGHTS_HELP, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
+                         add_tree_args, tree_changes)
 from core.engine import Engine, EngineError, uses_exact_kernels
 from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
@@ -618,8 +618,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: bf16 with exact kernels on CPU where the probe "
                    "passes, else fp32")
     p.add_argument("--attention", default="auto", help="auto, exact, sdpa or eager")
-    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="what the native decode step reads: q4 = the "
-                   "GGUF's own blocks, bf16 = the model's bf16 tensors, auto = q4 where the target came from a GGUF")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help=WEIGHTS_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default: every core on a quiet machine, the idle ones on a busy one)")
     p.add_argument("--no-warmup", action="store_true")

@@ -99,6 +99,7 @@ class StepInfo:
     weights: str        # e.g. "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2-...gguf) (96 MB
                         # per token)", "Q4_1 blocks from SmolLM2-...gguf (123 MB per token)", "bf16 (269 MB per token)"
     weight_bytes: int   # bytes the step's GEMMs stream per forward
+    activations: str = "bf16"  # what the GEMMs multiply the weights by: "bf16", or "int8" (w4a8)
 
 
 class NativeStep:
@@ -146,7 +147,8 @@ class NativeStep:
         kind = f"{'/'.join(sorted(names))} blocks from {source}" if names else "bf16"
         if any(b.type in X8 for b in blocks.values()):
             kind = f"4-bit weights x 8-bit activations ({kind})"
-        self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed)
+        self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed,
+                             "int8" if any(b.type in X8 for b in blocks.values()) else "bf16")
 
     @property
     def config(self):

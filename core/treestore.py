@@ -5,7 +5,7 @@ measures and writes it), so neither imports the other. A tree is looked up in or
   1. tuned on this machine: `~/.cache/eagle-chat/autotune/<key>.json`, keyed by model, head,
      device, dtype, attention, draft vocabulary, thread count and OpenMP wait policy;
   2. shipped: `tree.<gemm>.json` beside the head where this machine's decoding GEMM
-     (`core.native.gemm_kind()`: "amx", "avx512") has its own tuned tree, else `tree.json`
+     (`engine_gemm`: "amx", "avx512", "amx-w4a8", "avx512-w4a8") has its own tuned tree, else `tree.json`
      (tuned where the head was trained). A verified row costs about 1.5 ms with the AVX-512
      GEMM and almost nothing on AMX tiles, so the fastest tree differs between them;
   3. built in: `TreeConfig()`.
@@ -80,8 +80,13 @@ def tuned_tree(engine) -> TreeChoice | None:
 
 
 def engine_gemm(engine) -> str | None:
-    """The decoding GEMM this engine's target runs on ("amx", "avx512"), None off the CPU."""
-    return native.gemm_kind() if str(engine.target.device).startswith("cpu") else None
+    """The decoding GEMM this engine's target runs on ("amx", "avx512"; "amx-w4a8", "avx512-w4a8"
+    on 8-bit activations, where a verified row costs more than on AMX bf16 tiles), None off the CPU."""
+    if not str(engine.target.device).startswith("cpu"):
+        return None
+    kind = native.gemm_kind()
+    step = getattr(engine, "step", None)
+    return f"{kind}-w4a8" if kind and step is not None and step.info.activations == "int8" else kind
 
 
 def shipped_tree_path(head_folder, gemm: str | None = None) -> Path:

@@ -373,6 +373,8 @@ def test_smollm2_streams_its_own_greedy_text():
         stream = client.chat.completions.create(model="smollm2", messages=user("What is the capital of France?"),
                                                 max_tokens=16, temperature=0, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert text == engine_text(engine, user("What is the capital of France?"), 16) and "Paris" in text
+        # the engine's own greedy text, whatever it says (on w4a8 the first token is a near tie between
+        # "The" and "L"; quality against bf16 is measured in tests/test_w4a8.py)
+        assert text.strip() and text == engine_text(engine, user("What is the capital of France?"), 16)
     finally:
         server.stop()
