@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import gradio as gr
 
-from app.chat import empty_frame
+from app.chat import Pace, empty_frame
 from app.controls import CONTROLS, control_updates
 from app.errors import UserError, refuse, user_error
 from app.models_tab import LOAD_ERRORS, LOCKED
@@ -98,7 +98,7 @@ class BackendHandlers:
         deadline = time.monotonic() + seconds if seconds else None
         events = backend.chat(msgs, max_tokens=cfg.max_new_tokens, temperature=cfg.sampling.temperature,
                               top_p=cfg.sampling.top_p, seed=cfg.seed)
-        timed_out = False
+        timed_out, pace = False, Pace()
         try:
             for ev in events:
                 view.add(ev)
@@ -107,7 +107,8 @@ class BackendHandlers:
                 if ticket.stop.is_set() or timed_out:
                     view.stopped = ticket.stop.is_set()
                     break
-                yield self._remote_render(shown, view, notices)
+                if not ev.finished and pace.due() is not None:  # see app.session.Pace
+                    yield self._remote_render(shown, view, notices)
         except RemoteError as e:
             message = user_error(str(e))
             if not view.text:  # nothing answered: back to the conversation as it was

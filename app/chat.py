@@ -10,6 +10,7 @@ committed per target forward.
 from __future__ import annotations
 
 import html
+import time
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -165,6 +166,32 @@ class AnswerView:
         legend = ('<div class="tok-legend"><span class="tok-draft">accepted draft</span> '
                   '<span class="tok-bonus">bonus token</span> <span class="tok-plain">plain decoding</span></div>')
         return f'{legend}<div class="tok-view">{"".join(spans)}</div>'
+
+
+class Pace:
+    """How often a streaming answer updates the page. Every update makes the browser re-render the
+    chat's markdown (and, with the panel, redraw the chart and the token view); one per engine
+    step (up to hundreds a second) kept the page busy, so clicks (Stop) and scripts waited seconds.
+    The first step shows at once (the time to first token is the visitor's); later text at most
+    every TEXT_S, the panel at most every PANEL_S; the end of an answer always shows in full."""
+
+    TEXT_S = 0.1
+    PANEL_S = 0.5
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.text_at = self.panel_at = None
+
+    def due(self) -> bool | None:
+        """None: no update now; else whether this update includes the panel."""
+        now = self.clock()
+        if self.text_at is not None and now - self.text_at < self.TEXT_S:
+            return None
+        self.text_at = now
+        panel = self.panel_at is None or now - self.panel_at >= self.PANEL_S
+        if panel:
+            self.panel_at = now
+        return panel
 
 
 def empty_frame() -> pd.DataFrame:

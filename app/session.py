@@ -15,7 +15,7 @@ from dataclasses import replace
 import gradio as gr
 
 from app.backend import BackendHandlers
-from app.chat import AnswerView, empty_frame, engine_messages, trim_to_context
+from app.chat import AnswerView, Pace, empty_frame, engine_messages, trim_to_context
 from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
@@ -254,6 +254,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         yield self._render(shown, view, highlight, notices, y_max, box="")
         deadline = time.monotonic() + seconds if seconds else None
         gen = engine.generate(msgs, cfg)
+        pace = Pace()
         try:
             for ev in gen:
                 view.add(ev)
@@ -261,7 +262,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline and not ev.finished):
                     view.stopped = ticket.stop.is_set()
                     break
-                yield self._render(shown, view, highlight, notices, y_max)
+                if not ev.finished and (panel := pace.due()) is not None:
+                    yield self._render(shown, view, highlight, notices, y_max, panel=panel)
         except Exception as e:
             message = user_error(str(e)) if isinstance(e, USER_ERRORS) else fault(e)
             if not view.rows:  # nothing answered: back to the conversation as it was
@@ -287,9 +289,13 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         return []
 
     @staticmethod
-    def _render(history, view: AnswerView, highlight, notices, y_max, box=None):
-        return (history, history, gr.skip() if box is None else box, chart(view, y_max), view.stats_markdown(),
-                view.summary(), view.highlight_html() if highlight else "", "\n\n".join(notices))
+    def _render(history, view: AnswerView, highlight, notices, y_max, box=None, panel=True):
+        """The chat outputs; without `panel`, the chart, the raw numbers and the token view are left
+        as they are (Pace: they are the page's costliest redraws)."""
+        skip = gr.skip()
+        return (history, history, skip if box is None else box, chart(view, y_max) if panel else skip,
+                view.stats_markdown(), view.summary() if panel else skip,
+                (view.highlight_html() if highlight else "") if panel else skip, "\n\n".join(notices))
 
     # ---- side by side -----------------------------------------------------------------
     def compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,

@@ -30,16 +30,23 @@ CSS = """
 input[type=checkbox]:not(:checked):not(:disabled) { background-color: #ffffff; border: 2px solid #6366f1; }
 input[type=checkbox]:disabled { opacity: 0.45; cursor: not-allowed; }
 label:has(> input[type=checkbox]:disabled) { cursor: not-allowed; }
-/* a number outside its slider's range is marked while typed; see RANGE_NOTE_JS for the note */
+/* a number outside its slider's range is marked while typed; see PAGE_JS for the note */
 input[type=number]:invalid { outline: 2px solid #dc2626; }
 .range-note { color: #b45309; font-size: 0.85em; margin-top: 2px; }
 """
 MAX_DEPTH = 16  # the depth slider's range is 1..MAX_DEPTH; the tree size slider reaches 96 > MAX_DEPTH + 1
 
+# Runs once when the page loads.
+# Esc stops the answer (or the race) being written, like the Stop button of the tab in view.
 # Gradio clamps a typed number to its slider's range when the box loses focus, silently. This
 # says what was changed, under the slider (capture phase: before Gradio's own blur handler).
-RANGE_NOTE_JS = """
+PAGE_JS = """
 () => {
+  document.addEventListener("keydown", (event) => {
+    if (event.key !== "Escape" || event.defaultPrevented) return;
+    const stop = [...document.querySelectorAll("#stop, #compare-stop")].find((b) => b.offsetParent !== null);
+    if (stop) stop.click();
+  });
   document.addEventListener("blur", (event) => {
     const box = event.target;
     if (!(box instanceof HTMLInputElement) || box.type !== "number" || box.value === "") return;
@@ -93,7 +100,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                              scale=6, elem_id="message", autofocus=True)
                             send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
                         with gr.Row():
-                            stop = gr.Button("Stop", elem_id="stop")
+                            stop = gr.Button("Stop (Esc)", elem_id="stop")
                             regen = gr.Button("Regenerate", elem_id="regenerate")
                             clear = gr.Button("Clear", elem_id="clear")
                         system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2)
@@ -132,7 +139,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                     prompt = gr.Textbox(label="Prompt", show_label=False, placeholder="Prompt", scale=6,
                                         elem_id="compare-prompt")
                     run = gr.Button("Compare", variant="primary", scale=1, elem_id="compare", **props["compare"])
-                    stop2 = gr.Button("Stop", scale=1)
+                    stop2 = gr.Button("Stop", scale=1, elem_id="compare-stop")
                 compare_note = gr.Markdown(elem_id="compare-note", **props["compare_note"])
                 with gr.Row():
                     plain_out = gr.Markdown(elem_id="plain-answer")
@@ -251,6 +258,6 @@ def launch(app: App, *, port: int | None, share: bool, auth: tuple[str, str] | N
     """Start serving without blocking; returns (local_url, share_url or None)."""
     app.demo.queue(default_concurrency_limit=1)
     app.demo.launch(server_name="127.0.0.1", server_port=port, share=share, auth=auth, inbrowser=inbrowser,
-                    prevent_thread_lock=True, css=CSS, js=RANGE_NOTE_JS, theme=gr.themes.Soft(), quiet=True,
+                    prevent_thread_lock=True, css=CSS, js=PAGE_JS, theme=gr.themes.Soft(), quiet=True,
                     footer_links=["api", "settings"])
     return app.demo.local_url, app.demo.share_url

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -251,3 +252,45 @@ def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch
     page.locator("#delete-chat").click()
     page.wait_for_function("document.querySelector('#chatbot')?.innerText.includes('w22 w23')", timeout=10_000)
     assert page.evaluate("document.querySelector('#chat-pick input').value") == "Imported one"
+
+
+STOP_LATENCY_JS = """(press) => new Promise((resolve) => {
+  const stats = document.querySelector('#stats');
+  const t0 = performance.now();
+  if (press === 'Escape') document.dispatchEvent(new KeyboardEvent('keydown', {key: 'Escape', bubbles: true}));
+  else document.querySelector('#stop').click();
+  const check = () => /stopped by you/.test(stats.innerText) ? resolve(performance.now() - t0) : setTimeout(check, 5);
+  check();
+})"""
+
+
+def test_stop_and_esc_take_effect_within_half_a_second_while_streaming(page, served, monkeypatch):
+    """A model at ~60 steps a second (a CPU's pace) writing a long answer: the page stays
+    responsive, and Stop (the button, or Esc) shows the answer stopped within 0.5 s of the press."""
+    fast = served.manager.engine.generate
+
+    def slow(*args, **kwargs):
+        for ev in fast(*args, **kwargs):
+            time.sleep(0.015)
+            yield ev
+
+    monkeypatch.setattr(served.manager.engine, "generate", slow)
+    box = page.locator("#max-new input[type=number]")
+    if not box.is_visible():
+        page.locator("#sampling").get_by_text("Sampling").first.click()
+    box.fill("2000")
+    box.press("Enter")
+    latencies = {}
+    for press in ("button", "Escape"):
+        send(page, "w5 w9", wait=False)
+        page.wait_for_function("/streaming/.test(document.querySelector('#stats').innerText)", timeout=10_000)
+        page.wait_for_timeout(1500)
+        started = time.monotonic()
+        page.evaluate("() => document.title")  # an in-page script call during streaming
+        assert time.monotonic() - started < 0.5, "the page answers scripts while the text streams"
+        latencies[press] = page.evaluate(STOP_LATENCY_JS, press)
+        print(f"Stop by {press}: {latencies[press]:.0f} ms after the press")
+    assert all(ms < 500 for ms in latencies.values()), latencies
+    assert "Stopped." in page.locator("#notice").inner_text()
+    box.fill("60")
+    box.press("Enter")

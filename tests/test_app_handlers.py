@@ -30,6 +30,19 @@ GREEDY = Settings(0.0, 1.0, 12, True, 3, 2, 6, True)
 SKIP = gr.skip()  # an output left as it is
 
 
+def slow(engine, step_s: float):
+    """Make `engine` take `step_s` per step, as a bigger model on a CPU does."""
+    fast = engine.generate
+
+    def generate(*args, **kwargs):
+        for ev in fast(*args, **kwargs):
+            time.sleep(step_s)
+            yield ev
+
+    engine.generate = generate
+    return engine
+
+
 def handlers_for(engine) -> Handlers:
     return Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=engine), Access())
 
@@ -82,6 +95,20 @@ def test_an_over_long_message_is_refused_saying_only_that(bigram, recwarn):
     assert "longer than the model's whole context (96 tokens)" in outs[0][7]
     toasts = [str(w.message) for w in recwarn]
     assert len(toasts) == 1 and "longer than" in toasts[0], "no word about left-out exchanges: only the refusal"
+
+
+def test_a_streaming_answer_updates_the_page_at_a_bounded_pace(bigram):
+    h = handlers_for(slow(Engine(*bigram), 0.01))
+    started = time.monotonic()
+    outs = list(h.respond("w5", [], SYSTEM, *GREEDY._replace(spec=False, max_new=60), request=None))
+    seconds = time.monotonic() - started
+    assert outs[-1][5]["tokens"] == 60 and seconds > 0.6
+    assert 3 <= len(outs) <= 2 + seconds / 0.1 + 1, "at most ten updates a second, not one per step"
+    panels = [o for o in outs[2:-1] if o[3] != SKIP]
+    assert len(panels) <= seconds / 0.5 + 1, "the chart is redrawn at most twice a second"
+    assert all((o[3] == SKIP) == (o[5] == SKIP) == (o[6] == SKIP) for o in outs), "chart, numbers, tokens together"
+    assert outs[1][0][-1]["content"] != "", "the first step shows at once"
+    assert outs[-1][3] != SKIP and outs[-1][6] != SKIP, "the end shows in full"
 
 
 def test_stop_closes_the_stream_within_a_step(bigram):
@@ -172,10 +199,8 @@ def test_visitors_through_the_public_link_are_cut_at_the_time_cap_and_told(bigra
     access = Access(remote_max_new_tokens=1000, remote_max_seconds=0.3)
     h = Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=Engine(bigram[0])), access)
     settings = GREEDY._replace(spec=False, max_new=80)
-    outs = []
-    for out in h.respond("w5", [], SYSTEM, *settings, request=SHARE_LINK):
-        outs.append(out)
-        time.sleep(0.02)  # a slow model: 80 steps take over a second
+    slow(h.manager.engine, 0.02)  # a slow model: 80 steps take over a second
+    outs = list(h.respond("w5", [], SYSTEM, *settings, request=SHARE_LINK))
     assert "cut after 0.3 s" in outs[-1][7] and 3 < outs[-1][5]["tokens"] < 80
     local = list(h.respond("w5", [], SYSTEM, *settings, request=LOCAL))[-1]
     assert local[5]["tokens"] == 80 and local[7] == "", "local visitors are not limited"
