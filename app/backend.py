@@ -107,7 +107,7 @@ class BackendHandlers:
                 if ticket.stop.is_set() or timed_out:
                     view.stopped = ticket.stop.is_set()
                     break
-                if not ev.finished and pace.due() is not None:  # see app.session.Pace
+                if not ev.finished and ev.text and pace.due() is not None:  # see app.chat.Pace
                     yield self._remote_render(shown, view, notices)
         except RemoteError as e:
             message = user_error(str(e))

@@ -73,6 +73,9 @@ class AnswerView:
     tree_size: int = 0
     finish_reason: str | None = None
     stopped: bool = False
+    since: float | None = None          # time.monotonic() of the visitor's Send (None: not shown)
+    first_token_s: float | None = None  # the visitor's wait for the first token, queue included
+    wall_s: float = 0.0                 # the visitor's wait for the answer so far
 
     def add(self, ev) -> None:
         assert len(ev.token_ids) == len(ev.token_texts), "token texts must align with token ids"
@@ -91,6 +94,16 @@ class AnswerView:
             self.tree_size = ev.tree_size
         if ev.finished:
             self.finish_reason = ev.finish_reason
+        self.clock_in()
+
+    def clock_in(self) -> None:
+        """The visitor's clock: from Send to now (the engine's elapsed_s starts later, after the
+        queue and the tokenizer, and knows nothing of the page)."""
+        if self.since is None:
+            return
+        self.wall_s = time.monotonic() - self.since
+        if self.first_token_s is None and self.total_tokens:
+            self.first_token_s = self.wall_s
 
     @property
     def tau(self) -> float:
@@ -146,14 +159,20 @@ class AnswerView:
                 "tokens_per_s": round(self.tokens_per_s, 2), "elapsed_s": round(self.elapsed_s, 3),
                 "draft_share": round(d, 3), "verify_share": round(v, 3), "other_share": round(o, 3),
                 "tree_size": self.tree_size, "finish_reason": self.finish_reason, "stopped": self.stopped,
+                **({"first_token_s": round(self.first_token_s, 3), "wall_s": round(self.wall_s, 3)}
+                   if self.first_token_s is not None else {}),
                 "per_step": self.rows}
 
     def stats_markdown(self) -> str:
         d, v, o = self.shares()
         end = "stopped by you" if self.stopped else FINISH_TEXT.get(self.finish_reason or "", "streaming…")
         tree = f" · tree {self.tree_size} nodes" if self.mode == "speculative" else ""
-        return (f"**τ {self.tau:.2f}** tokens per target forward · **{self.tokens_per_s:.1f} tok/s** · "
-                f"{self.total_tokens} tokens in {self.elapsed_s:.1f} s\n\n"
+        waited = ""
+        if self.first_token_s is not None:  # what the visitor saw, from their Send
+            waited = (f"**First token after {self.first_token_s:.1f} s · {self.total_tokens} tokens in "
+                      f"{self.wall_s:.1f} s** (your wait, from Send)\n\n")
+        return (f"{waited}engine: **{self.tokens_per_s:.1f} tok/s** ({self.total_tokens} tokens in its "
+                f"{self.elapsed_s:.1f} s of generating) · **τ {self.tau:.2f}** tokens per model pass\n\n"
                 f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.mode} · {end}")
 
     def highlight_html(self) -> str:

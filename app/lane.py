@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+import time
 from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class Ticket:
     stop: threading.Event = field(default_factory=threading.Event)
     clear_chat: bool = False
     visitor: str = ""  # visitor_of(the request): bounds the requests one visitor holds
+    joined: float = field(default_factory=time.monotonic)  # when Send was pressed: the visitor's clock
 
     def cancel(self, clear_chat: bool = False) -> None:
         self.clear_chat = self.clear_chat or clear_chat

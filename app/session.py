@@ -248,7 +248,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         return work
 
     def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore):
-        view = AnswerView("speculative" if cfg.speculative else "plain")
+        view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined)
         shown = turns + [{"role": "assistant", "content": ""}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
@@ -276,6 +276,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             yield self.cleared()
             return
         notices.extend(self._endings(view, deadline, seconds))
+        view.clock_in()
         yield self._render(shown, view, highlight, notices, y_max)
 
     @staticmethod

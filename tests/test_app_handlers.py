@@ -111,6 +111,26 @@ def test_a_streaming_answer_updates_the_page_at_a_bounded_pace(bigram):
     assert outs[-1][3] != SKIP and outs[-1][6] != SKIP, "the end shows in full"
 
 
+def test_the_panel_shows_the_visitors_wait_beside_the_engines_speed(bigram, monkeypatch):
+    engine = Engine(*bigram)
+    fast = engine.generate
+
+    def late(*args, **kwargs):  # a wait the engine's clock does not see (the queue, the tokenizer)
+        time.sleep(0.4)
+        yield from fast(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", late)
+    outs = list(handlers_for(engine).respond("w5", [], SYSTEM, *GREEDY._replace(max_new=30), request=None))
+    stats, stats_md = outs[-1][5], outs[-1][4]
+    assert 0.4 <= stats["first_token_s"] <= stats["wall_s"] and stats["elapsed_s"] < 0.4 <= stats["wall_s"]
+    first, engine_line, _ = stats_md.split("\n\n")
+    assert first == (f"**First token after {stats['first_token_s']:.1f} s · 30 tokens in {stats['wall_s']:.1f} s** "
+                     "(your wait, from Send)")
+    assert engine_line.startswith(f"engine: **{stats['tokens_per_s']:.1f} tok/s** (30 tokens in its "
+                                  f"{stats['elapsed_s']:.1f} s of generating) · **τ ")
+    assert engine_line.endswith("tokens per model pass")
+
+
 def test_stop_closes_the_stream_within_a_step(bigram):
     h = handlers_for(Engine(bigram[0]))
     stream = h.respond("w5", [], SYSTEM, *GREEDY._replace(spec=False, max_new=80), request=None)

@@ -61,8 +61,12 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert chart["title"] == "Per-step chart: local engine only" and compare["interactive"] is False
     assert note == gr.update(value=REMOTE_COMPARE, visible=True)
 
-    outs = answer(h, "w5 w6", [])
-    assert len(outs) > 3, "the answer streams"
+    outs, texts = [], []
+    for out in h.respond("w5 w6", [], SYSTEM, *GREEDY, request=None):
+        outs.append(out)
+        texts.append(out[0][-1]["content"])  # as the page gets it at this update
+    assert len(outs) >= 3 and 0 < len(texts[1]) < len(texts[-1]), \
+        "the answer streams: its first piece shows at once (later ones at most ten times a second)"
     chat, history, box, _chart, stats_md, stats, tokens, notice = outs[-1]
     assert stats_md.startswith(f"**remote** · eagle-chat server at {server.url} · model `tiny-remote`")
     assert "**τ " in stats_md and "end of answer" not in stats_md and "max new tokens reached" in stats_md
