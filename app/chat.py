@@ -76,6 +76,8 @@ class AnswerView:
     since: float | None = None          # time.monotonic() of the visitor's Send (None: not shown)
     first_token_s: float | None = None  # the visitor's wait for the first token, queue included
     wall_s: float = 0.0                 # the visitor's wait for the answer so far
+    prompt_tokens: int = 0
+    long_chat: object = None            # app.longchat.LongChat: why plain steps ran (None: not known)
 
     def add(self, ev) -> None:
         assert len(ev.token_ids) == len(ev.token_texts), "token texts must align with token ids"
@@ -104,6 +106,21 @@ class AnswerView:
         self.wall_s = time.monotonic() - self.since
         if self.first_token_s is None and self.total_tokens:
             self.first_token_s = self.wall_s
+
+    def ran(self) -> str:
+        """The mode that actually ran: a speculative answer decodes plain steps past the tree's
+        long-context caps and near the end of the context window (a prefill is plain in every mode)."""
+        steps = self.rows[1:]
+        plain = [r["step"] for r in steps if r["tree_size"] == 0]
+        if self.mode != "speculative" or not steps or not plain:
+            return self.mode
+        why = ""
+        if self.long_chat is not None:
+            reached = self.prompt_tokens + sum(r["tokens"] for r in self.rows if r["step"] < plain[0])
+            why = f": {self.long_chat.pause_reason(reached)}"
+        if len(plain) == len(steps):
+            return f"plain, speculation paused{why}"
+        return f"speculative, plain from step {plain[0]}{why}"
 
     @property
     def tau(self) -> float:
@@ -154,7 +171,7 @@ class AnswerView:
 
     def summary(self) -> dict:
         d, v, o = self.shares()
-        return {"mode": self.mode, "steps": len(self.rows), "tokens": self.total_tokens,
+        return {"mode": self.mode, "ran": self.ran(), "steps": len(self.rows), "tokens": self.total_tokens,
                 "target_forwards": self.target_forwards, "tau": round(self.tau, 3),
                 "tokens_per_s": round(self.tokens_per_s, 2), "elapsed_s": round(self.elapsed_s, 3),
                 "draft_share": round(d, 3), "verify_share": round(v, 3), "other_share": round(o, 3),
@@ -173,7 +190,7 @@ class AnswerView:
                       f"{self.wall_s:.1f} s** (your wait, from Send)\n\n")
         return (f"{waited}engine: **{self.tokens_per_s:.1f} tok/s** ({self.total_tokens} tokens in its "
                 f"{self.elapsed_s:.1f} s of generating) · **τ {self.tau:.2f}** tokens per model pass\n\n"
-                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.mode} · {end}")
+                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.ran()} · {end}")
 
     def highlight_html(self) -> str:
         """The answer token by token, coloured by origin. A separate panel, so markdown and

@@ -9,7 +9,10 @@ line; only a real fault (a bug) logs its traceback.
 
 from __future__ import annotations
 
+import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
 import gradio as gr
@@ -21,6 +24,7 @@ from app.compare import compare_outputs, race
 from app.controls import control_updates
 from app.errors import UserError, fault, refuse, user_error
 from app.lane import Ticket, Tickets, visitor_of
+from app.longchat import PREFILL_NOTE_S, LongChat, new_chat_hint, plan, reading
 from app.manager import ModelManager
 from app.models_tab import ModelHandlers
 from app.remote import RemoteError
@@ -34,7 +38,8 @@ USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadErro
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
 # the chat events' outputs, in the order of ui.build's `outs`
 CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")
-CHAT_OUTPUTS, NOTICE = len(CHAT_OUTPUT_NAMES), CHAT_OUTPUT_NAMES.index("notice")
+CHAT_OUTPUTS, NOTICE, STATS = (len(CHAT_OUTPUT_NAMES), CHAT_OUTPUT_NAMES.index("notice"),
+                               CHAT_OUTPUT_NAMES.index("stats"))
 
 
 def chart(view: AnswerView, y_max: int) -> gr.BarPlot:
@@ -187,9 +192,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             cfg = replace(cfg, max_new_tokens=cap)
         return cfg, self.access.remote_max_seconds
 
-    def _prompt(self, engine, turns, system, cfg, notices: list[str], budget: int | None) -> list[dict]:
+    def _prompt(self, engine, turns, system, cfg, notices: list[str], budget: int | None) -> tuple[list[dict], int]:
         """The chat-template messages for this answer, oldest turns trimmed to fit the context
-        and, for a limited visitor, their prompt budget (`budget` tokens)."""
+        and, for a limited visitor, their prompt budget (`budget` tokens); and their length in tokens."""
         try:
             msgs, dropped = trim_to_context(engine_messages(turns, system), engine.count_tokens,
                                             engine.max_context, cfg.max_new_tokens)
@@ -213,7 +218,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             notices.append(f"Note: the conversation no longer fits the model's context ({engine.max_context} "
                            f"tokens): the oldest {dropped} exchange(s) were left out of the prompt.")
             gr.Warning(notices[-1])
-        return msgs
+        return msgs, n_tokens
 
     def _over_budget(self, n_tokens: int, budget: int) -> str:
         """The seconds cap is checked between steps and the prefill is one step: a limited
@@ -242,13 +247,17 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                     notices.append(NO_HEAD)
                 if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
-                msgs = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
+                msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
+                long_chat = plan(cfg.tree, n_tokens, cfg.speculative)
+                notices.extend(long_chat.notes)
                 yield from self._answer(engine, msgs, cfg, seconds, before, turns, settings.highlight, ticket,
-                                        notices, restore)
+                                        notices, restore, long_chat)
         return work
 
-    def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore):
-        view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined)
+    def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore,
+                long_chat: LongChat):
+        view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined,
+                          prompt_tokens=long_chat.prompt_tokens, long_chat=long_chat)
         shown = turns + [{"role": "assistant", "content": ""}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
@@ -256,7 +265,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         gen = engine.generate(msgs, cfg)
         pace = Pace()
         try:
-            for ev in gen:
+            first = yield from self._prefill(gen, long_chat.prompt_tokens, ticket)
+            for ev in itertools.chain([first] if first else [], gen):
                 view.add(ev)
                 shown[-1] = {"role": "assistant", "content": view.text}
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline and not ev.finished):
@@ -277,7 +287,26 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             return
         notices.extend(self._endings(view, deadline, seconds))
         view.clock_in()
+        if hint := new_chat_hint(long_chat.prompt_tokens + view.total_tokens, view.first_token_s):
+            notices.append(hint)
         yield self._render(shown, view, highlight, notices, y_max)
+
+    @staticmethod
+    def _prefill(gen, prompt_tokens: int, ticket: Ticket):
+        """The answer's first step, which reads the whole prompt, in a worker thread: a long one is
+        shown while it runs (the stats line counts its seconds). Returns the first event (None: none).
+        The worker always ends before this does, so the generator is never closed while it runs."""
+        started = time.monotonic()
+        with ThreadPoolExecutor(1, thread_name_prefix="prefill") as pool:
+            first = pool.submit(next, gen, None)
+            while True:
+                try:
+                    return first.result(timeout=PREFILL_NOTE_S)
+                except FutureTimeout:
+                    note = reading(prompt_tokens, time.monotonic() - started)
+                    if ticket.stop.is_set():
+                        note += " Stopping once it is read (reading cannot be interrupted)."
+                    yield refuse(note, CHAT_OUTPUTS, STATS)
 
     @staticmethod
     def _endings(view: AnswerView, deadline, seconds) -> list[str]:

@@ -294,3 +294,26 @@ def test_stop_and_esc_take_effect_within_half_a_second_while_streaming(page, ser
     assert "Stopped." in page.locator("#notice").inner_text()
     box.fill("60")
     box.press("Enter")
+
+
+def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_speculation_paused(page, served,
+                                                                                              monkeypatch):
+    from core.config import TreeConfig
+    from core.treestore import TreeChoice
+
+    before = snapshot(page)["#chatbot"]
+    huge = "w5 " * 10_667  # 32,001 characters
+    page.locator("#message textarea").fill(huge)
+    page.locator("#send").click()
+    page.get_by_text("This message is 32,001 characters long; the limit is 32,000 characters").first.wait_for(
+        timeout=10_000)
+    assert page.locator("#message textarea").input_value() == huge, "the typed text stays, to be shortened"
+    assert snapshot(page)["#chatbot"] == before, "the chat stays"
+
+    engine = served.manager.engine
+    monkeypatch.setattr(engine, "tree_choice", TreeChoice(TreeConfig(depth=4, top_k=4, total_tokens=10,
+                                                                      long_context=((40, 0, 0),)), "test"))
+    send(page, " ".join(f"w{i}" for i in range(10, 60)))
+    notice, stats = page.locator("#notice").inner_text(), page.locator("#stats").inner_text()
+    assert "Speculation paused for this answer: the chat holds" in notice and "from 40 on plain decoding" in notice
+    assert "plain, speculation paused: the chat reached 40 tokens" in stats

@@ -401,3 +401,46 @@ def test_a_visitor_is_the_address_the_share_tunnel_saw():
     assert visitor_of(SHARE_LINK) == "203.0.113.7"
     assert visitor_of(FakeRequest(forwarded="198.51.100.1, 203.0.113.7")) == "203.0.113.7", "a forged entry is ignored"
     assert visitor_of(FakeRequest(client="192.168.1.9")) == "192.168.1.9" and visitor_of(None) == "local"
+
+
+def test_a_long_chat_says_which_mode_ran_and_why(bigram, monkeypatch):
+    engine = Engine(*bigram)
+    words = " ".join(f"w{i}" for i in range(10, 40))  # with the system prompt and template: about 36 tokens
+    engine.tree_choice = TreeChoice(TreeConfig(depth=3, top_k=2, total_tokens=6, long_context=((30, 0, 0),)), "test")
+    h = handlers_for(engine)
+    _, _, stats, _, notice = answer(h, words, [], GREEDY._replace(max_new=8))
+    assert notice.startswith("Speculation paused for this answer: the chat holds ") and "from 30 on plain" in notice
+    assert stats["ran"] == ("plain, speculation paused: the chat reached 30 tokens, from which plain decoding is "
+                            "faster here (every draft-tree row reads the whole chat)")
+    assert stats["ran"] in answer(h, words, [], GREEDY._replace(max_new=8))[0][-1][4], "the stats line names it"
+    _, _, stats, _, notice = answer(h, "w5", [], GREEDY._replace(max_new=30))  # crosses 30 while answering
+    assert notice == "" and stats["ran"].startswith("speculative, plain from step ")
+    assert stats["ran"].endswith(": the chat reached 30 tokens, from which plain decoding is faster here "
+                                 "(every draft-tree row reads the whole chat)")
+    engine.tree_choice = TreeChoice(TreeConfig(depth=3, top_k=2, total_tokens=6, long_context=((20, 2, 4),)), "test")
+    _, _, stats, _, notice = answer(h, words, [], GREEDY._replace(max_new=8))
+    assert "from 20 tokens the draft tree is capped at depth 2 and 4 nodes" in notice and stats["ran"] == "speculative"
+
+
+def test_a_long_prefill_is_shown_while_it_runs_and_a_new_chat_is_suggested(bigram, monkeypatch):
+    import app.longchat
+
+    engine = Engine(*bigram)
+    fast = engine.generate
+
+    def slow_prefill(*args, **kwargs):
+        events = fast(*args, **kwargs)
+        first = next(events)
+        time.sleep(1.3)  # the first step reads the whole prompt
+        yield first
+        yield from events
+
+    monkeypatch.setattr(engine, "generate", slow_prefill)
+    monkeypatch.setattr(app.longchat, "NEW_CHAT_TOKENS", 20)
+    outs = list(handlers_for(engine).respond("w5 w6 w7", [], SYSTEM, *GREEDY, request=None))
+    reading = [o[4] for o in outs if isinstance(o[4], str) and o[4].startswith("Reading your prompt")]
+    assert len(reading) == 2 and all(o == SKIP for o in outs[1][:4]), "only the stats line changes meanwhile"
+    assert reading[0].startswith("Reading your prompt (") and " tokens) … 1 s; the answer starts after that." \
+        in reading[1]
+    assert "every answer first reads all of it again (this one's first token came after 1." in outs[-1][7]
+    assert "start a New chat" in outs[-1][7]
