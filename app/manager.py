@@ -179,6 +179,7 @@ class ModelManager:
         self.backend = backend  # chat through this server instead of the engine; no model is loaded for it
         self.engine = engine if engine is not None or backend is not None else self._load(choice)
         self.lane = threading.Lock()
+        self.last_speed = 0.0  # the engine's tokens/s in the last local answer, for the header
 
     def _load(self, choice: ModelChoice):
         return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype, attention=choice.attention,
@@ -235,15 +236,26 @@ class ModelManager:
             return self.engine
 
     def status_markdown(self) -> str:
+        """The header's one plain line: the model, whether answers are exact, and speed."""
         if self.backend is not None:
             info = self.backend.info
             return f"**Chatting through** {info.url} — {info.kind} server, model `{info.model}`"
         e = self.engine
         if e is None:
             return f"**Switching models**: loading {self.choice.describe()} …"
-        head = ("EAGLE head loaded: speculation available" if e.has_head
-                else "no EAGLE head: plain decoding only")
-        return (f"**Serving** {self.choice.describe()} · {head} · context {e.max_context} tokens\n\n"
+        badge = ("✓ **exact**: the same text as the model alone" if e.numerics.exact
+                 else "exactness not checked" if e.numerics.probe is None
+                 else "**exactness not guaranteed** here (see the details)")
+        head = "EAGLE speculation available" if e.has_head else "no EAGLE head: plain decoding only"
+        speed = f" · last answer {self.last_speed:.0f} tok/s" if self.last_speed else ""
+        return f"**Serving** `{self.choice.model}` · {badge} · {head}{speed}"
+
+    def details_markdown(self) -> str:
+        """The technical details behind the header (a collapsed section)."""
+        if self.backend is not None or self.engine is None:
+            return self.status_markdown()
+        e = self.engine
+        return (f"**Model:** {self.choice.describe()} · context {e.max_context} tokens\n\n"
                 f"**Numerics:** {e.numerics.describe()}\n\n"
                 f"**CPU threads:** {threads.current()} now; {threads.POLICY.describe()}")
 

@@ -287,6 +287,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             return
         notices.extend(self._endings(view, deadline, seconds))
         view.clock_in()
+        if view.total_tokens >= 8:  # a few tokens say little about speed
+            self.manager.last_speed = view.tokens_per_s
         if hint := new_chat_hint(long_chat.prompt_tokens + view.total_tokens, view.first_token_s):
             notices.append(hint)
         yield self._render(shown, view, highlight, notices, y_max)

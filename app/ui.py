@@ -61,9 +61,10 @@ PAGE_JS = """
   }, true);
 }
 """
-HEADER = ("# eagle-chat\nLocal chat with lossless EAGLE speculative decoding: a small draft head "
-          "guesses a tree of tokens, the model checks them all in one pass, and the answer is exactly "
-          "what the model alone would write — only faster.")
+HEADER = "## eagle-chat"
+ABOUT = ("Local chat with lossless EAGLE speculative decoding: a small draft head guesses a tree of tokens, "
+         "the model checks them all in one pass, and the answer is exactly what the model alone would write — "
+         "only faster. **τ (tau)** is the number of tokens each model pass adds to the answer.")
 
 
 class App:
@@ -83,8 +84,14 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
     with gr.Blocks(title="eagle-chat", analytics_enabled=False) as demo:
         app = App(demo, h)
         store, kept_settings = stores()  # the visitor's chats and settings, kept in their browser
-        gr.Markdown(HEADER)
+        gr.Markdown(HEADER, elem_id="title")
         status = gr.Markdown(manager.status_markdown(), elem_id="status")
+        with gr.Accordion("How it works, and the technical details (numerics, kernels, threads)", open=False,
+                          elem_id="details"):
+            gr.Markdown(ABOUT)
+            details = gr.Markdown(manager.details_markdown(), elem_id="status-details")
+        status.change(manager.details_markdown, None, details, api_visibility="private", queue=False,
+                      show_progress="hidden")
         banner = gr.Markdown(elem_id="banner")
         with gr.Tabs():
             with gr.Tab("Chat"):
@@ -165,10 +172,13 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         lane = dict(concurrency_id="engine", concurrency_limit=1)
         chat_args = dict(fn=h.respond, inputs=[box, history, system] + settings, outputs=outs,
                          validator=h.check_chat, **lane)
-        send.click(api_name="chat", **chat_args).success(**save)
-        box.submit(api_visibility="private", **chat_args).success(**save)
-        regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
-                    validator=h.check_regenerate, **lane).success(**save)
+        headline = dict(fn=manager.status_markdown, inputs=None, outputs=status, api_visibility="private",
+                        queue=False, show_progress="hidden")  # the header's speed follows the last answer
+        for answered in (send.click(api_name="chat", **chat_args), box.submit(api_visibility="private", **chat_args),
+                         regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
+                                     validator=h.check_regenerate, **lane)):
+            answered.success(**save)
+            answered.success(**headline)
         stop.click(h.stop, None, None, queue=False, api_name="stop")
         clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save)
         chat_events(h, listing, store, chats_out)

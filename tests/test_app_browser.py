@@ -317,3 +317,16 @@ def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_spe
     notice, stats = page.locator("#notice").inner_text(), page.locator("#stats").inner_text()
     assert "Speculation paused for this answer: the chat holds" in notice and "from 40 on plain decoding" in notice
     assert "plain, speculation paused: the chat reached 40 tokens" in stats
+
+
+def test_the_header_is_one_plain_line_with_the_details_collapsed(page):
+    status = page.locator("#status").inner_text()
+    assert status.startswith("Serving tiny · ") and "EAGLE speculation available" in status
+    assert "Numerics" not in status and "threads" not in status, "the jargon waits in the details"
+    assert page.locator("#status").bounding_box()["height"] < 60, "one line at 1400 px"
+    assert "last answer" in status and "tok/s" in status, "the speed of the last answer (earlier tests answered)"
+    page.locator("#details").get_by_text("How it works").first.click()
+    details = page.locator("#status-details").inner_text()
+    assert "Numerics:" in details and "CPU threads:" in details
+    assert "tokens each model pass adds" in page.locator("#details").inner_text(), "τ in words"
+    page.locator("#details").get_by_text("How it works").first.click()

@@ -88,7 +88,9 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert again[7] == "" and again[5]["stats"]["tokens"] == 24
 
     result, status, _tree, spec, depth, *_ = h.use_local()
-    assert status.startswith("**Serving** `tiny`") and "**Numerics:**" in status and "**CPU threads:**" in status and "Numerics:" in result
+    assert status.startswith("**Serving** `tiny`") and "EAGLE speculation available" in status and "Numerics:" in result
+    details = h.manager.details_markdown()
+    assert "**Numerics:**" in details and "**CPU threads:**" in details, "the details sit in a collapsed section"
     assert spec == gr.update(value=True, interactive=True, info=SPEC_INFO)
     assert depth == gr.update(interactive=True, info=LOCAL_INFO["depth"])
     assert answer(h, "w5 w9", [])[-1][5]["mode"] == "speculative", "back on the local engine"
@@ -226,7 +228,7 @@ def test_browser_connect_disables_local_controls_with_a_reason(server):
                 "#compare-note").inner_text()
             page.get_by_role("tab", name="Models").click()
             page.locator("#use-local").click()
-            page.wait_for_function("document.querySelector('#status').innerText.includes('Numerics')",
+            page.wait_for_function("document.querySelector('#status').innerText.includes('Serving')",
                                    timeout=30_000)
             page.get_by_role("tab", name="Chat").click()
             assert page.locator("#speculative input[type=checkbox]").is_enabled()
