@@ -57,15 +57,12 @@ def test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same(kind, t
             assert torch.equal(native.linear_w(rows[:m], w), native.linear(rows[:m], params[name])), (name, m)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "Q4_1", "Q8_0"])
-def test_step_logits_bit_identical_to_the_transformers_path_alone_and_in_random_trees(kind):
-    model, blocks = (wide_llama(), {}) if kind == "bf16" else quantized_llama(kind, True)
-    if kind == "bf16":
-        make_invariant(model)
-    step = NativeStep(model, blocks, "test")
-    gen = torch.Generator().manual_seed(7)
+def assert_step_equals_transformers(model, step, gen: torch.Generator, cases: int) -> None:
+    """Logits, features and written keys / values of the step equal the transformers path's,
+    alone and in random trees (contexts straddling the attention kernel's 16-key groups,
+    trees up to 24 rows); the last node again as a plain one-token step after its ancestors."""
     with torch.inference_mode():
-        for case in range(6):  # contexts straddling the attention kernel's 16-key groups; trees up to 24 rows
+        for case in range(cases):
             context = int(torch.randint(3, 90, (1,), generator=gen))
             ids = torch.randint(0, 512, (context,), generator=gen)
             tree = random_tree(gen, int(torch.randint(1, 25, (1,), generator=gen)), 512)
@@ -83,6 +80,15 @@ def test_step_logits_bit_identical_to_the_transformers_path_alone_and_in_random_
             kv.keep(cache, context, path[:-1])
             _, row = plain_forward(step, int(tree.tokens[node]), cache, context + len(path) - 1)
             assert torch.equal(row, logits[node])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "Q4_1", "Q8_0"])
+def test_step_logits_bit_identical_to_the_transformers_path_alone_and_in_random_trees(kind):
+    model, blocks = (wide_llama(), {}) if kind == "bf16" else quantized_llama(kind, True)
+    if kind == "bf16":
+        make_invariant(model)
+    step = NativeStep(model, blocks, "test")
+    assert_step_equals_transformers(model, step, torch.Generator().manual_seed(7), cases=6)
 
 
 def test_eagle3_feature_layers_match_transformers_hidden_states():
@@ -228,12 +234,16 @@ def test_other_numerics_keep_the_transformers_forward():
 
 # ---- the real embedded model ----
 
+def two_thread_engine(weights: str):
+    """The embedded model's engine on 2 threads (a module fixture's body)."""
+    torch.set_num_threads(2)
+    yield Engine.load(weights=weights)
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
-    torch.set_num_threads(2)
-    eng = Engine.load(weights="q4")
-    yield eng
-    torch.set_num_threads(1)
+    yield from two_thread_engine("q4")
 
 
 @pytest.mark.slow
@@ -259,25 +269,30 @@ def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
     assert torch.equal(down(x), ref) and torch.equal(down(x[:5]), native.linear_w(x[:5], down.wmat))
 
 
-@pytest.mark.slow
-def test_greedy_speculation_equals_plain_on_the_q4_step(smollm2):
-    assert isinstance(smollm2.forwarder, NativeStep)
+def assert_greedy_speculation_equals_plain(engine) -> None:
+    """6 tree settings x 5 prompts (a two-turn chat, one of >= 256 tokens), 40 tokens each."""
     long = "Summarise this text in two sentences:\n" + " ".join(
         f"Paragraph {i}: the river carries silt from the mountains to the delta, where farmers plant rice." for i in range(24))
     prompts = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
                [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "Mars."},
                 {"role": "user", "content": "Tell me one fact about it."}],
                long, "List three ways to save water at home."]
-    assert len(smollm2.encode(long)) >= 256
+    assert len(engine.encode(long)) >= 256
     trees = [TreeConfig(depth=1, top_k=1, total_tokens=2), TreeConfig(depth=3, top_k=4, total_tokens=8),
              TreeConfig(depth=4, top_k=6, total_tokens=10), TreeConfig(depth=5, top_k=8, total_tokens=16),
              TreeConfig(depth=6, top_k=10, total_tokens=32), TreeConfig(depth=4, top_k=8, total_tokens=24, lookup=8)]
     for prompt in prompts:
-        run = lambda **kw: [t for ev in smollm2.generate(prompt, GenerationConfig(max_new_tokens=40, **kw))
+        run = lambda **kw: [t for ev in engine.generate(prompt, GenerationConfig(max_new_tokens=40, **kw))
                             for t in ev.token_ids]
         plain = run(speculative=False)
         for tree in trees:
             assert run(tree=tree) == plain, (prompt, tree)
+
+
+@pytest.mark.slow
+def test_greedy_speculation_equals_plain_on_the_q4_step(smollm2):
+    assert isinstance(smollm2.forwarder, NativeStep)
+    assert_greedy_speculation_equals_plain(smollm2)
 
 
 def test_engine_refuses_unknown_weights():

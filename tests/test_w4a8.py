@@ -10,11 +10,11 @@ import torch
 
 from core import cache as kv
 from core import native, quant
-from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine, forward_tree, plain_forward, prefill
-from core.invariant import BlockLinear, tree_ancestors
+from core.engine import Engine, plain_forward, prefill
+from core.invariant import BlockLinear
 from core.step import NativeStep
-from tests.test_step import TYPES, quantized_llama, random_tree
+from tests.test_step import (TYPES, assert_greedy_speculation_equals_plain, assert_step_equals_transformers,
+                             quantized_llama, two_thread_engine)
 
 pytestmark = pytest.mark.skipif(not native.status().available,
                                 reason=f"core.native unavailable: {native.status().reason}")
@@ -104,33 +104,14 @@ def test_step_on_w4a8_equals_the_transformers_path_alone_and_in_random_trees(kin
     assert step.info.weights.startswith("4-bit weights x 8-bit activations")
     step.drop_bf16_layers()  # transformers' linears (and LM head) now read the same packed blocks
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.wmat.type == 101
-    gen = torch.Generator().manual_seed(11)
-    with torch.inference_mode():
-        for case in range(5):
-            context = int(torch.randint(3, 90, (1,), generator=gen))
-            ids = torch.randint(0, 512, (context,), generator=gen)
-            tree = random_tree(gen, int(torch.randint(1, 25, (1,), generator=gen)), 512)
-            ref_cache, cache = kv.new_cache(model), kv.new_cache(model)
-            prefill(model, ids, ref_cache)
-            prefill(step, ids, cache)
-            ref_feat, ref_logits = forward_tree(model, tree, ref_cache, context)
-            feat, logits = forward_tree(step, tree, cache, context)
-            assert torch.equal(logits, ref_logits) and torch.equal(feat, ref_feat), (case, context, tree.size)
-            node = tree.size - 1  # the deepest-numbered node again, as a plain one-token step
-            path = tree_ancestors(tree.parents, tree.depths)[node, :int(tree.depths[node]) + 1]
-            kv.keep(cache, context, path[:-1])
-            _, row = plain_forward(step, int(tree.tokens[node]), cache, context + len(path) - 1)
-            assert torch.equal(row, logits[node])
+    assert_step_equals_transformers(model, step, torch.Generator().manual_seed(11), cases=5)
 
 
 # ---- the real embedded model ----
 
 @pytest.fixture(scope="module")
 def smollm2_w4a8():
-    torch.set_num_threads(2)
-    eng = Engine.load(weights="w4a8")
-    yield eng
-    torch.set_num_threads(1)
+    yield from two_thread_engine("w4a8")
 
 
 @pytest.mark.slow
@@ -138,22 +119,7 @@ def test_greedy_speculation_equals_plain_on_the_w4a8_step(smollm2_w4a8):
     eng = smollm2_w4a8
     assert isinstance(eng.forwarder, NativeStep) and eng.numerics.exact
     assert "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2" in eng.numerics.describe()
-    long = "Summarise this text in two sentences:\n" + " ".join(
-        f"Paragraph {i}: the river carries silt from the mountains to the delta, where farmers plant rice." for i in range(24))
-    prompts = ["What is the capital of France?", "Write a Python function that checks whether a number is prime.",
-               [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "Mars."},
-                {"role": "user", "content": "Tell me one fact about it."}],
-               long, "List three ways to save water at home."]
-    assert len(eng.encode(long)) >= 256
-    trees = [TreeConfig(depth=1, top_k=1, total_tokens=2), TreeConfig(depth=3, top_k=4, total_tokens=8),
-             TreeConfig(depth=4, top_k=6, total_tokens=10), TreeConfig(depth=5, top_k=8, total_tokens=16),
-             TreeConfig(depth=6, top_k=10, total_tokens=32), TreeConfig(depth=4, top_k=8, total_tokens=24, lookup=8)]
-    for prompt in prompts:
-        run = lambda **kw: [t for ev in eng.generate(prompt, GenerationConfig(max_new_tokens=40, **kw))
-                            for t in ev.token_ids]
-        plain = run(speculative=False)
-        for tree in trees:
-            assert run(tree=tree) == plain, (prompt, tree)
+    assert_greedy_speculation_equals_plain(eng)
 
 
 @pytest.mark.slow

@@ -76,6 +76,17 @@ int64_t x8_work_bytes(int M, int K) { return (((int64_t)M * K + 63) & ~(int64_t)
 
 static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
+// One block's 16 integer sums: ops[r] holds K positions 4r..4r+3 of the 16 output rows (unsigned
+// bytes), qx the row's 32 signed codes; two chains of four vpdpbusd, then their sum (exact).
+static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) {
+        s0 = _mm512_dpbusd_epi32(s0, ops[p], bcast4(qx + 4 * p));
+        s1 = _mm512_dpbusd_epi32(s1, ops[4 + p], bcast4(qx + 16 + 4 * p));
+    }
+    return _mm512_add_epi32(s0, s1);
+}
+
 // AMX-INT8 (Intel Sapphire Rapids and later) for 2-16 rows: one TDPBSUD multiplies 16 rows of
 // x by a block of 16 output rows, a 16th of VNNI's instructions per row, so a tree's rows cost
 // little more than one. Its integer block sums are VNNI's exactly (integers), and the fp32 steps
@@ -135,22 +146,18 @@ static void group_amx(const wmat *w, const uint8_t *wg, int KB, const qrows *a, 
             if (h < n) b_rows(w->type, wg + (int64_t)(kb + h) * gb, half);
             else memset(half, 0, 512);
         }
-        _tile_loadd(4, a->q + (int64_t)m0 * K + 32 * kb, K);  // rows past M: ignored
-        _tile_loadd(6, b[0], 64);
-        _tile_loadd(7, b[1], 64);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_dpbsud(0, 4, 6);
-        _tile_dpbsud(1, 4, 7);
-        if (n > 2) {
-            _tile_loadd(5, a->q + (int64_t)m0 * K + 32 * (kb + 2), K);
-            _tile_loadd(6, b[2], 64);
-            _tile_loadd(7, b[3], 64);
-            _tile_zero(2);
-            _tile_zero(3);
-            _tile_dpbsud(2, 5, 6);
-            _tile_dpbsud(3, 5, 7);
-        }
+        // blocks kb, kb + 1 (x in tile A over 64 bytes, each block's weights in its half of B) -> C tiles
+#define TILE_PAIR(A, C0, C1, k0, B0, B1)                                                     \
+        _tile_loadd(A, a->q + (int64_t)m0 * K + 32 * (k0), K); /* rows past M: ignored */ \
+        _tile_loadd(6, B0, 64);                                                           \
+        _tile_loadd(7, B1, 64);                                                           \
+        _tile_zero(C0);                                                                   \
+        _tile_zero(C1);                                                                   \
+        _tile_dpbsud(C0, A, 6);                                                           \
+        _tile_dpbsud(C1, A, 7);
+        TILE_PAIR(4, 0, 1, kb, b[0], b[1])
+        if (n > 2) { TILE_PAIR(5, 2, 3, kb + 2, b[2], b[3]) }
+#undef TILE_PAIR
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         if (n > 2) {
@@ -178,23 +185,17 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = w + (int64_t)kb * 320;
-        __m512i lo[4], hi[4];
+        __m512i ops[8];  // low nibbles: K positions 0-15, high: 16-31
         for (int p = 0; p < 4; p++) {
             __m512i z = _mm512_loadu_si512(b + 64 * p);
-            lo[p] = _mm512_and_si512(z, low);
-            hi[p] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+            ops[p] = _mm512_and_si512(z, low);
+            ops[4 + p] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
         }
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
         __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
-            const int8_t *qx = a->q + m * K + 32 * kb;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                s0 = _mm512_dpbusd_epi32(s0, lo[p], bcast4(qx + 4 * p));
-                s1 = _mm512_dpbusd_epi32(s1, hi[p], bcast4(qx + 16 + 4 * p));
-            }
-            acc[i] = block_q4_fp32(acc[i], _mm512_add_epi32(s0, s1), dw, mw, a->d[blk], a->ds[blk]);
+            acc[i] = block_q4_fp32(acc[i], block_isum(ops, a->q + m * K + 32 * kb), dw, mw, a->d[blk], a->ds[blk]);
         }
     }
 }
@@ -208,13 +209,7 @@ static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 512)));
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
-            const int8_t *qx = a->q + m * K + 32 * kb;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int t = 0; t < 4; t++) {
-                s0 = _mm512_dpbusd_epi32(s0, v[t], bcast4(qx + 4 * t));
-                s1 = _mm512_dpbusd_epi32(s1, v[t + 4], bcast4(qx + 16 + 4 * t));
-            }
-            acc[i] = block_q8_fp32(acc[i], _mm512_add_epi32(s0, s1), dw, a->d[blk], a->s[blk]);
+            acc[i] = block_q8_fp32(acc[i], block_isum(v, a->q + m * K + 32 * kb), dw, a->d[blk], a->s[blk]);
         }
     }
 }
