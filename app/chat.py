@@ -78,6 +78,19 @@ class AnswerView:
     wall_s: float = 0.0                 # the visitor's wait for the answer so far
     prompt_tokens: int = 0
     long_chat: object = None            # app.longchat.LongChat: why plain steps ran (None: not known)
+    head_nodes: int = 0                 # the last verified tree's nodes from the head, root included
+    copied_steps: int = 0               # steps whose tree held text copied from the context
+    copied_accepted: int = 0            # tokens accepted from copied text
+
+    def on_step(self, tree, result) -> None:
+        """The engine's per-step hook (Engine.generate's on_step), called before the step's event:
+        a tree's nodes grafted from context lookup (core.lookup.graft) score -inf, the head's do not."""
+        scores = tree.scores
+        copied = int((scores == float("-inf")).sum()) if scores is not None else 0
+        self.head_nodes = tree.size - copied
+        if copied:
+            self.copied_steps += 1
+            self.copied_accepted += sum(1 for node in result.path[1:] if node >= self.head_nodes)
 
     def add(self, ev) -> None:
         assert len(ev.token_ids) == len(ev.token_texts), "token texts must align with token ids"
@@ -175,7 +188,8 @@ class AnswerView:
                 "target_forwards": self.target_forwards, "tau": round(self.tau, 3),
                 "tokens_per_s": round(self.tokens_per_s, 2), "elapsed_s": round(self.elapsed_s, 3),
                 "draft_share": round(d, 3), "verify_share": round(v, 3), "other_share": round(o, 3),
-                "tree_size": self.tree_size, "finish_reason": self.finish_reason, "stopped": self.stopped,
+                "tree_size": self.tree_size, "head_nodes": self.head_nodes, "copied_steps": self.copied_steps,
+                "copied_accepted": self.copied_accepted, "finish_reason": self.finish_reason, "stopped": self.stopped,
                 **({"first_token_s": round(self.first_token_s, 3), "wall_s": round(self.wall_s, 3)}
                    if self.first_token_s is not None else {}),
                 "per_step": self.rows}
@@ -183,7 +197,12 @@ class AnswerView:
     def stats_markdown(self) -> str:
         d, v, o = self.shares()
         end = "stopped by you" if self.stopped else FINISH_TEXT.get(self.finish_reason or "", "streaming…")
-        tree = f" · tree {self.tree_size} nodes" if self.mode == "speculative" else ""
+        tree = ""
+        if self.mode == "speculative" and self.tree_size:
+            tree = f" · head tree {self.head_nodes or self.tree_size} nodes"
+            if self.copied_steps:
+                tree += (f" · copied from earlier text on {self.copied_steps} step"
+                         f"{'s' if self.copied_steps > 1 else ''}, {self.copied_accepted} tokens accepted")
         waited = ""
         if self.first_token_s is not None:  # what the visitor saw, from their Send
             waited = (f"**First token after {self.first_token_s:.1f} s · {self.total_tokens} tokens in "

@@ -15,6 +15,7 @@ LOCAL_INFO = {"depth": "How many tokens ahead the head drafts; the tree size gro
               "tree_size": "Tokens verified per step, the root included.",
               "highlight": "Colours the answer below by where each token came from."}
 CHART_TITLE = "Tokens committed per verification step"
+SPEC_OFF_TREE = "Not used while speculative decoding is off."
 REMOTE_SPEC = "Off here: the remote server decides whether and how it speculates."
 REMOTE_TREE = "Not used: the remote server drafts with its own settings."
 REMOTE_HIGHLIGHT = "Needs the local engine: a remote server does not say which tokens were drafted."
@@ -29,13 +30,25 @@ def control_props(manager) -> dict[str, dict]:
     """Each backend-dependent control's interactive state and reason, for build and updates."""
     remote = manager.backend is not None
     has_head = not remote and manager.engine is not None and manager.engine.has_head
-    tree = {k: dict(interactive=not remote, info=REMOTE_TREE if remote else LOCAL_INFO[k])
-            for k in ("depth", "top_k", "tree_size")}
+    tree = tree_props(remote, has_head)
     return {"spec": dict(value=has_head, interactive=has_head, info=REMOTE_SPEC if remote else SPEC_INFO), **tree,
             "highlight": dict(interactive=not remote, info=REMOTE_HIGHLIGHT if remote else LOCAL_INFO["highlight"]),
             "chart": dict(title=REMOTE_CHART if remote else CHART_TITLE),
             "compare": dict(interactive=not remote),
             "compare_note": dict(value=REMOTE_COMPARE if remote else "", visible=remote)}
+
+
+def tree_props(remote: bool, spec_on: bool) -> dict[str, dict]:
+    """The tree controls: greyed out, with the reason, while nothing speculates."""
+    return {k: dict(interactive=spec_on and not remote,
+                    info=REMOTE_TREE if remote else LOCAL_INFO[k] if spec_on else SPEC_OFF_TREE)
+            for k in ("depth", "top_k", "tree_size")}
+
+
+def tree_updates(manager, spec_on) -> tuple:
+    """The speculation box changed: the depth, top-k and tree size follow it."""
+    props = tree_props(manager.backend is not None, bool(spec_on))
+    return tuple(gr.update(**props[k]) for k in ("depth", "top_k", "tree_size"))
 
 
 def control_updates(manager) -> tuple:

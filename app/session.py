@@ -262,7 +262,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
         deadline = time.monotonic() + seconds if seconds else None
-        gen = engine.generate(msgs, cfg)
+        gen = engine.generate(msgs, cfg, on_step=view.on_step)
         pace = Pace()
         try:
             first = yield from self._prefill(gen, long_chat.prompt_tokens, ticket)

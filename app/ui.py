@@ -6,7 +6,7 @@ import gradio as gr
 
 from app.chat import BONUS, DRAFT, PLAIN, empty_frame
 from app.chats_ui import CHATS_VIEW, chat_list, stores
-from app.controls import control_props
+from app.controls import control_props, tree_updates
 from app.manager import CUSTOM, ModelManager, catalogue_frame
 from app.models_tab import LOCKED
 from app.session import Handlers
@@ -194,6 +194,8 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         depth.input(None, [depth, tree_size], [tree_size, tree_note], js=follow_depth_js(MAX_DEPTH),
                     api_visibility="private").then(**keep)  # the size it grew to is kept too
         tree_size.input(None, [depth, tree_size], tree_note, js=TREE_LIMIT_JS, api_visibility="private")
+        spec.change(lambda on: tree_updates(manager, on), spec, [depth, top_k, tree_size], queue=False,
+                    api_visibility="private", show_progress="hidden")
 
         def page_load(request: gr.Request):
             return h.page_load(app.banner, request)

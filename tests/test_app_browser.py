@@ -261,6 +261,7 @@ STOP_LATENCY_JS = """(press) => new Promise((resolve) => {
   else document.querySelector('#stop').click();
   const check = () => /stopped by you/.test(stats.innerText) ? resolve(performance.now() - t0) : setTimeout(check, 5);
   check();
+  setTimeout(() => resolve(-1), 15000);  // never stopped: fail instead of waiting forever
 })"""
 
 
@@ -290,7 +291,7 @@ def test_stop_and_esc_take_effect_within_half_a_second_while_streaming(page, ser
         assert time.monotonic() - started < 0.5, "the page answers scripts while the text streams"
         latencies[press] = page.evaluate(STOP_LATENCY_JS, press)
         print(f"Stop by {press}: {latencies[press]:.0f} ms after the press")
-    assert all(ms < 500 for ms in latencies.values()), latencies
+    assert all(0 <= ms < 500 for ms in latencies.values()), latencies
     assert "Stopped." in page.locator("#notice").inner_text()
     box.fill("60")
     box.press("Enter")
@@ -330,3 +331,13 @@ def test_the_header_is_one_plain_line_with_the_details_collapsed(page):
     assert "Numerics:" in details and "CPU threads:" in details
     assert "tokens each model pass adds" in page.locator("#details").inner_text(), "τ in words"
     page.locator("#details").get_by_text("How it works").first.click()
+
+
+def test_tree_controls_are_greyed_out_while_speculation_is_off(page):
+    toggle, depth = page.locator("#speculative input[type=checkbox]"), page.locator("#depth input[type=range]")
+    toggle.uncheck()
+    page.wait_for_function("document.querySelector('#depth input[type=range]').disabled", timeout=10_000)
+    assert "Not used while speculative decoding is off." in page.locator("#depth").inner_text()
+    toggle.check()
+    page.wait_for_function("!document.querySelector('#depth input[type=range]').disabled", timeout=10_000)
+    assert depth.is_enabled() and "How many tokens ahead" in page.locator("#depth").inner_text()

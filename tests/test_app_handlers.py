@@ -444,3 +444,17 @@ def test_a_long_prefill_is_shown_while_it_runs_and_a_new_chat_is_suggested(bigra
         in reading[1]
     assert "every answer first reads all of it again (this one's first token came after 1." in outs[-1][7]
     assert "start a New chat" in outs[-1][7]
+
+
+def test_the_panel_counts_head_tree_nodes_and_copied_text_apart(bigram):
+    engine = Engine(*bigram)
+    engine.tree_choice = TreeChoice(TreeConfig(depth=2, top_k=2, total_tokens=4, lookup=8), "test")
+    h = handlers_for(engine)
+    _, _, stats, _, _ = answer(h, "w5 w9", [], GREEDY._replace(depth=2, top_k=2, tree_size=4, max_new=60))
+    verified = [r["tree_size"] for r in stats["per_step"] if r["tree_size"]]
+    assert stats["copied_steps"] > 0 and stats["copied_accepted"] > 0, "the bigram model repeats itself"
+    assert max(verified) > 4 and 2 <= stats["head_nodes"] <= 4, "the slider's tree stays 4 nodes; copies come on top"
+    assert max(r["tokens"] for r in stats["per_step"]) > 3, "a step accepted more than a depth-2 tree allows"
+    stats_md = answer(h, "w5 w9", [], GREEDY._replace(depth=2, top_k=2, tree_size=4, max_new=60))[0][-1][4]
+    assert (f"head tree {stats['head_nodes']} nodes · copied from earlier text on {stats['copied_steps']} steps, "
+            f"{stats['copied_accepted']} tokens accepted") in stats_md
