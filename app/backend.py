@@ -13,10 +13,12 @@ import gradio as gr
 
 from app.chat import Pace, empty_frame
 from app.controls import CONTROLS, control_updates
-from app.errors import UserError, refuse, user_error
+from app.errors import UserError, plain_reason, refuse, user_error
 from app.models_tab import LOAD_ERRORS, LOCKED
 from app.remote import RemoteBackend, RemoteError, RemoteEvent, ServerInfo, stats_markdown
 
+# Connect and "Use local engine": the result line, the header, the tree origin, app.controls.CONTROLS
+BACKEND_OUTPUTS = 3 + len(CONTROLS)
 REMOTE_FINISH = {"stop": "end of answer", "length": "max new tokens reached"}
 
 
@@ -69,7 +71,7 @@ class BackendHandlers:
             return (f"Connected: the chat now goes to {info.url} ({info.kind} server, model `{info.model}`).",
                     self.manager.status_markdown(), self.manager.tree_markdown(), *control_updates(self.manager))
 
-        return self._guarded(work, 4 + len(CONTROLS))
+        return self._guarded(work, BACKEND_OUTPUTS)
 
     def use_local(self, progress=gr.Progress(), request: gr.Request = None):
         """Models tab: back to the local engine (loading the last model first if none is loaded)."""
@@ -81,13 +83,13 @@ class BackendHandlers:
             try:
                 engine = self.manager.use_local()
             except LOAD_ERRORS as e:
-                raise UserError(f"Loading the local model failed ({type(e).__name__}): {e}. The chat still "
+                raise UserError(f"Loading the local model failed: {plain_reason(e)}. The chat still "
                                 "goes to the remote server.") from e
             return (f"Chatting with the local engine: {self.manager.choice.describe()}. "
                     f"Numerics: {engine.numerics.describe()}.",
                     self.manager.status_markdown(), self.manager.tree_markdown(), *control_updates(self.manager))
 
-        return self._guarded(work, 4 + len(CONTROLS))
+        return self._guarded(work, BACKEND_OUTPUTS)
 
     def _remote_answer(self, backend: RemoteBackend, msgs, cfg, seconds, before, turns, ticket, notices, restore):
         """Stream one answer from the server. Failing before any text: the conversation as it

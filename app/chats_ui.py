@@ -64,9 +64,10 @@ def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
 class ChatsHandlers:
     """Mixed into app.session.Handlers, which provides `tickets` (who has an answer running)."""
 
-    def chats_load(self, store):
-        """Page load: the chat the visitor had open, as it was."""
-        return shown(chats.normal(store)).outputs()
+    def chats_load(self, store, history):
+        """Page load: the chat the visitor had open, as it was (unless a message was sent before
+        this arrived: that conversation is not overwritten)."""
+        return shown(chats.normal(store), messages=not history).outputs()
 
     def chats_save(self, history, store):
         """After an answer (or Clear): the current chat now holds the conversation shown."""

@@ -159,6 +159,12 @@ class Request:
         head = (custom_head or "").strip() or None
         return cls(ModelChoice(target, head, dtype, device, bool(four_bit)))
 
+    def missing_folders(self) -> list[str]:
+        """Local folders this request names that do not exist (checked before anything is unloaded)."""
+        named = [r for r in (self.choice.model, self.choice.head)
+                 if r and r not in ("default", EMBEDDED, EMBEDDED_HUB_ID) and not is_hub_id(r)]
+        return [r for r in named if not Path(r).expanduser().is_dir()]
+
     def hub_ids(self) -> list[str]:
         """Repos this request would download (local folders and the embedded model need none)."""
         return [r for r in (self.choice.model, self.choice.head) if is_hub_id(r)]

@@ -11,7 +11,7 @@ import time
 import gradio as gr
 
 from app.controls import CONTROLS, control_updates
-from app.errors import UserError, fault, refuse, user_error
+from app.errors import UserError, fault, plain_reason, refuse, user_error
 from app.manager import Request, catalogue_frame, progress_text
 from core.config import ConfigError
 from core.head import HeadLoadError
@@ -38,9 +38,14 @@ class ModelHandlers:
         if not self.access.can_manage_models(request):
             raise UserError(LOCKED)
         try:
-            return Request.parse(key, target, head, dtype, device, four_bit)
+            model = Request.parse(key, target, head, dtype, device, four_bit)
         except ModelLoadError as e:
             raise UserError(str(e)) from e
+        if missing := model.missing_folders():
+            raise UserError(f"There is no folder {', '.join(f'`{m}`' for m in missing)} on this machine (a local "
+                            "path is read where the app runs). Check the path, or give a hub id as owner/name. "
+                            "Nothing was changed: the current model keeps serving.")
+        return model
 
     def _download(self, model: Request, progress) -> None:
         started = time.monotonic()
@@ -75,7 +80,7 @@ class ModelHandlers:
         def work():
             model = self._request(key, target, head, dtype, device, four_bit, request)
             if not model.hub_ids():
-                return "Nothing to download: this model is built in or a local folder.", catalogue_frame()
+                return "Nothing to download: this model is built in or already in a local folder.", catalogue_frame()
             self._download(model, progress)
             return f"Downloaded {', '.join(f'`{r}`' for r in model.hub_ids())}.", catalogue_frame()
 
@@ -91,7 +96,7 @@ class ModelHandlers:
             try:
                 engine = self.manager.switch(model)
             except LOAD_ERRORS as e:
-                raise UserError(f"Loading failed ({type(e).__name__}): {e}. {self._after_failed_load()}") from e
+                raise UserError(f"Loading failed: {plain_reason(e)}. {self._after_failed_load()}") from e
             note = "" if engine.has_head else " This model has no EAGLE head: speculation is off."
             return (f"Now serving {model.choice.describe()}. Numerics: {engine.numerics.describe()}.{note}",
                     self.manager.status_markdown(), catalogue_frame(), self.manager.tree_markdown(),

@@ -27,6 +27,8 @@ from typing import Iterator
 
 import httpx
 
+from app.errors import plain_reason
+
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_POLL_S = 1.0  # how often /metrics is read while an answer streams
@@ -147,8 +149,8 @@ class RemoteBackend:
         try:
             r = self.client.get(f"{self.url}/v1/models", timeout=10.0)  # a listing, not an answer: fail fast
         except httpx.HTTPError as e:
-            raise RemoteError(f"cannot reach an OpenAI-compatible server at {self.url} ({e}); is it "
-                              "running, and is the address right?") from e
+            raise RemoteError(f"cannot reach an OpenAI-compatible server at {self.url}: {plain_reason(e)}. "
+                              "Is it running, and is the address right?") from e
         if r.status_code != 200:
             raise RemoteError(f"the server at {self.url} answered /v1/models with {r.status_code}: {_message(r)}")
         try:
@@ -198,10 +200,10 @@ class RemoteBackend:
                         text = (choice.get("delta") or {}).get("content") or ""
                         yield RemoteEvent(text, stats, False, None, time.perf_counter() - start)
         except httpx.ConnectError as e:
-            raise RemoteError(f"cannot reach the server at {self.url} ({e}); is it still running?") from e
+            raise RemoteError(f"cannot reach the server at {self.url}: {plain_reason(e)}. Is it still running?") from e
         except httpx.TransportError as e:
             raise RemoteError(f"the server at {self.url} stopped responding mid-answer; the text so far "
-                              f"is kept ({type(e).__name__})") from e
+                              "is kept (the connection broke)") from e
         except json.JSONDecodeError as e:
             raise RemoteError(f"the server at {self.url} sent a malformed event ({e}); the text so far "
                               "is kept") from e

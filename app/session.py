@@ -22,7 +22,7 @@ from app.chat import AnswerView, Pace, empty_frame, engine_messages, trim_to_con
 from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
-from app.errors import UserError, fault, refuse, user_error
+from app.errors import TOAST_S, UserError, fault, refuse, user_error
 from app.lane import Ticket, Tickets, visitor_of
 from app.longchat import PREFILL_NOTE_S, LongChat, new_chat_hint, plan, reading
 from app.manager import ModelManager
@@ -210,14 +210,14 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             notices.append(f"Limit for visitors through the public link: prompts of at most {budget:,} tokens, so "
                            f"the oldest {over_budget} exchange(s) were left out of the prompt. Clear the chat to "
                            "start afresh.")
-            gr.Warning(notices[-1])
+            gr.Warning(notices[-1], duration=TOAST_S)
         if too_long:
             raise UserError(f"This message is longer than the model's whole context ({engine.max_context} "
                             "tokens); shorten it.")
         if dropped:
             notices.append(f"Note: the conversation no longer fits the model's context ({engine.max_context} "
                            f"tokens): the oldest {dropped} exchange(s) were left out of the prompt.")
-            gr.Warning(notices[-1])
+            gr.Warning(notices[-1], duration=TOAST_S)
         return msgs, n_tokens
 
     def _over_budget(self, n_tokens: int, budget: int) -> str:

@@ -24,6 +24,9 @@ CSS = """
 .tok-plain { background: #e5e7eb; color: #111827; border-radius: 3px; }
 .tok-legend span { padding: 1px 6px; margin-right: 6px; font-size: 0.85em; }
 #notice p, #tree-limit p { color: #b45309; }
+/* toasts repeat a message shown in place; at the bottom they do not cover the catalogue's columns */
+.toast-wrap { top: auto !important; bottom: var(--size-4) !important; }
+[data-testid="toast-body"] { max-height: 30vh; overflow-y: auto; }  /* Gradio groups warnings into one */
 /* long messages (a refused pickle's reason, a path) wrap instead of running off or being cut */
 #notice, #model-result, #compare-summary, [data-testid="toast-text"] { overflow-wrap: anywhere; }
 /* an unchecked box that can be checked looks clickable; a disabled one looks disabled */
@@ -201,7 +204,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
             return h.page_load(app.banner, request)
 
         demo.load(page_load, None, [status, banner, tree_origin, *controls, *models], api_visibility="private") \
-            .then(h.chats_load, store, chats_out, api_visibility="private", show_progress="hidden") \
+            .then(h.chats_load, [store, history], chats_out, api_visibility="private", show_progress="hidden") \
             .then(h.settings_load, [kept_settings, system] + settings, [system] + settings, api_visibility="private",
                   show_progress="hidden")
         demo.unload(h.session_end)

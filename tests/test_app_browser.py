@@ -41,6 +41,7 @@ def page(served):
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(served.url)
         page.locator("#chart .mark-rect path").first.wait_for(state="attached", timeout=30_000)
+        page.wait_for_function("document.querySelector('#chat-pick input')?.value", timeout=30_000)  # chats loaded
         page.locator("#sampling").get_by_text("Sampling").first.click()
         page.locator("#max-new input[type=number]").fill("60")  # short answers keep the test quick
         page.locator("#max-new input[type=number]").press("Enter")
@@ -136,6 +137,7 @@ def test_chart_legend_checkbox_and_catalogue_are_readable(page):
     assert float(toggle.evaluate(style)[1]) < 0.6, "a disabled box does look disabled"
     toggle.evaluate("(box) => { box.disabled = false; }")
     toggle.check()
+    page.wait_for_function("!document.querySelector('#depth input[type=range]').disabled", timeout=10_000)
     page.get_by_role("tab", name="Models").click()
     fits = page.evaluate("""() => {
         const wrap = document.querySelector('#catalogue .table-wrap');
@@ -341,3 +343,20 @@ def test_tree_controls_are_greyed_out_while_speculation_is_off(page):
     toggle.check()
     page.wait_for_function("!document.querySelector('#depth input[type=range]').disabled", timeout=10_000)
     assert depth.is_enabled() and "How many tokens ahead" in page.locator("#depth").inner_text()
+
+
+def test_a_missing_folder_is_refused_in_words_and_the_toast_leaves_the_table_visible(page):
+    page.get_by_role("tab", name="Models").click()
+    models_tab_download(page, "/no/such/folder")
+    page.wait_for_function("document.querySelector('#model-result').innerText.includes('There is no folder')",
+                           timeout=10_000)
+    result = page.locator("#model-result").inner_text()
+    assert "`" not in result and "/no/such/folder" in result and "the current model keeps serving" in result
+    assert "Nothing to download" not in result and "Error" not in result
+    toast = page.locator('[data-testid="toast-body"]').filter(has_text="There is no folder").last
+    toast.wait_for(timeout=10_000)
+    t, table = toast.bounding_box(), page.locator("#catalogue").bounding_box()
+    overlap = not (t["y"] >= table["y"] + table["height"] or t["y"] + t["height"] <= table["y"] or
+                   t["x"] >= table["x"] + table["width"] or t["x"] + t["width"] <= table["x"])
+    assert not overlap, f"the toast {t} ({toast.inner_text()!r}) covers the catalogue {table}"
+    page.get_by_role("tab", name="Chat").click()

@@ -129,11 +129,23 @@ def test_one_click_download_and_switch_frees_the_old_engine(hub_cache, tmp_path,
                                                                                         total_tokens=4))))
     assert sum(len(e.token_ids) for e in events) == 3
 
-    new = weakref.ref(new)
-    with pytest.warns(UserWarning, match="Loading failed .ModelLoadError.: .*previous model is serving again"):
+    serving = new
+    with pytest.warns(UserWarning, match="There is no folder"):
         message, *kept = handlers.load(CUSTOM, str(tmp_path / "missing"), "", "float32", "cpu", False,
                                        progress=lambda *a, **k: None)
-    assert message.startswith("Loading failed") and kept == [gr.skip()] * 11
+    assert message.startswith(f"There is no folder `{tmp_path / 'missing'}` on this machine") and \
+        "the current model keeps serving" in message and kept == [gr.skip()] * 11
+    assert manager.engine is serving, "a missing folder is refused before the serving model is unloaded"
+    with pytest.warns(UserWarning, match="Nothing to download|There is no folder"):
+        assert handlers.download(CUSTOM, str(tmp_path / "missing"), "", "float32", "cpu", False,
+                                 progress=lambda *a, **k: None)[0].startswith("There is no folder")
+    (tmp_path / "empty").mkdir()
+    new = weakref.ref(new)
+    del serving
+    with pytest.warns(UserWarning, match="Loading failed: .*previous model is serving again"):
+        message, *kept = handlers.load(CUSTOM, str(tmp_path / "empty"), "", "float32", "cpu", False,
+                                       progress=lambda *a, **k: None)
+    assert message.startswith("Loading failed: ") and "Error" not in message.split(".")[0] and kept == [gr.skip()] * 11
     assert new() is None, "one model in memory at a time: the old one is freed before loading the next"
     assert manager.engine.has_head and recall() == ModelChoice("org/tiny-llama", "org/tiny-head", "float32"), \
         "after a failed load the previous model is loaded again"

@@ -131,6 +131,8 @@ def test_a_server_that_is_not_there_is_refused_and_nothing_changes():
     with pytest.warns(UserWarning, match="Could not connect: cannot reach an OpenAI-compatible server"):
         out = h.connect(url, "")
     assert out[0].startswith("Could not connect") and all(o == SKIP for o in out[1:])
+    assert len(out) == 11, "as many outputs as Connect has (result, header, tree origin, 8 controls)"
+    assert "Errno" not in out[0] and "nothing is listening at that address (connection refused)" in out[0]
     assert h.manager.backend is None and h.manager.status_markdown().startswith("**Serving**")
 
 

@@ -264,3 +264,15 @@ def test_stored_settings_keep_their_defaults_where_a_value_is_missing_or_invalid
         ChatSettings(max_new=60, spec=False, depth=4)
     assert ChatSettings.stored({"top_p": 0.0}, shown) == shown, "an invalid value is not restored"
     assert ChatSettings.stored(None, shown) == shown
+
+
+def test_errors_are_said_in_words_without_codes_or_class_names():
+    import httpx
+
+    from app.errors import plain_reason
+
+    refused = "nothing is listening at that address (connection refused)"
+    assert plain_reason(ConnectionRefusedError(111, "Connection refused")) == refused
+    assert plain_reason(httpx.ConnectError("[Errno 111] Connection refused")) == refused
+    assert plain_reason(OSError("[Errno 99] Cannot assign requested address")) == "Cannot assign requested address"
+    assert plain_reason(ValueError("bad config")) == "bad config"
