@@ -171,6 +171,10 @@ class AnswerView:
             target_kind = BONUS if r["tree_size"] > 0 else PLAIN
             recs.append({"step": r["step"], "tokens": r["draft"], "kind": DRAFT})
             recs.append({"step": r["step"], "tokens": r["tokens"] - r["draft"], "kind": target_kind})
+        shown = {rec["kind"] for rec in recs}
+        last = recs[-1]["step"] if recs else 1
+        # a legend entry whose kind has no bar in view loses its colour square: give it a zero-height one
+        recs += [{"step": last, "tokens": 0, "kind": kind} for kind in self.kinds() if kind not in shown]
         return pd.DataFrame(recs, columns=["step", "tokens", "kind"])
 
     def x_range(self) -> list[float]:

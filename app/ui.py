@@ -101,7 +101,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                 with gr.Row():
                     with gr.Column(scale=3):
                         listing = chat_list()
-                        chatbot = gr.Chatbot(label="Conversation", height=430, elem_id="chatbot",
+                        chatbot = gr.Chatbot(label="Conversation", show_label=False, height=430, elem_id="chatbot",
                                              buttons=["copy"], feedback_options=None,
                                              placeholder="Ask anything. Speculation settings are on the right.")
                         notice = gr.Markdown(elem_id="notice")

@@ -324,7 +324,7 @@ def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_spe
 
 def test_the_header_is_one_plain_line_with_the_details_collapsed(page):
     status = page.locator("#status").inner_text()
-    assert status.startswith("Serving tiny · ") and "EAGLE speculation available" in status
+    assert "Serving tiny · " in status and "EAGLE speculation available" in status
     assert "Numerics" not in status and "threads" not in status, "the jargon waits in the details"
     assert page.locator("#status").bounding_box()["height"] < 60, "one line at 1400 px"
     assert "last answer" in status and "tok/s" in status, "the speed of the last answer (earlier tests answered)"
@@ -360,3 +360,22 @@ def test_a_missing_folder_is_refused_in_words_and_the_toast_leaves_the_table_vis
                    t["x"] >= table["x"] + table["width"] or t["x"] + t["width"] <= table["x"])
     assert not overlap, f"the toast {t} ({toast.inner_text()!r}) covers the catalogue {table}"
     page.get_by_role("tab", name="Chat").click()
+
+
+def test_at_400_px_the_chat_starts_on_the_first_screen_and_the_legend_fits(page):
+    assert not page.locator("#chatbot").get_by_text("Conversation", exact=True).is_visible(), \
+        "no label floating over the messages"
+    page.set_viewport_size({"width": 400, "height": 800})
+    try:
+        page.evaluate("window.scrollTo(0, 0)")
+        page.wait_for_timeout(500)
+        chats = page.locator("#chat-pick").bounding_box()
+        assert chats["y"] < 400, f"the header leaves the chat on the first screen ({chats})"
+        fits = page.evaluate("""() => {
+            const chart = document.querySelector('#chart').getBoundingClientRect();
+            return [...document.querySelectorAll('#chart g.role-legend-label text')]
+                .every(t => t.getBoundingClientRect().right <= chart.right + 1);
+        }""")
+        assert fits, "every legend label is inside the chart"
+    finally:
+        page.set_viewport_size({"width": 1400, "height": 1000})

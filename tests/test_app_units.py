@@ -276,3 +276,16 @@ def test_errors_are_said_in_words_without_codes_or_class_names():
     assert plain_reason(httpx.ConnectError("[Errno 111] Connection refused")) == refused
     assert plain_reason(OSError("[Errno 99] Cannot assign requested address")) == "Cannot assign requested address"
     assert plain_reason(ValueError("bad config")) == "bad config"
+
+
+def test_every_legend_kind_keeps_a_bar_when_its_steps_scroll_out_of_the_chart():
+    from app.chat import MAX_CHART_STEPS
+
+    view = AnswerView("speculative")
+    view.add(event([10], ["a"], 0, 0, total=1, forwards=1, elapsed=0.1))  # the prefill: a plain bar
+    for i in range(MAX_CHART_STEPS + 5):
+        view.add(event([11, 12], ["b", "c"], 1, 6, total=3 + 2 * i, forwards=2 + i, elapsed=0.2 + i))
+    frame = view.frame()
+    plain = frame[frame["kind"] == PLAIN]
+    assert len(plain) == 1 and plain["tokens"].sum() == 0, "the prefill scrolled out: a zero-height plain bar"
+    assert set(frame["kind"]) == set(view.kinds()) and frame["step"].min() > 1
