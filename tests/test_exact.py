@@ -107,7 +107,7 @@ def test_tiny_bf16_exact_greedy_equals_plain():
 @pytest.fixture(scope="module")
 def smol():
     torch.set_num_threads(2)
-    engine = Engine.load()  # auto: bf16 + exact kernels where the probe passes
+    engine = Engine.load()  # auto: w4a8 on the native step (the embedded GGUF) + exact kernels where the probe passes
     if not engine.numerics.exact:
         why = engine.numerics.note or (engine.numerics.probe and engine.numerics.probe.reason)
         if native.status().available:  # the kernels that make it exact run here: a failure is a bug

@@ -2,7 +2,8 @@
 activations (csrc/gemm_x8.c). These numerics are their own reference: a row computes the same
 bits alone or in a tree (integer block sums, one fixed fp32 sequence per element), VNNI and
 AMX-INT8 give the same bits, the native step equals the transformers path on them, and greedy
-speculation equals plain decoding; their distance from the bf16 numerics is measured."""
+speculation equals plain decoding (tests/test_exact.py runs that on the default engine, which is
+w4a8: 6 trees x 6 prompts and a 256-token answer); their distance from bf16 is measured."""
 
 import numpy as np
 import pytest
@@ -13,8 +14,7 @@ from core import native, quant
 from core.engine import Engine, plain_forward, prefill
 from core.invariant import BlockLinear
 from core.step import NativeStep
-from tests.test_step import (TYPES, assert_greedy_speculation_equals_plain, assert_step_equals_transformers,
-                             quantized_llama, two_thread_engine)
+from tests.test_step import TYPES, assert_step_equals_transformers, quantized_llama, two_thread_engine
 
 pytestmark = pytest.mark.skipif(not native.status().available,
                                 reason=f"core.native unavailable: {native.status().reason}")
@@ -115,19 +115,13 @@ def smollm2_w4a8():
 
 
 @pytest.mark.slow
-def test_greedy_speculation_equals_plain_on_the_w4a8_step(smollm2_w4a8):
-    eng = smollm2_w4a8
-    assert isinstance(eng.forwarder, NativeStep) and eng.numerics.exact
-    assert "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2" in eng.numerics.describe()
-    assert_greedy_speculation_equals_plain(eng)
-
-
-@pytest.mark.slow
 def test_w4a8_stays_close_to_the_bf16_numerics_on_a_fixed_text(smollm2_w4a8):
     """Quality against the bf16 path (the same weights, bf16 activations): teacher-forced over a
     fixed text, the next-token choice agrees at >= 90% of positions and the perplexity is within
     5%. Measured 2026-12-02: see docs/native-step.md (w4a8 section)."""
     eng = smollm2_w4a8
+    assert isinstance(eng.forwarder, NativeStep) and eng.numerics.exact  # the probe passed on these numerics
+    assert "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2" in eng.numerics.describe()
     text = ("The water cycle describes how water moves between the oceans, the air and the land. The sun warms "
             "the surface of the sea, and water evaporates into the atmosphere as vapour. As the vapour rises it "
             "cools and condenses into tiny droplets that form clouds. When the droplets grow heavy they fall as "
