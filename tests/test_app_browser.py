@@ -157,6 +157,9 @@ def test_the_tree_size_follows_a_deeper_depth_and_a_smaller_size_says_what_it_ca
         box.fill(value)
         box.press("Enter")
 
+    # the boxes come back enabled after an earlier test switched speculation off and on (the slider first)
+    page.wait_for_function("document.querySelector('#depth input[type=number]')?.disabled === false && "
+                           "document.querySelector('#tree-size input[type=number]')?.disabled === false", timeout=10_000)
     enter(depth, "6")
     enter(size, "5")
     page.wait_for_function("document.querySelector('#tree-limit').innerText.includes('caps')", timeout=10_000)
