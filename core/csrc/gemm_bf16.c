@@ -113,7 +113,8 @@ static int known_type(int t) { return t == WT_BF16 || t == WT_Q4_0 || t == WT_Q4
 int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
               uint16_t *scratch) {
     int amx = 1, total = 0;
-    if (count > 0 && is_x8(jobs[0].w->type)) return gemm_x8_team(x, ldx, jobs, count, M, K, pack);
+    if (count > 0 && is_x8(jobs[0].w->type))
+        return gemm_x8_team(x, ldx, jobs, count, M, K, pack, scratch, scratch_elems(K) * 2);
     for (int j = 0; j < count; j++) {
         if (!known_type(jobs[j].w->type) || jobs[j].w->K != K) return -1;
         amx &= amx_serves(jobs[j].w->N, K);  // AMX tiles where this machine has them: by shape, never by M

@@ -240,15 +240,26 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
 
 int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8; }
 
-int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *work) {
+int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *shared,
+                 void *mine, int64_t mine_bytes) {
     for (int j = 0; j < count; j++)
         if (!is_x8(jobs[j].w->type) || jobs[j].w->K != K || K % 32 || jobs[j].w->N % 16) return -1;
-    qrows a = x8_parts(work, M, K);
     int KB = K / 32;
+    // A decoding step's few rows: every thread quantizes them all into its own memory (the same
+    // bits), so no barrier waits between quantizing and multiplying (one per GEMM instead of two;
+    // on a busy machine each costs a wake-up). AMX reads 16 rows: the memory holds them.
+    int own = M <= 16 && x8_work_bytes(16, K) <= mine_bytes;
+    qrows a = x8_parts(own ? mine : shared, M, K);
+    if (own) {
+        for (int m = 0; m < M; m++)
+            quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
+                            a.s + (int64_t)m * KB);
+    } else {
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++)
-        quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
-                        a.s + (int64_t)m * KB);
+        for (int m = 0; m < M; m++)
+            quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
+                            a.s + (int64_t)m * KB);
+    }
     int first[9], total = 0;  // job j's groups are [first[j], first[j + 1]) of the batch's
     for (int j = 0; j < count && j < 8; j++) { first[j] = total; total += jobs[j].w->N / 16; }
     first[count] = total;

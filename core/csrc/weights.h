@@ -52,9 +52,11 @@ static inline int64_t scratch_elems(int K) { return (int64_t)64 * K; }
 int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
               uint16_t *scratch);
 // The batch's GEMMs on 8-bit activations (every job's w an X8 type): x quantized per row into
-// `work` (x8_work_bytes(M, K) <= pack_elems(M, K) * 2 bytes), then the 16-row groups split
-// over the team. 0, or -1 for a weight that is not X8 or does not fit K.
-int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *work);
+// `shared` (x8_work_bytes(M, K) <= pack_elems(M, K) * 2 bytes), or by every thread into its own
+// `mine` (mine_bytes) for up to 16 rows, then the 16-row groups split over the team. 0, or -1 for
+// a weight that is not X8 or does not fit K.
+int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *shared,
+                 void *mine, int64_t mine_bytes);
 int is_x8(int type);
 int64_t x8_work_bytes(int M, int K);
 void x8_row(const wmat *w, int64_t n, uint16_t *out);
