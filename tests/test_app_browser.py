@@ -218,6 +218,8 @@ def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch
     page.reload()
     wait_for_chat(page, shown)
     page.locator("#sampling").get_by_text("Sampling").first.click()
+    # the saved settings arrive after the chat (their own browser-state event): wait for them, then check
+    page.wait_for_function("document.querySelector('#max-new input[type=number]')?.value === '60'", timeout=10_000)
     assert page.locator("#max-new input[type=number]").input_value() == "60", "the settings are kept too"
     page.locator("#manage-chats").get_by_text("Manage chats").first.click()
     with page.expect_download() as got:
