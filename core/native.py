@@ -190,7 +190,7 @@ i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void
 SIGNATURES = {
     # int amx_enable(int want): 1 where Linux granted the tile state (csrc/gemm_amx.c)
     "amx_enable": ([i32], i32),
-    # int x8_amx_enable(int want): 1 where AMX-INT8 now serves 8-bit-activation GEMMs of 2+ rows (csrc/gemm_x8.c)
+    # int x8_amx_enable(int want): 1 where AMX-INT8 now serves 8-bit-activation GEMMs of 9+ rows (csrc/gemm_x8.c)
     "x8_amx_enable": ([i32], i32),
     # int gemm_bf16(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads)
     "gemm_bf16": ([ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32], i32),

@@ -108,9 +108,10 @@ def pack_x8(blocks: Blocks) -> Blocks:
     g, kb, bs = blocks.n // 16, blocks.k // BLOCK, SUPPORTED[blocks.type][1]
     raw = blocks.data.numpy().reshape(g, 16, kb, bs)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
+    per_block = lambda a: a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)  # 16 fp16 of a block column
     if blocks.type == 8:
         codes = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # (g, 16, kb, 32)
-        parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512)]
+        parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512), per_block(d)]
     else:
         if blocks.type == 3:
             m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:20]
@@ -119,9 +120,7 @@ def pack_x8(blocks: Blocks) -> Blocks:
                 m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:18]
             if not np.isfinite(m).all():
                 raise QuantWeightError("a Q4_0 block scale too large for 8-bit activations (|d| * 8 overflows fp16)")
-        parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256),
-                 m.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)]
-    parts.insert(1, d.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32))
+        parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256), per_block(d), per_block(m)]
     data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
     return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k)
 

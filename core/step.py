@@ -145,10 +145,10 @@ class NativeStep:
                        for n in params if n.endswith("proj.weight")) + (
             blocks[lm_name].nbytes if lm_name in blocks else params[lm_name].numel() * 2)
         kind = f"{'/'.join(sorted(names))} blocks from {source}" if names else "bf16"
-        if any(b.type in X8 for b in blocks.values()):
+        int8 = any(b.type in X8 for b in blocks.values())
+        if int8:
             kind = f"4-bit weights x 8-bit activations ({kind})"
-        self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed,
-                             "int8" if any(b.type in X8 for b in blocks.values()) else "bf16")
+        self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed, "int8" if int8 else "bf16")
 
     @property
     def config(self):

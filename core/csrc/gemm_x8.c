@@ -87,11 +87,11 @@ static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
     return _mm512_add_epi32(s0, s1);
 }
 
-// AMX-INT8 (Intel Sapphire Rapids and later) for 2-16 rows: one TDPBSUD multiplies 16 rows of
-// x by a block of 16 output rows, a 16th of VNNI's instructions per row, so a tree's rows cost
-// little more than one. Its integer block sums are VNNI's exactly (integers), and the fp32 steps
-// after them are the same instructions in the same order (block_fp32 below): a row's bits do not
-// depend on which of the two computed it, so a plain step (1 row, VNNI) and a tree row (AMX)
+// AMX-INT8 (Intel Sapphire Rapids and later) from AMX_X8_MIN_ROWS rows: one TDPBSUD multiplies
+// 16 rows of x by a block of 16 output rows, a 16th of VNNI's integer instructions per row (the
+// unpacking and the tile store / reload per block make it pay only from 9 rows). Its integer block sums are VNNI's exactly (integers), and the fp32 steps
+// after them are the same instructions in the same order (block_q4_fp32 / block_q8_fp32): a row's bits do not
+// depend on which of the two computed it, so a plain step (1 row, VNNI) and a row of a large tree (AMX)
 // agree by construction.
 static int x8_amx = 0;
 
