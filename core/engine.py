@@ -246,11 +246,14 @@ class Engine:
              weights: str = "auto") -> "Engine":
         """Load a target and its head. head="default": the shipped head for the embedded
         model, the catalogue's head for a catalogue target, else none (plain decoding only).
-        weights: what the native step reads (core.step.WEIGHTS)."""
+        weights: what the native step reads (core.step.WEIGHTS). The probe runs with or without a
+        head (once per machine, cached): a plain run must pick the numerics a speculative run
+        picks, or `--plain` and the default could answer in different numerics (the clean-clone
+        CI saw two texts when a failed probe had sent only the speculative run to fp32)."""
         if head == "default":
             head = default_head(model)
         target, numerics, step = load_numerics(model, dtype=dtype, attention=attention, device=device,
-                                               load_in_4bit=load_in_4bit, check=head is not None, weights=weights)
+                                               load_in_4bit=load_in_4bit, check=True, weights=weights)
         if head is None:
             return cls(target, numerics=numerics, step=step)
         folder = Path(head).expanduser() if Path(head).expanduser().exists() else resolve(

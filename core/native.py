@@ -259,6 +259,13 @@ def amx_wanted() -> bool:
             and os.environ.get(AMX_ENV, "").lower() not in ("0", "off", "false", "no"))
 
 
+def set_x8_amx(on: bool) -> bool:
+    """AMX-INT8 for 8-bit-activation GEMMs of 9+ rows on or off (tests compare it with VNNI);
+    on only where the CPU has amx_int8 and the tiles were granted. Returns whether it serves now."""
+    k, st = _library()
+    return bool(k and k.x8_amx_enable(int(on and st.amx and "amx_int8" in _cpu_flags())))
+
+
 def status() -> NativeStatus:
     return _library()[1]
 

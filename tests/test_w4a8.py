@@ -81,20 +81,19 @@ def test_packing_refuses_what_the_kernel_cannot_read():
 
 def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
     model, blocks, packed = x8_model("Q4_1")
-    k = native._library()[0]
     gen = torch.Generator().manual_seed(5)
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
         w = native.wmat(blocks=packed[name])
         x = torch.randn(40, w.K, generator=gen).bfloat16()
         alone = torch.cat([native.linear_w(x[i:i + 1], w) for i in range(40)])
-        had = k.x8_amx_enable(1)  # 1 where this machine has AMX-INT8
+        had = native.set_x8_amx(True)  # True where this machine has AMX-INT8
         try:
             for m in (2, 5, 9, 16, 17, 40):  # VNNI chunks of 8, AMX chunks of 16 (from 9 rows), and leftovers
-                for amx in {0, had}:
-                    k.x8_amx_enable(amx)
+                for amx in {False, had}:
+                    native.set_x8_amx(amx)
                     assert torch.equal(native.linear_w(x[:m], w), alone[:m]), (name, m, amx)
         finally:
-            k.x8_amx_enable(had)
+            native.set_x8_amx(had)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0"])
@@ -144,3 +143,37 @@ def test_w4a8_stays_close_to_the_bf16_numerics_on_a_fixed_text(smollm2_w4a8):
     ppl_w, ppl_b = scores["w4a8"][1], scores["bf16"][1]
     assert agree >= 0.90, agree
     assert abs(ppl_w / ppl_b - 1) <= 0.05, (ppl_w, ppl_b)
+
+
+@pytest.mark.slow
+def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
+    """A process's thread count follows how busy the machine is at start (core.threads), so a
+    plain run and a speculative run started a minute apart can get 1 and 2 threads: their texts
+    stay equal only if no logit depends on the thread count (columns are split among threads,
+    never the sum over K), nor on AMX-INT8 vs VNNI. The probe passes on every combination too."""
+    from core.probe import run_probe
+
+    step = smollm2_w4a8.step
+    ids = torch.tensor(smollm2_w4a8.encode("Name three rivers in Europe and the seas they flow into."))
+    before, had = torch.get_num_threads(), native.set_x8_amx(True)
+    seen = {}
+    try:
+        for threads in (1, 2, 3):
+            for amx in sorted({False, had}):
+                torch.set_num_threads(threads)
+                native.set_x8_amx(amx)
+                with torch.inference_mode():
+                    cache = kv.new_cache(step.hf)
+                    _, last = prefill(step, ids, cache)
+                    rows = [last.reshape(-1)[-step.hf.config.vocab_size:]]
+                    for i, token in enumerate((504, 28, 1034)):  # three plain steps after the prompt
+                        rows.append(plain_forward(step, token, cache, len(ids) + i)[1].reshape(-1))
+                seen[threads, amx] = torch.stack(rows)
+                result = run_probe(step)
+                assert result.exact, (threads, amx, result.reason)
+    finally:
+        torch.set_num_threads(before)
+        native.set_x8_amx(had)
+    first = next(iter(seen.values()))
+    for key, logits in seen.items():
+        assert torch.equal(logits, first), (key, float((logits.float() - first.float()).abs().max()))

@@ -56,7 +56,6 @@ TILE(1, 1)
 #define PF_MIN_ROWS 2
 #define PF_BLOCKS 2
 
-int amx_serves(int N, int K);
 void gemm_amx_team(const uint16_t *pack, int M, int K, const gemm_job *jobs, int count, uint16_t *scratch);
 void amx_pack_team(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *pack);
 

@@ -95,9 +95,9 @@ static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
 // agree by construction.
 static int x8_amx = 0;
 
-int x8_amx_enable(int want) {  // want: this CPU has amx_int8 and the AMX tiles were granted
+int x8_amx_enable(int want) {  // want: this CPU has amx_int8 (core.native checks the flag)
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-    x8_amx = want != 0;
+    x8_amx = want != 0 && amx_serves(16, 32);  // never without the tile state Linux granted (else SIGILL)
 #else
     (void)want;
     x8_amx = 0;
