@@ -38,6 +38,7 @@ from core.tree import catch_up, draft_dynamic, tree_from_parents
 from core.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped_tree, shipped_tree_path,  # noqa: F401
                             tuned_path, tuned_tree)  # (re-exported)
 
+LOOKUP_CHOICES = (0, 8, 16, 24)  # chain lengths autotune compares end to end (--lookup auto)
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
     "Write a short poem about autumn leaves.",
@@ -338,12 +339,16 @@ def cached_tree(engine: Engine) -> TreeConfig | None:
     return choice.tree if choice else None
 
 
-def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int = DEFAULT_TOKENS,
+def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int | None = None,
                 confirm_top: int = 0) -> TreeConfig:
     """Measure (or reuse) the cost and acceptance profile and return the fastest tree, with
     `lookup` context-lookup tokens (core.lookup; the head's tree is chosen without them).
     confirm_top > 1: the model's choice and the best-predicted trees of the next sizes, that
-    many in all, answer the calibration prompts end to end (`confirm`) and the fastest wins."""
+    many in all, answer the calibration prompts end to end (`confirm`) and the fastest wins.
+    lookup None (with confirm_top > 1): the chain length is measured too: the chosen tree with
+    each of LOOKUP_CHOICES answers end to end and the fastest wins (a chain's rows cost what
+    the machine's GEMM makes them cost: nearly nothing up to 16 rows on AMX tiles, ~10% of a
+    one-row call each with 8-bit activations on AVX-512)."""
     if not engine.has_head:
         raise ValueError("choosing a tree needs a draft head")
     if not refresh and (tree := cached_tree(engine)) is not None:
@@ -360,20 +365,43 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
         for _, _, t in candidates:
             if len(trees) < confirm_top and all(t.total_tokens != u.total_tokens for u in trees):
                 trees.append(t)
-        with_lookup = [chain_tree(replace(t, lookup=lookup)) for t in trees]
+        with_lookup = [chain_tree(replace(t, lookup=DEFAULT_TOKENS if lookup is None else lookup)) for t in trees]
         best, rates = confirm(engine, with_lookup)
         tree = trees[with_lookup.index(best)]
         rate = next(r for r, _, t in candidates if t == tree)  # the model's prediction for the tree kept
         confirmed = {f"{t.depth},{t.total_tokens}": r for t, r in zip(trees, (rates[w] for w in with_lookup))}
+    by_lookup = {}
+    if lookup is None:
+        lookup = DEFAULT_TOKENS
+        if confirm_top > 1:
+            chains = [chain_tree(replace(tree, lookup=n)) for n in LOOKUP_CHOICES]
+            best, rates = confirm(engine, chains)
+            lookup = best.lookup
+            by_lookup = {str(t.lookup): r for t, r in rates.items()}
     tree = chain_tree(replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context)))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
                               "other_s": other, "attend_s_per_row_and_context_token": attend,
                               "numerics": engine.numerics.describe(),
                               "end_to_end_tokens_per_s": confirmed,
+                              "end_to_end_tokens_per_s_by_lookup": by_lookup,
                               "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
                                                   for d in DEPTHS for n in SIZES}})
     engine.tree_choice = tuned_tree(engine) or engine.tree_choice
     return tree
+
+
+def _lookup_arg(text: str) -> int | None:
+    """--lookup: "auto" (None) or a chain length in 0..32."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 32:
+        import argparse
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer in 0..32, got {text!r}")
+    return n
 
 
 def main(argv=None) -> None:
@@ -389,8 +417,10 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--lookup", type=int, default=DEFAULT_TOKENS,
-                   help=f"context-lookup tokens in the chosen tree (0 = off; default {DEFAULT_TOKENS})")
+    p.add_argument("--lookup", type=_lookup_arg, default=None, metavar="N|auto",
+                   help=f"context-lookup tokens in the chosen tree (0 = off; default auto: each of "
+                        f"{', '.join(map(str, LOOKUP_CHOICES))} answers end to end and the fastest wins; "
+                        f"{DEFAULT_TOKENS} where --confirm is 0 or 1)")
     p.add_argument("--confirm", type=int, default=4, metavar="N",
                    help="answer the calibration prompts end to end with the model's N best trees and keep "
                         "the fastest (0 = trust the cost model; default 4)")
@@ -406,6 +436,9 @@ def main(argv=None) -> None:
     report = json.loads(tuned_path(engine).read_text())
     if report.get("end_to_end_tokens_per_s"):
         print("end to end, tokens/s by depth,size:", {k: round(v, 1) for k, v in report["end_to_end_tokens_per_s"].items()})
+    if report.get("end_to_end_tokens_per_s_by_lookup"):
+        print("end to end, tokens/s by lookup tokens:",
+              {k: round(v, 1) for k, v in report["end_to_end_tokens_per_s_by_lookup"].items()})
     print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} lookup={tree.lookup} "
           f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s for the head's tree alone)")
     plain = 1.0 / (report["verify_s"]["1"] + report["other_s"])

@@ -106,6 +106,14 @@ def test_end_to_end_check_picks_the_fastest_candidate(tmp_path, monkeypatch):
     assert (tree.depth, tree.total_tokens) == (seen[0][-1].depth, seen[0][-1].total_tokens)
     report = json.loads(autotune.tuned_path(engine).read_text())
     assert len(report["end_to_end_tokens_per_s"]) == 3
+    # then the chain length: the chosen tree with each of LOOKUP_CHOICES, the fastest kept
+    assert [t.lookup for t in seen[1]] == list(autotune.LOOKUP_CHOICES)
+    assert {(t.depth, t.total_tokens) for t in seen[1]} == {(tree.depth, tree.total_tokens)}
+    assert tree.lookup == autotune.LOOKUP_CHOICES[-1]  # the fake confirm rates the last one fastest
+    assert list(report["end_to_end_tokens_per_s_by_lookup"]) == [str(n) for n in autotune.LOOKUP_CHOICES]
+    seen.clear()
+    tree = choose_tree(engine, top_k=2, refresh=True, confirm_top=3, lookup=8)  # a length given: not measured
+    assert len(seen) == 1 and tree.lookup == 8
 
 
 def test_shipped_tree_beside_head(tmp_path):
