@@ -41,6 +41,7 @@ import platform
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,11 +288,13 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return rows, rows.shape[0], rows.stride(0)
 
 
-def _expect(ok: bool, what: str) -> None:
+def _expect(ok: bool, what: Callable[[], str]) -> None:
     """A public wrapper's entry check: the C reads raw pointers, so a wrong dtype, device or
-    layout would be read as garbage (or past an end), never caught there."""
+    layout would be read as garbage (or past an end), never caught there. `what` builds the
+    message only when it is needed (describing every tensor of every call cost 0.2 ms a
+    decoding step)."""
     if not ok:
-        raise ValueError(f"core.native: {what}")
+        raise ValueError(f"core.native: {what()}")
 
 
 def _bf16_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -488,7 +491,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k = _library()[0]
     assert k is not None, "check native.usable(x, weight) first"
     _expect(_bf16_cpu(x, weight) and weight.dim() == 2 and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1]
-            and _bias_ok(bias, weight.shape[0]), "linear needs bf16 CPU x (..., K), weight (N, K) with unit stride in K, "
+            and _bias_ok(bias, weight.shape[0]), lambda: "linear needs bf16 CPU x (..., K), weight (N, K) with unit stride in K, "
             f"bias (N,) or None; got {_about(x, weight, bias)}")
     return _linear(k, x, weight, bias)
 
@@ -517,7 +520,7 @@ def attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, committed
             and ancestors.dtype is torch.int64 and counts.dtype is torch.int64 and ancestors.is_cpu and counts.is_cpu
             and ancestors.dim() == 2 and counts.shape == (q.shape[0],) == ancestors.shape[:1]
             and 0 <= committed <= key.shape[1],
-            "attention needs bf16 CPU q (n, nh, hd), key and value (kvh, T, hd) with hd % 32 == 0 up to 256, "
+            lambda: "attention needs bf16 CPU q (n, nh, hd), key and value (kvh, T, hd) with hd % 32 == 0 up to 256, "
             f"int64 ancestors (n, A) and counts (n,), 0 <= committed <= T; got {_about(q, key, value, ancestors, counts)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -537,7 +540,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     maximum of each row (NaN counting as the maximum, as in torch)."""
     k = _library()[0]
     assert k is not None, "check native.argmax_usable(x) first"
-    _expect(_bf16_cpu(x) and x.dim() >= 1 and 0 < x.shape[-1] < 2**31, f"argmax needs bf16 CPU rows; got {_about(x)}")
+    _expect(_bf16_cpu(x) and x.dim() >= 1 and 0 < x.shape[-1] < 2**31, lambda: f"argmax needs bf16 CPU rows; got {_about(x)}")
     return _argmax(k, x)
 
 
@@ -559,7 +562,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) ->
     _expect(_bf16_cpu(x, cos, sin) and x.dim() == 2 and cos.dim() == 2 and x.shape[1] % heads == 0
             and cos.shape == sin.shape == (x.shape[0], x.shape[1] // heads) and cos.shape[1] % 2 == 0
             and x.stride(1) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride(),
-            f"rotary needs bf16 CPU x (n, heads * hd), cos and sin (n, hd) alike, unit strides, even hd; got {_about(x, cos, sin)}")
+            lambda: f"rotary needs bf16 CPU x (n, heads * hd), cos and sin (n, hd) alike, unit strides, even hd; got {_about(x, cos, sin)}")
     return _rotary(k, x, cos, sin, heads)
 
 
@@ -576,7 +579,7 @@ def quantize(weight: torch.Tensor) -> Int8Weight:
     """A bf16 CPU weight (N, K) -> Int8Weight: per output row, scale max|w| / 127, round to nearest."""
     k = _library()[0]
     assert k is not None and int8_available(), "check native.int8_available() first"
-    _expect(weight.is_cpu and weight.dim() == 2 and weight.is_floating_point(), f"quantize needs a CPU weight (N, K); got {_about(weight)}")
+    _expect(weight.is_cpu and weight.dim() == 2 and weight.is_floating_point(), lambda: f"quantize needs a CPU weight (N, K); got {_about(weight)}")
     weight = weight.detach().to(torch.bfloat16).contiguous()
     return _quantize(k, weight)
 
@@ -596,7 +599,7 @@ def linear_s8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) 
     k = _library()[0]
     assert k is not None, "check native.linear_s8_usable(x, w) first"
     _expect(_bf16_cpu(x) and x.shape[-1] == w.q.shape[1] and _bias_ok(bias, w.q.shape[0]),
-            f"linear_s8 needs bf16 CPU x (..., K) for an int8 weight (N, K), bias (N,) or None; got {_about(x, w.q, bias)}")
+            lambda: f"linear_s8 needs bf16 CPU x (..., K) for an int8 weight (N, K), bias (N,) or None; got {_about(x, w.q, bias)}")
     return _linear_s8(k, x, w, bias)
 
 
@@ -618,7 +621,7 @@ def topk_log_probs(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tenso
     k = _library()[0]
     assert k is not None, "check native.topk_usable(x, top) first"
     _expect(_bf16_cpu(x) and x.dim() == 2 and 1 <= top <= min(x.shape[-1], TOPK_MAX) and x.shape[-1] < 2**31,
-            f"topk_log_probs needs bf16 CPU logits (m, V) and 1 <= top <= min(V, {TOPK_MAX}); got top={top}, {_about(x)}")
+            lambda: f"topk_log_probs needs bf16 CPU logits (m, V) and 1 <= top <= min(V, {TOPK_MAX}); got top={top}, {_about(x)}")
     return _topk_log_probs(k, x, top)
 
 
@@ -635,7 +638,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     k = _library()[0]
     assert k is not None, "check native.norm_usable(x, weight) first"
     _expect(_bf16_cpu(x, weight) and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and weight.is_contiguous(),
-            f"rms_norm needs bf16 CPU x (..., H) and a contiguous weight (H,); got {_about(x, weight)}")
+            lambda: f"rms_norm needs bf16 CPU x (..., H) and a contiguous weight (H,); got {_about(x, weight)}")
     return _rms_norm(k, x, weight, eps)
 
 
@@ -657,7 +660,7 @@ def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
     assert k is not None, "check native.move_rows_usable(buffers) first"
     _expect(move_rows_usable(buffers) and src.dim() == dst.dim() == 1 and src.shape == dst.shape
             and not src.is_floating_point() and not dst.is_floating_point(),
-            "move_rows needs CPU buffers (1, heads, capacity, head_dim) of one shape, stride and dtype, "
+            lambda: "move_rows needs CPU buffers (1, heads, capacity, head_dim) of one shape, stride and dtype, "
             f"each head's rows contiguous, and integer src, dst (n,); got {_about(*buffers[:2], src, dst)}")
     first = buffers[0]
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
@@ -683,7 +686,7 @@ def wmat(weight: torch.Tensor | None = None, blocks=None) -> WMat:
     if blocks is not None:
         return WMat(blocks.type, blocks.n, blocks.k, int(blocks.tiled), blocks.data.data_ptr(), blocks.data.stride(0))
     _expect(weight is not None and _bf16_cpu(weight) and weight.dim() == 2 and weight.stride(1) == 1,
-            f"wmat needs a bf16 CPU weight (N, K) with unit stride in K; got {_about(weight)}")
+            lambda: f"wmat needs a bf16 CPU weight (N, K) with unit stride in K; got {_about(weight)}")
     return WMat(WT_BF16, weight.shape[0], weight.shape[1], 0, weight.data_ptr(), weight.stride(0))
 
 
@@ -693,7 +696,7 @@ def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torc
     k = _library()[0]
     assert k is not None, "needs the kernels"
     _expect(_bf16_cpu(x) and x.shape[-1] == w.K and _bias_ok(bias, w.N),
-            f"linear_w needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
+            lambda: f"linear_w needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
     rows, m, ldx = _rows(x)
     y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
     if k.gemm_w(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
@@ -725,7 +728,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     k = _library()[0]
     assert k is not None, "check native.silu_mul_usable(gate, up) first"
     _expect(_bf16_cpu(gate, up) and gate.shape == up.shape and gate.dim() >= 1,
-            f"silu_mul needs bf16 CPU gate and up of one shape; got {_about(gate, up)}")
+            lambda: f"silu_mul needs bf16 CPU gate and up of one shape; got {_about(gate, up)}")
     g, m, ldg = _rows(gate)
     u, _, ldu = _rows(up)
     out = torch.empty(gate.shape, dtype=torch.bfloat16)
