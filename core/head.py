@@ -104,16 +104,21 @@ class HeadCache:
         self.layer_values = [torch.zeros_like(k) for k in self.layer_keys]
         self.length = 0
 
+    def reserve(self, need: int, layer: int | None = None) -> None:
+        """Room for `need` slots in `layer`'s buffers (None: every layer), grown by at least doubling."""
+        for i in range(self.num_layers) if layer is None else (layer,):
+            keys, values = self.layer_keys[i], self.layer_values[i]
+            capacity = keys.shape[2]
+            if need > capacity:
+                extra = keys.new_zeros((1, keys.shape[1], max(capacity, need - capacity), keys.shape[3]))
+                self.layer_keys[i] = torch.cat([keys, extra], dim=2)
+                self.layer_values[i] = torch.cat([values, torch.zeros_like(extra)], dim=2)
+
     def write(self, k: torch.Tensor, v: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         # k, v: (1, kvh, n, hd) -> this layer's keys/values so far, (1, kvh, length + n, hd)
         n = k.shape[2]
+        self.reserve(self.length + n, layer)
         keys, values = self.layer_keys[layer], self.layer_values[layer]
-        capacity = keys.shape[2]
-        if self.length + n > capacity:
-            grow = max(capacity, self.length + n - capacity)  # at least double
-            extra = keys.new_zeros((1, keys.shape[1], grow, keys.shape[3]))
-            keys = self.layer_keys[layer] = torch.cat([keys, extra], dim=2)
-            values = self.layer_values[layer] = torch.cat([values, torch.zeros_like(extra)], dim=2)
         end = self.length + n
         keys[:, :, self.length:end] = k
         values[:, :, self.length:end] = v

@@ -335,6 +335,9 @@ def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None
     it off): drafting streams those weights from memory every round, so half the bytes make a
     round cheaper. The target is untouched, so the output is the same either way; only which
     tokens the tree proposes can change (about 1% error on a draft logit)."""
+    from core.headstep import native_head
+
+    fused = native_head(head)  # from the bf16 weights, before the int8 copies
     if native.status().available:  # drafting is decoding-sized GEMMs too: the faster kernel
         swap_linears(head)
     quantize_linears(head)
@@ -346,7 +349,7 @@ def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None
     lm_weight = (weight if vocab is None else weight[vocab].clone()).to(weight.dtype)
     lm_int8 = native.quantize(lm_weight) if draft_int8_enabled(lm_weight) else None
     return Drafter(head=head, embed=target_model.get_input_embeddings(), lm_weight=lm_weight, vocab=vocab,
-                   lm_int8=lm_int8)
+                   lm_int8=lm_int8, native=fused)
 
 
 def lm_head_weight(target_model) -> torch.Tensor:
@@ -362,9 +365,12 @@ def lm_head_weight(target_model) -> torch.Tensor:
 
 
 def draft_weights(drafter) -> str:
-    """How a drafter's head multiplies: 'int8' (copies of its weights, drafter_for) or its dtype."""
+    """How a drafter's head multiplies: the native head (core.headstep), 'int8' (copies of its
+    weights, drafter_for) or its dtype."""
     from core.invariant import Int8DraftLinear
 
+    if getattr(drafter, "native", None) is not None:
+        return "Q8_0 blocks x 8-bit activations, one native call per head forward"
     if any(isinstance(m, Int8DraftLinear) for m in drafter.head.modules()):
         return "int8"
     return str(drafter.head.fc.weight.dtype).removeprefix("torch.")

@@ -219,6 +219,9 @@ SIGNATURES = {
     # int decode_step(model, tokens, positions, n, committed, anc, anc_stride, counts, feature_ids, nf,
     #                 features, hidden, logits, nthreads): csrc/decode_step.c's STEP_* codes
     "decode_step": ([ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, ptr, ptr, ptr, i32], i32),
+    # int head_step(model, fc, fc_bias, xin, positions, n, committed, at, anc, anc_stride, counts, out,
+    #               nthreads): the EAGLE head's fc and layers in one call (core.step.NativeHead)
+    "head_step": ([ptr, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, i64, ptr, ptr, i32], i32),
     # void dequantize_bf16(const wmat *w, out): a wmat -> bf16 rows (tests, the step's self-check)
     "dequantize_bf16": ([ptr, ptr], None),
 }

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from core import native
 from core.config import TreeConfig
-from core.head import EagleHead, HeadCache, TreeRows, head_mask
+from core.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask
+
+if TYPE_CHECKING:
+    from core.headstep import NativeHead
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class Drafter:
     lm_weight: torch.Tensor       # (Vd, H): rows of the target's LM head the draft scores
     vocab: torch.Tensor | None    # (Vd,) target ids of those rows, None when Vd == V
     lm_int8: native.Int8Weight | None = None  # lm_weight as int8, where drafting uses it (drafter_for)
+    native: "NativeHead | None" = None  # the head as one native call (core.headstep), where it runs
     # which target hidden states the head reads: None = the last one (after the final norm);
     # an EAGLE-3 drafter (core.head3.Drafter3) names the fused layers instead
     feature_layers = None
@@ -127,6 +132,8 @@ class Drafter:
         """
         emb = self.embed(tokens)[None].to(features.dtype)  # (1, m, H)
         mask = head_mask(allowed, cache.length, tokens.shape[0], features.dtype, self.head.config, features.device)
+        if self.native is not None and isinstance(mask, KeyLayout):  # the native attention's rows: one call
+            return self.native.forward(emb[0], features, positions, mask, cache)
         return self.head(emb, features[None], positions, mask, cache)[0]
 
 

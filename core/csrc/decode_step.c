@@ -72,21 +72,27 @@ typedef struct {  // the step's activations, n rows each
 
 // One decoder layer on the team: every stage ends at a barrier (its worksharing loop's), so the
 // next reads what the whole team wrote.
+// Row i's key and value go to cache slot at + i (a target forward: at == committed; a head's draft
+// round: after the draft nodes fed before it). ln1 NULL: no input norm (the EAGLE heads' layer).
 static int layer_team(const step_model *m, const step_layer *L, const acts *t, const int64_t *positions, int n,
-                      int64_t committed, const int64_t *anc, int64_t anc_stride, const int64_t *counts, uint16_t *pack,
-                      uint16_t *scratch, float *scores, int64_t cap) {
+                      int64_t committed, int64_t at, const int64_t *anc, int64_t anc_stride, const int64_t *counts,
+                      uint16_t *pack, uint16_t *scratch, float *scores, int64_t cap) {
     int H = m->hidden, nh = m->heads, kvh = m->kv_heads, hd = m->head_dim, F = m->ffn;
     int64_t qw = (int64_t)nh * hd, kw = (int64_t)kvh * hd;
-    rmsnorm_team(t->x, H, L->ln1, t->h, H, n, H, m->eps);
+    const uint16_t *in = t->x;
+    if (L->ln1) {
+        rmsnorm_team(t->x, H, L->ln1, t->h, H, n, H, m->eps);
+        in = t->h;
+    }
     gemm_job qkv[3] = {{&L->q, L->bq, t->q, qw}, {&L->k, L->bk, t->k, kw}, {&L->v, L->bv, t->v, kw}};
-    if (gemm_team(t->h, H, qkv, 3, n, H, pack, scratch)) return -1;
+    if (gemm_team(in, H, qkv, 3, n, H, pack, scratch)) return -1;
 #pragma omp for schedule(static)
     for (int i = 0; i < n; i++) {  // rotary, then this row's key and value into its cache slot
         const uint16_t *c = m->cos + positions[i] * hd, *s = m->sin + positions[i] * hd;
         rotary_bf16(t->q + i * qw, qw, c, s, hd, t->qr + i * qw, 1, nh, hd);
         rotary_bf16(t->k + i * kw, kw, c, s, hd, t->kr + i * kw, 1, kvh, hd);
         for (int j = 0; j < kvh; j++) {
-            int64_t slot = j * L->kv_head + (committed + i) * hd;
+            int64_t slot = j * L->kv_head + (at + i) * hd;
             memcpy(L->kc + slot, t->kr + i * kw + (int64_t)j * hd, (size_t)hd * 2);
             memcpy(L->vc + slot, t->v + i * kw + (int64_t)j * hd, (size_t)hd * 2);
         }
@@ -146,7 +152,8 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
                 keep_features(t.x, n, H, 0, feature_ids, nf, features);
             }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
-                bad = layer_team(m, &m->layer[l], &t, positions, n, committed, anc, anc_stride, counts, pack, mine, sc, cap);
+                bad = layer_team(m, &m->layer[l], &t, positions, n, committed, committed, anc, anc_stride, counts, pack,
+                                 mine, sc, cap);
                 if (features) {
 #pragma omp single
                     keep_features(t.x, n, H, l + 1, feature_ids, nf, features);
@@ -163,6 +170,59 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
                 status = STEP_BAD_WEIGHT;  // a weight type the kernels do not read (core.quant checks at load)
             }
         }
+    }
+    free(work);
+    free(pack);
+    free(scratch);
+    free(scores);
+    return status;
+}
+
+// The EAGLE-1/2 head (core.head.EagleHead) over n new rows, in one call: xin (n, 2H) = cat(the
+// target's embedding of t_{j+1}, feature f_j) -> fc (+ bias) -> its decoder layers (no input
+// norm, as published) -> out (n, H). Row i sees head-cache slots [0, committed) and committed +
+// anc[i][0 .. counts[i]-1]; its key and value go to slot at + i (a catch-up: at == committed; a
+// draft round: after the nodes fed before it). The layers' stages are decode_step's kernels.
+int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const uint16_t *xin,
+              const int64_t *positions, int n, int64_t committed, int64_t at, const int64_t *anc,
+              int64_t anc_stride, const int64_t *counts, uint16_t *out, int nthreads) {
+    int H = m->hidden, hd = m->head_dim, F = m->ffn, g = m->heads / m->kv_heads;
+    int64_t qw = (int64_t)m->heads * hd, kw = (int64_t)m->kv_heads * hd;
+    for (int i = 0; i < n; i++)
+        if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
+    if (fc->K != 2 * H || fc->N != H) return STEP_BAD_WEIGHT;
+    int kmax = 2 * H > F ? 2 * H : F;
+    kmax = kmax > qw ? kmax : (int)qw;
+    int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
+    int64_t per_thread = attention_scores_per_thread(counts, n, committed, g), cap = (per_thread - g) / g;
+    uint16_t *work = (uint16_t *)malloc((size_t)n * act * 2);
+    uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, kmax) * 2);
+    uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(kmax) * 2);
+    float *scores = (float *)malloc((size_t)nthreads * per_thread * sizeof(float));
+    int status = work && pack && scratch && scores ? STEP_OK : STEP_NO_MEMORY;
+    if (status == STEP_OK) {
+        acts t;
+        t.x = work; t.h = t.x + (int64_t)n * H; t.o = t.h + (int64_t)n * H;
+        t.q = t.o + (int64_t)n * H; t.qr = t.q + n * qw; t.k = t.qr + n * qw; t.kr = t.k + n * kw; t.v = t.kr + n * kw;
+        t.g = t.v + n * kw; t.u = t.g + (int64_t)n * F; t.a = t.u + (int64_t)n * F;
+#pragma omp parallel num_threads(nthreads)
+        {
+            int me = omp_get_thread_num(), bad = 0;
+            uint16_t *mine = scratch + me * scratch_elems(kmax);
+            float *sc = scores + me * per_thread;
+            amx_begin();
+            gemm_job in = {fc, fc_bias, t.x, H};
+            bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, pack, mine);
+            for (int l = 0; l < m->layers && !bad; l++)
+                bad = layer_team(m, &m->layer[l], &t, positions, n, committed, at, anc, anc_stride, counts, pack, mine,
+                                 sc, cap);
+            amx_end();
+            if (bad) {
+#pragma omp atomic write
+                status = STEP_BAD_WEIGHT;
+            }
+        }
+        if (status == STEP_OK) memcpy(out, t.x, (size_t)n * H * 2);
     }
     free(work);
     free(pack);

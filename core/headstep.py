@@ -1,0 +1,147 @@
+"""The EAGLE-1/2 head's forward as one native call (csrc/decode_step.c's head_step).
+
+A drafting call on the head is a few rows through fc and one decoder layer: about 20 small
+kernels, each behind a Python and torch dispatch that costs more than the kernel (a catch-up
+of 2-3 rows took ~1 ms in Python, most of it dispatch). head_step runs fc and the layers in
+one OpenMP team on the decode step's kernels, from the head's weights as Q8_0 blocks times
+8-bit activations (csrc/gemm_x8.c: 1.06 bytes a weight, a per-32 scale where the Python
+path's int8 copies have one per row).
+
+Only which tokens the tree proposes can change with the draft numerics; the target verifies
+every proposal, so the output is plain decoding's either way. The Python head with the same
+blocks (invariant.BlockLinear) computes the same bits (tests/test_headstep.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import torch
+
+from core import native, quant
+from core.head import EagleHead, HeadCache, KeyLayout
+from core.step import _PROJ, StepError, _Layer, _Model
+
+NATIVE_HEAD_ENV = "EAGLE_CHAT_NATIVE_HEAD"  # "0" turns the native head off (the Python head drafts)
+_TABLE = 4096  # rotary table rows at start (grown by doubling)
+
+
+def q8_blocks(weight: torch.Tensor) -> quant.Blocks:
+    """A (N, K) weight as Q8_0 blocks (gguf's quantizer) packed for csrc/gemm_x8.c."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = weight.detach().float().cpu().numpy()
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    return quant.pack_x8(quant.Blocks(int(GGMLQuantizationType.Q8_0), torch.from_numpy(np.ascontiguousarray(raw)),
+                                      *weight.shape))
+
+
+def head_blocks(head: EagleHead) -> dict[str, quant.Blocks]:
+    """Every linear weight of the head (fc and its layers' projections), by state_dict name."""
+    return {f"{name}.weight": q8_blocks(m.weight) for name, m in head.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.numel()}
+
+
+def unsupported(head) -> str | None:
+    """Why the native head cannot run `head` here, or None."""
+    if os.environ.get(NATIVE_HEAD_ENV, "").lower() in ("0", "off", "false", "no"):
+        return f"{NATIVE_HEAD_ENV}=0"
+    if not native.status().available:
+        return f"native kernels unavailable ({native.status().reason})"
+    if not isinstance(head, EagleHead):
+        return "an EAGLE-3 head"
+    c = head.config
+    if head.fc.weight.dtype is not torch.bfloat16 or head.fc.weight.device.type != "cpu":
+        return "a head that is not bf16 on the CPU"
+    from core.invariant import draft_int8_enabled
+
+    if not draft_int8_enabled(head.fc.weight):
+        return "8-bit drafting is off (EAGLE_CHAT_DRAFT_INT8=0) or its kernel does not run here"
+    if not head.rotary.static:
+        return "a rotary scaling whose frequencies depend on the length"
+    hd = c.dim_per_head
+    if hd % 32 or hd > 256 or c.hidden_size % 32 or c.intermediate_size % 32 or c.hidden_act != "silu":
+        return f"shapes the kernels do not take (hidden {c.hidden_size}, head_dim {hd}, ffn {c.intermediate_size})"
+    if any(l.self_attn.q_proj.bias is not None for l in head.layers):
+        return "projection biases"
+    return None
+
+
+class NativeHead:
+    """The head's fc and decoder layers as one native call over Q8_0 copies of its weights.
+    Holds the C structures and the blocks they point into; the head's KV cache stays the
+    caller's HeadCache (bound per call: it grows by reallocation)."""
+
+    def __init__(self, head: EagleHead, blocks: dict[str, quant.Blocks] | None = None):
+        reason = unsupported(head)
+        if reason:
+            raise StepError(f"the native head cannot run this head: {reason}")
+        c = head.config
+        self.head = head
+        self.blocks = blocks or head_blocks(head)
+        w = lambda name: native.wmat(blocks=self.blocks[name])  # noqa: E731
+        layers = (_Layer * len(head.layers))()
+        for i, layer in enumerate(head.layers):
+            for p in _PROJ:
+                part = "self_attn" if p in ("q", "k", "v", "o") else "mlp"
+                setattr(layers[i], p, w(f"layers.{i}.{part}.{p}_proj.weight"))
+            layers[i].ln1 = None  # the published heads' layer has no input norm
+            layers[i].ln2 = layer.post_attention_layernorm.weight.detach().data_ptr()
+        self._layers = layers
+        self._fc = w("fc.weight")
+        self._fc_bias = None if head.fc.bias is None else head.fc.bias.detach().contiguous()
+        hd = c.dim_per_head
+        self._m = _Model(layers=len(head.layers), hidden=c.hidden_size, heads=c.num_attention_heads,
+                         kv_heads=c.num_key_value_heads, head_dim=hd, ffn=c.intermediate_size, vocab=0,
+                         eps=head.layers[0].post_attention_layernorm.eps, scale=hd ** -0.5, layer=layers)
+        self._tables(_TABLE)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks.values())
+
+    def _tables(self, size: int) -> None:
+        """cos / sin (size, head_dim) bf16: the head's rotary table (the values its Python path uses)."""
+        probe = self.head.fc.weight.new_empty(0)
+        cos, sin = self.head.rotary(probe, torch.arange(size)[None])  # (1, size, hd) bf16
+        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: KeyLayout,
+                cache: HeadCache) -> torch.Tensor:
+        """embeds, features (n, H) bf16; positions (n,); row i sees head-cache slots [0,
+        mask.committed) and mask.committed + mask.ancestors[i, :mask.counts[i]] -> (n, H), the
+        head's outputs; the rows' keys and values are appended to `cache`."""
+        n, H = features.shape
+        top = int(positions.max())
+        if top >= self._m.max_pos:
+            self._tables(max(2 * self._m.max_pos, top + 1))
+        at = cache.length
+        cache.reserve(at + n)
+        for i in range(len(self.head.layers)):
+            k, v = cache.layer_keys[i], cache.layer_values[i]  # (1, kvh, capacity, hd)
+            self._layers[i].kc, self._layers[i].vc, self._layers[i].kv_head = k.data_ptr(), v.data_ptr(), k.stride(1)
+        xin = torch.cat([embeds, features], dim=-1).to(torch.bfloat16).contiguous()  # (n, 2H)
+        positions = positions.to(torch.int64).contiguous()
+        anc, counts = mask.ancestors.to(torch.int64).contiguous(), mask.counts.to(torch.int64).contiguous()
+        out = torch.empty(n, H, dtype=torch.bfloat16)
+        code = native._library()[0].head_step(
+            ctypes.byref(self._m), ctypes.byref(self._fc), None if self._fc_bias is None else self._fc_bias.data_ptr(),
+            xin.data_ptr(), positions.data_ptr(), n, mask.committed, at, anc.data_ptr(), anc.stride(0),
+            counts.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if code:
+            raise StepError(f"the native head failed (code {code})")
+        cache.length = at + n
+        return out
+
+
+def native_head(head) -> NativeHead | None:
+    """The native head for `head` where it can run (else None: the Python head drafts)."""
+    if unsupported(head):
+        return None
+    try:
+        return NativeHead(head)
+    except (StepError, quant.QuantWeightError, ValueError):
+        return None

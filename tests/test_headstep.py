@@ -1,0 +1,122 @@
+"""The native head (core.headstep, csrc/decode_step.c's head_step): the EAGLE head's fc and
+decoder layers in one call, from Q8_0 copies of its weights. It must compute what the Python
+head computes from the same blocks (bit for bit, in catch-ups and in draft rounds with tree
+masks, across cache growth), and the engine must keep plain decoding's output with it."""
+
+import pytest
+import torch
+
+from core import native
+from core.head import EagleHead, HeadCache, HeadConfig, KeyLayout, TreeRows, head_mask
+from core.headstep import NATIVE_HEAD_ENV, NativeHead, native_head, unsupported
+from core.invariant import BlockLinear
+
+pytestmark = pytest.mark.skipif(not native.status().available,
+                                reason=f"core.native unavailable: {native.status().reason}")
+
+CONFIG = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=100, head_dim=32)
+
+
+def random_head(config: HeadConfig = CONFIG, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.08)
+    return head
+
+
+def python_twin(head: EagleHead, fused: NativeHead) -> EagleHead:
+    """The Python head on the native head's own blocks (invariant.BlockLinear)."""
+    twin = EagleHead(head.config).to(torch.bfloat16)
+    twin.load_state_dict(head.state_dict())
+    for name, module in twin.named_modules():
+        b = fused.blocks.get(f"{name}.weight")
+        if b is not None:
+            module.__class__ = BlockLinear
+            module.blocks, module.wmat = b, native.wmat(blocks=b)
+    return twin
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_native_head_equals_the_python_head_on_its_blocks_in_catch_ups_and_draft_rounds(layers):
+    config = HeadConfig(**{**CONFIG.__dict__, "num_hidden_layers": layers})
+    head = random_head(config)
+    fused = NativeHead(head)
+    twin = python_twin(head, fused)
+    H = config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    a, b = HeadCache(config, torch.bfloat16, "cpu", capacity=4), HeadCache(config, torch.bfloat16, "cpu", capacity=4)
+    with torch.inference_mode():
+        for n in (6, 1, 3, 9):  # catch-ups; the caches grow past their capacity of 4
+            emb, feat = torch.randn(n, H, generator=gen).bfloat16(), torch.randn(n, H, generator=gen).bfloat16()
+            positions = torch.arange(a.length, a.length + n)
+            mask = KeyLayout.causal(n, a.length, "cpu")
+            assert torch.equal(fused.forward(emb, feat, positions, mask, a),
+                               twin(emb[None], feat[None], positions, mask, b)[0])
+            assert a.length == b.length
+            for i in range(layers):
+                assert torch.equal(a.layer_keys[i][:, :, :a.length], b.layer_keys[i][:, :, :b.length])
+                assert torch.equal(a.layer_values[i][:, :, :a.length], b.layer_values[i][:, :, :b.length])
+        committed = a.length
+        # a draft round: 2 nodes fed before, 3 new rows that see the committed context and their ancestors
+        for rows in ([(0,), (0, 1)], [(0, 2), (1, 3), (0, 2, 4)]):
+            rows = TreeRows(tuple(tuple(r) for r in rows), width=a.length - committed + len(rows))
+            n = len(rows.rows)
+            emb, feat = torch.randn(n, H, generator=gen).bfloat16(), torch.randn(n, H, generator=gen).bfloat16()
+            positions = torch.arange(committed, committed + n) + 1
+            mask = head_mask(rows, a.length, n, torch.bfloat16, config, "cpu")
+            assert isinstance(mask, KeyLayout) and mask.committed == committed
+            assert torch.equal(fused.forward(emb, feat, positions, mask, a),
+                               twin(emb[None], feat[None], positions, mask, b)[0])
+        assert a.length == b.length == committed + 5
+
+
+def test_native_head_grows_its_rotary_table_and_stays_equal():
+    head = random_head()
+    fused = NativeHead(head)
+    twin = python_twin(head, fused)
+    a, b = HeadCache(CONFIG, torch.bfloat16, "cpu"), HeadCache(CONFIG, torch.bfloat16, "cpu")
+    emb, feat = torch.randn(2, 128).bfloat16(), torch.randn(2, 128).bfloat16()
+    positions = torch.tensor([5000, 5001])  # past the first table's 4,096 rows
+    mask = KeyLayout.causal(2, 0, "cpu")
+    with torch.inference_mode():
+        assert torch.equal(fused.forward(emb, feat, positions, mask, a), twin(emb[None], feat[None], positions, mask, b)[0])
+
+
+def test_native_head_is_refused_where_it_cannot_run(monkeypatch):
+    head = random_head()
+    monkeypatch.setenv(NATIVE_HEAD_ENV, "0")
+    assert unsupported(head) == f"{NATIVE_HEAD_ENV}=0" and native_head(head) is None
+    monkeypatch.delenv(NATIVE_HEAD_ENV)
+    assert "not bf16" in unsupported(random_head().float())
+    biased = random_head()
+    biased.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(128, dtype=torch.bfloat16))
+    assert unsupported(biased) == "projection biases"
+    assert native_head(head) is not None
+
+
+def test_engine_drafts_through_the_native_head_and_keeps_plain_output(monkeypatch):
+    """The engine's drafter uses the native head where it runs; greedy speculation still gives
+    plain decoding's tokens, with a tree and with context lookup, and so does the Python head."""
+    from core.config import GenerationConfig, TreeConfig
+    from core.engine import Engine
+    from core.head3 import draft_weights
+    from core.invariant import make_invariant
+    from tests.tiny import random_head as tiny_head, tiny_target
+
+    target = tiny_target(dtype=torch.bfloat16, hidden=128, mix=0.5, seed=3)  # head_dim 32: the kernels' minimum
+    make_invariant(target.model)
+    trees = (TreeConfig(depth=3, top_k=3, total_tokens=8), TreeConfig(depth=1, top_k=4, total_tokens=3, lookup=8))
+    for env in ("1", "0"):
+        monkeypatch.setenv(NATIVE_HEAD_ENV, env)
+        engine = Engine(target, tiny_head(target, seed=1))
+        assert (engine.drafter.native is not None) == (env == "1"), draft_weights(engine.drafter)
+        for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]):
+            plain = [t for ev in engine.generate(prompt, GenerationConfig(max_new_tokens=40, speculative=False))
+                     for t in ev.token_ids]
+            for tree in trees:
+                events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=tree)))
+                assert [t for ev in events for t in ev.token_ids] == plain, (env, prompt, tree)
+                assert any(ev.tree_size > 1 for ev in events)  # it did speculate
