@@ -174,15 +174,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         engine = self.manager.engine  # its default tree says whether to copy from the context
         default = engine.default_tree if engine is not None and engine.has_head else None
         try:
-            cfg = settings.config(lookup=default.lookup if default else 0,
-                                  long_context=default.long_context if default else ())
+            cfg = settings.config(default)  # core's rule (TreeConfig.override) puts the controls over it
         except ConfigError as e:
             raise UserError(f"Invalid setting: {e}") from e
-        if default is not None and (cfg.tree.depth, cfg.tree.top_k, cfg.tree.total_tokens) == \
-                (default.depth, default.top_k, default.total_tokens):
-            # the tuned tree also shrinks on steps that verify a lookup chain; a tree set by
-            # hand keeps the size the user chose on every step
-            cfg = replace(cfg, tree=replace(cfg.tree, lookup_total_tokens=default.lookup_total_tokens))
         if not self.access.limited(request):
             return cfg, None
         cap = self.access.remote_max_new_tokens

@@ -157,11 +157,12 @@ class ChatSettings:
             return defaults
         return merged
 
-    def config(self, **tree_defaults) -> GenerationConfig:
-        """A GenerationConfig (raises ConfigError naming the setting); see generation_config."""
+    def config(self, default: TreeConfig | None = None) -> GenerationConfig:
+        """A GenerationConfig over the engine's `default` tree (raises ConfigError naming the
+        setting); see generation_config."""
         return generation_config(max_new_tokens=self.max_new, temperature=self.temperature, top_p=self.top_p,
                                  speculative=self.spec, depth=self.depth, top_k=self.top_k,
-                                 tree_size=self.tree_size, **tree_defaults)
+                                 tree_size=self.tree_size, default=default)
 
 
 def tree_limit(depth, tree_size) -> str:
@@ -201,11 +202,12 @@ def follow_depth_js(max_depth: int) -> str:
 
 
 def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth, top_k,
-                      tree_size, seed=None, lookup: int = 0,
-                      long_context: tuple = ()) -> GenerationConfig:
+                      tree_size, seed=None, default: TreeConfig | None = None) -> GenerationConfig:
     """The chat controls -> a GenerationConfig (raises ConfigError with the setting's name).
-    `lookup` (context-lookup tokens, see core.lookup) and `long_context` (the tree's caps for
-    long chats, TreeConfig.at) come from the engine's default tree.
+    The tree is the engine's `default` tree (tuned, shipped or built in; None: no head, so no
+    context lookup and no long-chat caps) with the controls over it by core's one rule,
+    TreeConfig.override: the lookup and long-chat caps stay, and the smaller tree beside a
+    lookup chain stays only while the shape is the default's.
 
     Sliders arrive as floats (or None from an API caller); integers are rounded, not truncated.
     """
@@ -217,8 +219,9 @@ def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth,
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{name} must be a number, got {v!r}") from e
 
-    tree = TreeConfig(depth=as_int(depth, "tree depth"), top_k=as_int(top_k, "top-k"),
-                      total_tokens=as_int(tree_size, "tree size"), lookup=lookup, long_context=long_context)
+    base = default if default is not None else TreeConfig()  # no lookup, no long-chat caps
+    tree = base.override(depth=as_int(depth, "tree depth"), top_k=as_int(top_k, "top-k"),
+                         total_tokens=as_int(tree_size, "tree size"))
     try:
         sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p))
     except (TypeError, ValueError) as e:

@@ -12,7 +12,7 @@ from app.compare import compare_markdown
 from app.lane import is_remote
 from app.errors import UserError
 from app.state import Access, ModelChoice, generation_config, recall, remember, tree_limit
-from core.config import ConfigError
+from core.config import ConfigError, TreeConfig
 from core.engine import StepEvent
 from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
 
@@ -99,6 +99,23 @@ def test_generation_config_parses_sliders_and_refuses_bad_values():
     with pytest.raises(ConfigError, match="max new tokens must be a number"):
         generation_config(max_new_tokens="many", temperature=0, top_p=1, speculative=True, depth=2, top_k=4,
                           tree_size=10)
+
+
+def test_generation_config_puts_the_controls_over_the_engines_default_tree():
+    """The app merges its controls with the default tree by core's rule (TreeConfig.override):
+    lookup and long-chat caps stay; the chain-step tree stays only while the shape is the default's."""
+    default = TreeConfig(depth=1, top_k=8, total_tokens=3, lookup=24, lookup_total_tokens=2,
+                         long_context=((512, 0, 0),))
+    same = generation_config(max_new_tokens=8, temperature=0, top_p=1, speculative=True, depth=1, top_k=8,
+                             tree_size=3, default=default)
+    assert same.tree == default
+    deeper = generation_config(max_new_tokens=8, temperature=0, top_p=1, speculative=True, depth=4, top_k=8,
+                               tree_size=10, default=default)
+    assert deeper.tree == default.override(depth=4, total_tokens=10)
+    assert (deeper.tree.lookup, deeper.tree.long_context, deeper.tree.lookup_total_tokens) == (24, ((512, 0, 0),), 0)
+    bare = generation_config(max_new_tokens=8, temperature=0, top_p=1, speculative=True, depth=4, top_k=8,
+                             tree_size=10)
+    assert (bare.tree.lookup, bare.tree.long_context) == (0, ())
 
 
 def test_last_model_round_trip(tmp_path, monkeypatch):
