@@ -38,6 +38,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -185,55 +186,72 @@ def _load() -> ctypes.CDLL:
         return ctypes.CDLL(str(_build()))
 
 
-i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-# Each exported C function: (argtypes, restype), beside its signature in core/csrc. The int
-# results are 0, or -1 where work memory could not be had (or an argument the C refuses).
-SIGNATURES = {
-    # int amx_enable(int want): 1 where Linux granted the tile state (csrc/gemm_amx.c)
-    "amx_enable": ([i32], i32),
-    # int x8_amx_enable(int want): 1 where AMX-INT8 now serves 8-bit-activation GEMMs of 9+ rows (csrc/gemm_x8.c)
-    "x8_amx_enable": ([i32], i32),
-    # int gemm_bf16(x, ldx, w, ldw, bias, y, ldy, M, N, K, nthreads)
-    "gemm_bf16": ([ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32], i32),
-    # int gemm_w(x, ldx, const wmat *w, bias, y, ldy, M, nthreads): -1 also for an unknown weight type
-    "gemm_w": ([ptr, i64, ptr, ptr, ptr, i64, i32, i32], i32),
-    # int attention_bf16(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out,
-    #                    n, nh, kvh, hd, L, scale, nthreads)
-    "attention_bf16": ([ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i64, f32, i32], i32),
-    # void rmsnorm_bf16(x, ldx, w, y, ldy, M, H, eps, nthreads)
-    "rmsnorm_bf16": ([ptr, i64, ptr, ptr, i64, i32, i32, f32, i32], None),
-    # void argmax_bf16(x, ldx, out, M, N, nthreads)
-    "argmax_bf16": ([ptr, i64, ptr, i32, i32, i32], None),
-    # void move_rows(bases, nbuf, heads, head_stride, row_bytes, src, dst, n)
-    "move_rows": ([ptr, i32, i64, i64, i64, ptr, ptr, i32], None),
-    # int topk_logprobs_bf16(x, ldx, vals, idx, M, N, k, nthreads): -1 for k outside 1..MAX_K
-    "topk_logprobs_bf16": ([ptr, i64, ptr, ptr, i32, i32, i32, i32], i32),
-    # void quantize_weight_s8(w, ldw, q, scale, sums, N, K, nthreads)
-    "quantize_weight_s8": ([ptr, i64, ptr, ptr, ptr, i32, i32, i32], None),
-    # int gemm_s8(x, ldx, w, wscale, wsum, bias, y, ldy, M, N, K, nthreads)
-    "gemm_s8": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32], i32),
-    # void rotary_bf16(x, ldx, cos, sin, ldc, out, n, heads, hd)
-    "rotary_bf16": ([ptr, i64, ptr, ptr, i64, ptr, i32, i32, i32], None),
-    # void silu_mul_bf16(g, ldg, u, ldu, out, ldo, M, H, nthreads)
-    "silu_mul_bf16": ([ptr, i64, ptr, i64, ptr, i64, i32, i32, i32], None),
-    # int decode_step(model, tokens, positions, n, committed, anc, anc_stride, counts, feature_ids, nf,
-    #                 features, hidden, logits, nthreads): csrc/decode_step.c's STEP_* codes
-    "decode_step": ([ptr, ptr, ptr, i32, i64, ptr, i64, ptr, ptr, i32, ptr, ptr, ptr, i32], i32),
-    # int head_step(model, fc, fc_bias, xin, positions, n, committed, at, anc, anc_stride, counts, out,
-    #               nthreads): the EAGLE head's fc and layers in one call (core.step.NativeHead)
-    "head_step": ([ptr, ptr, ptr, ptr, ptr, i32, i64, i64, ptr, i64, ptr, ptr, i32], i32),
-    # void dequantize_bf16(const wmat *w, out): a wmat -> bf16 rows (tests, the step's self-check)
-    "dequantize_bf16": ([ptr, ptr], None),
-}
+# The classes a `// ctypes:` declaration names -> ctypes types (void: no result)
+CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
+          "f64": ctypes.c_double, "void": None}
+_DECLARED = re.compile(r"(\w+)\((.*)\)\s*->\s*(\w+)")
+
+
+@dataclass(frozen=True)
+class Signature:
+    """An exported C function as the `// ctypes:` comment directly above its definition in csrc
+    declares it, e.g. `// ctypes: argmax_bf16(ptr x, i64 ldx, ptr out, i32 M, i32 N, i32 nthreads) -> void`
+    (continued on the next comment lines until its `-> result`). tests/test_native.py checks each
+    one against the C parameter list below it: ctypes converts by the declaration alone, so a
+    mismatch would pass wrong bits or a short stack silently. The int results are 0, or -1 where
+    work memory could not be had (or an argument the C refuses)."""
+
+    name: str
+    params: tuple[tuple[str, str], ...]  # (class, the C parameter's name), in order
+    result: str                          # a CTYPES class
+    line: int                            # 1-based: the line after the declaration, where the definition starts
+
+    @property
+    def argtypes(self) -> list:
+        return [CTYPES[c] for c, _ in self.params]
+
+    @property
+    def restype(self):
+        return CTYPES[self.result]
+
+
+def parse_declarations(text: str, where: str = "C source") -> list[Signature]:
+    """The `// ctypes:` declarations in one C source, in order. RuntimeError for one it cannot read."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("// ctypes:"):
+            continue
+        body, end = line.removeprefix("// ctypes:"), i + 1
+        while "->" not in body and end < len(lines) and lines[end].startswith("//"):
+            body, end = body + " " + lines[end].removeprefix("//"), end + 1
+        found = _DECLARED.fullmatch(" ".join(body.split()))
+        params = tuple(tuple(p.split()) for p in found.group(2).split(",")) if found and found.group(2) else ()
+        if (not found or found.group(3) not in CTYPES
+                or any(len(p) != 2 or p[0] not in CTYPES or p[0] == "void" for p in params)):
+            raise RuntimeError(f"{where}:{i + 1}: unreadable declaration {line.strip()!r} (classes: {', '.join(CTYPES)})")
+        out.append(Signature(found.group(1), params, found.group(3), end + 1))
+    return out
+
+
+@functools.cache
+def signatures() -> dict[str, Signature]:
+    """Every exported C function's declaration (csrc/*.c), by name: the table the library is bound with."""
+    table = {}
+    for path in sorted(CSRC.glob("*.c")):
+        for sig in parse_declarations(path.read_text(), path.name):
+            if sig.name in table:
+                raise RuntimeError(f"{path.name}:{sig.line}: {sig.name} is declared a second time")
+            table[sig.name] = sig
+    return table
 
 
 class _Kernels:
-    """The library's functions, as attributes named like their C symbols (SIGNATURES)."""
+    """The library's functions, as attributes named like their C symbols (`signatures()`)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        for name, (argtypes, restype) in SIGNATURES.items():
+        for name, sig in signatures().items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
+            fn.argtypes, fn.restype = sig.argtypes, sig.restype
             setattr(self, name, fn)
 
 

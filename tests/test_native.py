@@ -1,6 +1,10 @@
 """core.native: the AVX-512 bf16 decoding GEMM and attention are accurate, row-invariant by
 construction, and step aside (with their reason) where they cannot run."""
 
+import ctypes
+import re
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -529,13 +533,147 @@ def test_the_kernels_and_torch_share_one_openmp_runtime():
     assert len(runtimes) == 1, runtimes
 
 
-def test_every_kernel_function_is_declared_once():
-    assert set(native.SIGNATURES) >= {"gemm_bf16", "gemm_w", "attention_bf16", "decode_step", "gemm_s8"}
-    for argtypes, restype in native.SIGNATURES.values():
-        assert isinstance(argtypes, list) and restype in (None, native.i32)
+# The ctypes declarations (issue 34 item 6): each exported C function's `// ctypes:` comment, right
+# above its definition, against that definition's real parameter list. ctypes converts by the
+# declaration alone: an i32 declared where the C takes an int64_t, or a parameter too few, would
+# pass wrong bits silently.
+
+C_CLASSES = {"int": "i32", "int32_t": "i32", "int64_t": "i64", "float": "f32", "double": "f64", "void": "void"}
+# A definition starts at column 0: [static ...] result-type name(parameters) {
+C_DEFINITION = re.compile(r"^([A-Za-z_][\w \t*]*?)\b(\w+)\s*\(([^()]*)\)\s*\{", re.M)
+
+
+@dataclass(frozen=True)
+class CDefinition:
+    name: str
+    params: tuple[tuple[str, str], ...]  # (class, name), as native.Signature holds them
+    result: str
+    line: int       # 1-based, where the definition starts
+    exported: bool  # not static
+
+
+def c_class(words: list[str]) -> str:
+    """A C type, as words -> its declaration class; any pointer or array is a ptr."""
+    if "*" in words:
+        return "ptr"
+    base = " ".join(w for w in words if w not in ("const", "volatile"))
+    return C_CLASSES.get(base, f"<no class for C type {base!r}>")
+
+
+def c_parameter(text: str) -> tuple[str, str]:
+    """One C parameter, e.g. "const int64_t *anc" -> ("ptr", "anc")."""
+    words = re.sub(r"\[[^]]*\]", " * ", text).replace("*", " * ").split()
+    return c_class(words[:-1]), words[-1]
+
+
+def c_definitions(text: str) -> list[CDefinition]:
+    """Every function definition in a C source (comments blanked first, line numbers kept)."""
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group()), text, flags=re.S)
+    out = []
+    for m in C_DEFINITION.finditer(code):
+        head = m.group(1).replace("*", " * ").split()
+        params = [p for p in m.group(3).split(",") if p.split() not in ([], ["void"])]
+        out.append(CDefinition(m.group(2), tuple(map(c_parameter, params)),
+                               c_class([w for w in head if w not in ("static", "inline")]),
+                               code.count("\n", 0, m.start()) + 1, "static" not in head))
+    return out
+
+
+def declaration_problems(sources: dict[str, str]) -> list[str]:
+    """How the `// ctypes:` declarations in `sources` (file name -> C text) disagree with the C: a
+    declaration not directly above an exported definition of its name, a name declared twice, or
+    an exported definition of a declared name (a stub under #if too) whose parameters (count,
+    order, names, classes) or result differ from the declaration."""
+    problems, declared, defined = [], {}, {}
+    for file, text in sources.items():
+        definitions = c_definitions(text)
+        starts = {d.line: d for d in definitions}
+        for d in definitions:
+            defined.setdefault(d.name, []).append((file, d))
+        for sig in native.parse_declarations(text, file):
+            below = starts.get(sig.line)
+            if below is None or below.name != sig.name or not below.exported:
+                problems.append(f"{file}:{sig.line}: the declaration of {sig.name} is not right above its exported definition")
+            if sig.name in declared:
+                problems.append(f"{file}:{sig.line}: {sig.name} is declared twice")
+            declared[sig.name] = sig
+    for name, sig in declared.items():
+        for file, d in defined.get(name, []):
+            differs = difference(d, sig) if d.exported else None
+            if differs:
+                problems.append(f"{file}:{d.line}: {name} {differs}")
+    return problems
+
+
+def difference(d: CDefinition, sig: native.Signature) -> str | None:
+    """The first way a definition differs from its declaration, in words; None if it does not."""
+    if d.result != sig.result:
+        return f"returns {d.result} in C, declared {sig.result}"
+    if len(d.params) != len(sig.params):
+        return f"takes {len(d.params)} parameters in C, declared {len(sig.params)}"
+    return next((f"parameter {i} is {' '.join(c)} in C, declared {' '.join(s)}"
+                 for i, (c, s) in enumerate(zip(d.params, sig.params), 1) if c != s), None)
+
+
+def c_sources() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(native.CSRC.glob("*.c"))}
+
+
+def test_every_ctypes_declaration_matches_its_c_definition():
+    sources = c_sources()
+    assert declaration_problems(sources) == []
+    table = native.signatures()
+    assert set(table) >= {"gemm_bf16", "gemm_w", "attention_bf16", "decode_step", "head_step", "gemm_s8", "amx_enable"}
+    exported = {d.name for text in sources.values() for d in c_definitions(text) if d.exported}
+    assert set(table) <= exported
+    stubs = [d for d in c_definitions(sources["gemm_amx.c"]) if d.name == "amx_enable"]
+    assert len(stubs) == 2, "the #if stub and the real amx_enable: both are checked"
+
+
+def test_the_library_is_bound_by_its_declarations():
+    table = native.signatures()
+    assert table["attention_bf16"].argtypes[-2:] == [ctypes.c_float, ctypes.c_int32]
+    assert table["argmax_bf16"].restype is None and table["gemm_w"].restype is ctypes.c_int32
     if native.status().available:
         k = native._library()[0]
-        assert all(getattr(k, name).argtypes == a for name, (a, _) in native.SIGNATURES.items())
+        for name, sig in table.items():
+            fn = getattr(k, name)
+            assert (fn.argtypes, fn.restype) == (sig.argtypes, sig.restype), name
+
+
+@pytest.mark.parametrize("file,old,new,says", [
+    ("rmsnorm_bf16.c", "int M, int H, float eps, int nthreads) {", "int M, int H, double eps, int nthreads) {",
+     "rmsnorm_bf16 parameter 8 is f64 eps in C, declared f32 eps"),
+    ("move_rows.c", "const int64_t *src, const int64_t *dst, int n) {", "const int64_t *src, int64_t dst, int n) {",
+     "move_rows parameter 7 is i64 dst in C, declared ptr dst"),
+    ("argmax_bf16.c", "int M, int N, int nthreads) {", "int M, int N) {",
+     "argmax_bf16 takes 5 parameters in C, declared 6"),
+    ("topk_bf16.c", "int topk_logprobs_bf16(", "int64_t topk_logprobs_bf16(",
+     "topk_logprobs_bf16 returns i64 in C, declared i32"),
+    ("gemm_amx.c", "int amx_enable(int want) { (void)want;", "int amx_enable(int64_t want) { (void)want;",
+     "amx_enable parameter 1 is i64 want in C"),  # the #if stub
+    ("gemm_bf16.c", "int64_t ldx, const uint16_t *w, int64_t ldw,", "int64_t ldx, const uint16_t *w, int64_t stride,",
+     "gemm_bf16 parameter 4 is i64 stride in C, declared i64 ldw"),  # a renamed (or reordered) one
+    ("silu_mul.c", "-> void\nvoid silu_mul_bf16(", "-> void\n\nvoid silu_mul_bf16(", "not right above"),
+    ("dequant.c", "-> void\nvoid dequantize_bf16(", "-> void\nstatic void dequantize_bf16(", "not right above"),
+    ("gemm_x8.c", "// ctypes: x8_amx_enable(", "// ctypes: amx_enable(", "declared twice"),
+])
+def test_a_declaration_that_disagrees_with_the_c_is_found(file, old, new, says):
+    """The negative control: each doctored copy of the real sources is caught."""
+    sources = c_sources()
+    assert sources[file].count(old) == 1
+    sources[file] = sources[file].replace(old, new)
+    problems = declaration_problems(sources)
+    assert any(says in p for p in problems), problems
+
+
+def test_an_unreadable_declaration_is_refused():
+    for bad in ("// ctypes: f(int x) -> i32", "// ctypes: f(ptr) -> i32", "// ctypes: f(ptr p) -> i16",
+                "// ctypes: f(ptr p, void v) -> void", "// ctypes: f(ptr p"):
+        with pytest.raises(RuntimeError, match="unreadable declaration"):
+            native.parse_declarations(bad + "\nint f(void *p) {}\n", "x.c")
+    sig, = native.parse_declarations("// ctypes: f(ptr p,\n//          i64 n) -> void\nvoid f(void *p, int64_t n) {}\n")
+    assert (sig.name, sig.params, sig.result, sig.line) == ("f", (("ptr", "p"), ("i64", "n")), "void", 3)
 
 
 @needs_kernel

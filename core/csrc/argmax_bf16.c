@@ -26,6 +26,7 @@ static int64_t argmax_row(const uint16_t *x, int N) {
     return _mm512_mask_reduce_min_epi32(best, vidx);
 }
 
+// ctypes: argmax_bf16(ptr x, i64 ldx, ptr out, i32 M, i32 N, i32 nthreads) -> void
 void argmax_bf16(const uint16_t *x, int64_t ldx, int64_t *out, int M, int N, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int m = 0; m < M; m++) out[m] = argmax_row(x + m * ldx, N);

@@ -129,6 +129,9 @@ static int64_t score_cap(const int64_t *na, int n, int64_t L) {
 }
 
 // Alone, on its own team; 0, or -1 where the score buffers could not be had.
+// ctypes: attention_bf16(ptr q, i64 qs_row, i64 qs_head, ptr k, ptr v, i64 kv_head, i64 kv_pos,
+//                        ptr anc, i64 anc_stride, ptr na, ptr out, i32 n, i32 nh, i32 kvh, i32 hd,
+//                        i64 L, f32 scale, i32 nthreads) -> i32
 int attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                    int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, int nthreads) {

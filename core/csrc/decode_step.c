@@ -115,7 +115,10 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
 // tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
 // its own key and value go to slot committed + i. features (n, nf * H) or NULL: the hidden state after
 // stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
-// (n, vocab) or NULL. One OpenMP team for the whole forward.
+// (n, vocab) or NULL. One OpenMP team for the whole forward. Returns STEP_OK or a STEP_* error.
+// ctypes: decode_step(ptr m, ptr tokens, ptr positions, i32 n, i64 committed, ptr anc, i64 anc_stride,
+//                     ptr counts, ptr feature_ids, i32 nf, ptr features, ptr hidden, ptr logits,
+//                     i32 nthreads) -> i32
 int decode_step(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
                 const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids, int nf,
                 uint16_t *features, uint16_t *hidden, uint16_t *logits, int nthreads) {
@@ -183,6 +186,8 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
 // norm, as published) -> out (n, H). Row i sees head-cache slots [0, committed) and committed +
 // anc[i][0 .. counts[i]-1]; its key and value go to slot at + i (a catch-up: at == committed; a
 // draft round: after the nodes fed before it). The layers' stages are decode_step's kernels.
+// ctypes: head_step(ptr m, ptr fc, ptr fc_bias, ptr xin, ptr positions, i32 n, i64 committed, i64 at,
+//                   ptr anc, i64 anc_stride, ptr counts, ptr out, i32 nthreads) -> i32
 int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const uint16_t *xin,
               const int64_t *positions, int n, int64_t committed, int64_t at, const int64_t *anc,
               int64_t anc_stride, const int64_t *counts, uint16_t *out, int nthreads) {

@@ -107,6 +107,7 @@ void weight_row(const wmat *w, int64_t n, uint16_t *out) {
 }
 
 // Test hook: rows [0, N) of w as bf16 (N, K), what every GEMM reads.
+// ctypes: dequantize_bf16(ptr w, ptr out) -> void
 void dequantize_bf16(const wmat *w, uint16_t *out) {
     for (int n = 0; n < w->N; n++) weight_row(w, n, out + (int64_t)n * w->K);
 }

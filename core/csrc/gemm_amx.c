@@ -41,6 +41,7 @@ void gemm_amx_team(const uint16_t *pack, int M, int K, const gemm_job *jobs, int
 static int amx_on = 0;
 
 // Ask Linux for the AMX tile state (once per process); 1 if AMX now runs, 0 if off or refused.
+// ctypes: amx_enable(i32 want) -> i32
 int amx_enable(int want) {
     amx_on = want && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return amx_on;

@@ -137,6 +137,7 @@ int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, i
 
 // y = x @ w.T (+ bias) for any weight kind, on its own team of threads; 0, or -1 where memory
 // could not be had or the weight's type is unknown.
+// ctypes: gemm_w(ptr x, i64 ldx, ptr w, ptr bias, ptr y, i64 ldy, i32 M, i32 nthreads) -> i32
 int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
            int M, int nthreads) {
     gemm_job job = {w, bias, y, ldy};
@@ -161,6 +162,8 @@ int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, 
 }
 
 // gemm_w over a bf16 weight (N, K) with row stride ldw: 0, or -1 out of memory.
+// ctypes: gemm_bf16(ptr x, i64 ldx, ptr w, i64 ldw, ptr bias, ptr y, i64 ldy, i32 M, i32 N, i32 K,
+//                   i32 nthreads) -> i32
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t ldw, const uint16_t *bias,
               uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
     wmat m = {WT_BF16, N, K, 0, w, ldw};

@@ -87,6 +87,7 @@ static float quantize_row(const uint16_t *x, int K, int offset, uint8_t *out, in
 }
 
 // Per-row quantization of a weight (N, K) bf16 -> int8 (N, K), scale (N,), row sums (N,).
+// ctypes: quantize_weight_s8(ptr w, i64 ldw, ptr q, ptr scale, ptr sums, i32 N, i32 K, i32 nthreads) -> void
 void quantize_weight_s8(const uint16_t *w, int64_t ldw, int8_t *q, float *scale, int32_t *sums, int N, int K,
                         int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -94,6 +95,8 @@ void quantize_weight_s8(const uint16_t *w, int64_t ldw, int8_t *q, float *scale,
 }
 
 // 0, or -1 where the quantized rows' memory could not be had.
+// ctypes: gemm_s8(ptr x, i64 ldx, ptr w, ptr wscale, ptr wsum, ptr bias, ptr y, i64 ldy, i32 M, i32 N,
+//                 i32 K, i32 nthreads) -> i32
 int gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscale, const int32_t *wsum,
             const uint16_t *bias, uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads) {
     int64_t ldu = (K + 63) / 64 * 64;

@@ -95,6 +95,8 @@ static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
 // agree by construction.
 static int x8_amx = 0;
 
+// 1 where AMX-INT8 now serves the 8-bit-activation GEMMs of AMX_X8_MIN_ROWS rows and more, else 0.
+// ctypes: x8_amx_enable(i32 want) -> i32
 int x8_amx_enable(int want) {  // want: this CPU has amx_int8 (core.native checks the flag)
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
     x8_amx = want != 0 && amx_serves(16, 32);  // never without the tile state Linux granted (else SIGILL)

@@ -5,6 +5,8 @@
 #include <stdint.h>
 #include <string.h>
 
+// ctypes: move_rows(ptr bases, i32 nbuf, i64 heads, i64 head_stride, i64 row_bytes, ptr src, ptr dst,
+//                   i32 n) -> void
 void move_rows(const int64_t *bases, int nbuf, int64_t heads, int64_t head_stride, int64_t row_bytes,
                const int64_t *src, const int64_t *dst, int n) {
     for (int b = 0; b < nbuf; b++)

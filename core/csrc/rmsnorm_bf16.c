@@ -28,6 +28,7 @@ void rmsnorm_team(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y
     for (int m = 0; m < M; m++) rmsnorm_row(x + m * ldx, w, y + m * ldy, H, eps);
 }
 
+// ctypes: rmsnorm_bf16(ptr x, i64 ldx, ptr w, ptr y, i64 ldy, i32 M, i32 H, f32 eps, i32 nthreads) -> void
 void rmsnorm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy,
                   int M, int H, float eps, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (M > 1)

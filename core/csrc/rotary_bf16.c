@@ -6,6 +6,7 @@
 #include "common.h"
 
 // x: n rows (stride ldx) of heads * hd; cos, sin: n rows of hd (stride ldc); out: (n, heads, hd)
+// ctypes: rotary_bf16(ptr x, i64 ldx, ptr cos, ptr sin, i64 ldc, ptr out, i32 n, i32 heads, i32 hd) -> void
 void rotary_bf16(const uint16_t *x, int64_t ldx, const uint16_t *cos, const uint16_t *sin, int64_t ldc,
                  uint16_t *out, int n, int heads, int hd) {
     int half = hd / 2;

@@ -32,6 +32,7 @@ void silu_mul_team(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ld
     }
 }
 
+// ctypes: silu_mul_bf16(ptr g, i64 ldg, ptr u, i64 ldu, ptr out, i64 ldo, i32 M, i32 H, i32 nthreads) -> void
 void silu_mul_bf16(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *out, int64_t ldo,
                    int M, int H, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if ((int64_t)M * H > SILU_CHUNK)

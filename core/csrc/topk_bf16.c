@@ -56,6 +56,7 @@ static void topk_row(const uint16_t *x, int N, int k, float *out_v, int64_t *out
 }
 
 // 0, or -1 for k outside 1 .. MAX_K (topk_row keeps its candidates on the stack).
+// ctypes: topk_logprobs_bf16(ptr x, i64 ldx, ptr vals, ptr idx, i32 M, i32 N, i32 k, i32 nthreads) -> i32
 int topk_logprobs_bf16(const uint16_t *x, int64_t ldx, float *vals, int64_t *idx, int M, int N, int k,
                        int nthreads) {
     if (k < 1 || k > MAX_K) return -1;
