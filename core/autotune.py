@@ -31,7 +31,8 @@ from tqdm import tqdm
 from core import cache as kv
 from core.clock import median_time
 from core.config import WEIGHTS, WEIGHTS_HELP, GenerationConfig, TreeConfig
-from core.engine import Engine, forward_tree, prefill
+from core.engine import Engine
+from core.forward import forward_tree, prefill
 from core.head import HeadCache
 from core.lookup import DEFAULT_TOKENS, chain_tree
 from core.tree import catch_up, draft_dynamic, tree_from_parents

@@ -53,7 +53,8 @@ import torch
 
 from core.config import (WEIGHTS, WEIGHTS_HELP, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
                          add_tree_args, tree_changes)
-from core.engine import Engine, EngineError, uses_exact_kernels
+from core.engine import Engine, EngineError
+from core.forward import uses_exact_kernels
 from core.invariant import make_invariant, undo_invariant
 from core.head import HeadLoadError, new_head
 from core.head3 import draft_weights

@@ -59,6 +59,12 @@ class ConfigError(ValueError):
     """A setting is out of range; the message names the setting and the allowed range."""
 
 
+class EngineError(ValueError):
+    """Bad input to the engine (empty prompt, too long for the context, numerics or weights it
+    cannot load, ...). Defined here, below both, so the engine (core.engine) and its load-time
+    numerics (core.numerics) raise one type without importing each other."""
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

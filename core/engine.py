@@ -1,8 +1,9 @@
-"""The decode loop: prefill, then steps of (draft -> verify -> commit), yielding StepEvents.
+"""The engine: a target and its drafter behind one facade (Engine), and the decode loop: prefill,
+then steps of (draft -> verify -> commit), yielding StepEvents.
 
 One step in speculative mode:
   draft    the head extends the root (last accepted token) into a DraftTree   (core.tree)
-  verify   the target runs root + tree in ONE forward                         (forward_tree)
+  verify   the target runs root + tree in ONE forward                         (core.forward)
   accept   greedy or sampled acceptance picks a path + bonus token             (core.verify)
   commit   the target cache keeps only the path; the head catches up on the
            path's true target features, giving the next root's proposal        (core.cache, catch_up)
@@ -10,7 +11,8 @@ Plain mode is the same loop with no draft: each step verifies just the root.
 
 Numerics: with the batch-invariant kernels (core.invariant, bf16 on CPU) a tree row computes
 bit for bit what a plain step computes, so greedy output equals plain decoding by
-construction; `Engine.numerics` says which numerics run and what the probe found.
+construction; `Engine.numerics` says which numerics run and what the probe found (core.numerics).
+The drafter is any core.drafter.DraftModel: the loop asks nothing else of it.
 """
 
 from __future__ import annotations
@@ -22,25 +24,21 @@ from typing import Iterator, Sequence
 import torch
 
 from core import cache as kv
-from core import invariant, native, threads
+from core import threads
 from core.clock import now
-from core.config import ATTENTIONS, GenerationConfig, TreeConfig
-from core.head import HeadCache, additive
-from core.head3 import drafter_for, load_any_head, target_features
+from core.config import EngineError, GenerationConfig, TreeConfig
+from core.drafter import DraftModel
+from core.forward import forward_tree, plain_forward, prefill, uses_exact_kernels
+from core.head import HeadCache
+from core.head3 import drafter_for, load_any_head
 from core.lookup import graft, lookup_chain
-from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, load_target, resolve
-from core.probe import ProbeResult, probe
-from core.quant import QuantWeightError
-from core.step import WEIGHTS, NativeStep, StepError, load_step
+from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, resolve
+from core.numerics import Numerics, load_numerics
+from core.step import NativeStep
 from core.text import TextStream
-from core.tree import DraftTree, catch_up, draft
+from core.tree import catch_up, draft
 from core.treestore import BUILT_IN, TreeChoice, default_tree
 from core.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
-
-
-
-class EngineError(ValueError):
-    """Bad input to the engine (empty prompt, too long for the context, ...)."""
 
 
 @dataclass(frozen=True)
@@ -64,110 +62,6 @@ class StepEvent:
         return len(self.token_ids)
 
 
-@dataclass(frozen=True)
-class Numerics:
-    """How the target computes, and whether tree rows are verified bit-identical to plain steps."""
-
-    dtype: str                  # "bfloat16", "float32", ...
-    attention: str              # "exact" (batch-invariant kernels), "sdpa" or "eager"
-    probe: ProbeResult | None   # None: not probed (e.g. no head, nothing to compare)
-    note: str = ""              # why these numerics were chosen (e.g. a failed probe's fallback)
-    step: str = ""              # what runs decoding steps: the native step and its weights, or why not
-
-    @property
-    def exact(self) -> bool:
-        return self.probe is not None and self.probe.exact
-
-    def describe(self) -> str:
-        dt = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "float64": "fp64"}.get(self.dtype, self.dtype)
-        kernels = (f"batch-invariant kernels, {native.status().describe()}" if self.attention == "exact"
-                   else f"{self.attention} attention")
-        if self.probe is None:
-            verdict = "exactness not checked"
-        elif self.probe.exact:
-            verdict = f"exact: verified on this machine ({self.probe.checked_at})"
-        else:
-            verdict = f"exact: not guaranteed ({self.probe.reason})"
-        return (f"{dt}, {kernels}; {verdict}" + (f"; {self.step}" if self.step else "")
-                + (f"; {self.note}" if self.note else ""))
-
-
-# ---- target forwards (the model's public forward only: 4D mask / tree layout, positions, cache) ----
-
-def uses_exact_kernels(model) -> bool:
-    return model.config._attn_implementation == invariant.NAME
-
-
-def _window_masks(model, allowed: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
-                  dtype: torch.dtype):
-    """The 4D mask(s) for a tree forward, with the model's sliding window built in."""
-    cfg = model.config
-    full = additive(allowed, dtype)
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None) or []
-    if not window or (types and "sliding_attention" not in types):
-        return full
-    near = key_positions[None, :] > positions[:, None] - window  # (n, L + n)
-    sliding = additive(allowed & near, dtype)
-    return {"full_attention": full, "sliding_attention": sliding} if types else sliding
-
-
-def forward_tree(model, tree: DraftTree, cache, committed: int,
-                 feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over the tree's n nodes -> (features (n, F), logits (n, V)).
-
-    Each node sees the committed context and its own ancestors; its position is the
-    context length plus its depth. The forward appends n entries to `cache`. Features are
-    the last hidden state, or the fused layers an EAGLE-3 head reads.
-    """
-    device = tree.tokens.device
-    positions = tree.positions(committed)  # (n,)
-    if isinstance(model, NativeStep):
-        ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
-        return model.forward(tree.tokens, positions, committed, ancestors, tree.depths + 1, cache, feature_layers)
-    kwargs = {}
-    if uses_exact_kernels(model):
-        kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, committed)
-    else:
-        allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask], 1)
-        key_pos = torch.cat([torch.arange(committed, device=device), positions])
-        kwargs["attention_mask"] = _window_masks(model, allowed, positions, key_pos,
-                                                 model.get_input_embeddings().weight.dtype)
-    out = model.model(input_ids=tree.tokens[None], position_ids=positions[None], cache=cache, use_cache=True,
-                      output_hidden_states=feature_layers is not None, **kwargs)
-    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0])
-
-
-def plain_forward(model, token: int, cache, position: int, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row."""
-    if isinstance(model, NativeStep):
-        one = torch.ones(1, dtype=torch.long)
-        features, logits = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
-                                         one, cache, feature_layers)
-        return features, logits[0]
-    device = model.get_input_embeddings().weight.device
-    kwargs = {"tree_layout": invariant.TreeLayout.single(position, device)} if uses_exact_kernels(model) else {}
-    out = model.model(input_ids=torch.tensor([[token]], device=device),
-                      position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True,
-                      output_hidden_states=feature_layers is not None, **kwargs)
-    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1])
-
-
-def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
-    return plain_forward(model, token, cache, position)[1]
-
-
-def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,)). Through
-    transformers also where the native step serves the decoding steps (oneDNN's compute-bound
-    GEMMs for a long prompt; both decoding modes share it)."""
-    if isinstance(model, NativeStep):
-        model = model.hf
-    out = model.model(input_ids=ids[None], cache=cache, use_cache=True,
-                      output_hidden_states=feature_layers is not None)
-    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1:])[0]
-
-
 def default_head(model: str) -> str | None:
     if model == EMBEDDED:
         return str(DEFAULT_HEAD_DIR) if DEFAULT_HEAD_DIR.is_dir() else None
@@ -175,57 +69,10 @@ def default_head(model: str) -> str | None:
     return entry.head if entry else None
 
 
-# ---- numerics at load ----
-
-def _auto_numerics(device: str, load_in_4bit: bool, dtype: str, attention: str) -> tuple[str, str]:
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.device(device).type == "cpu" and not load_in_4bit else (
-            "float16" if torch.device(device).type == "cuda" else "float32")
-    if attention == "auto":
-        attention = "exact" if dtype in ("bfloat16", "bf16") and torch.device(device).type == "cpu" else "sdpa"
-    return dtype, attention
-
-
-def set_numerics(target: LoadedModel, attention: str) -> None:
-    if attention == "exact":
-        invariant.make_invariant(target.model)
-    else:
-        invariant.undo_invariant(target.model, attention)
-
-
-def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_in_4bit: bool,
-                  check: bool, weights: str = "auto") -> tuple[LoadedModel, Numerics, NativeStep | None]:
-    """Load the target in the requested numerics ("auto": bf16 + exact kernels on CPU when the
-    probe passes, else fp32 + sdpa with the probe's reason kept), and the native step that runs
-    its decoding forwards where it can (core.step; `weights`: one of core.config.WEIGHTS)."""
-    if attention not in ATTENTIONS:
-        raise EngineError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    if weights not in WEIGHTS:
-        raise EngineError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
-    auto = dtype == "auto" and attention == "auto"
-    dtype, attention = _auto_numerics(device, load_in_4bit, dtype, attention)
-    target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
-    set_numerics(target, attention)
-    try:
-        step, step_text = load_step(target, weights)
-    except (StepError, QuantWeightError) as e:  # only where q4 was asked for by name
-        raise EngineError(str(e)) from e
-    result = probe(step or target.model, target.dtype, attention, device) if check else None
-    if auto and result is not None and not result.exact and attention == "exact":
-        target.model.float()
-        target = replace(target, dtype=torch.float32)
-        set_numerics(target, "sdpa")
-        fallback = probe(target.model, target.dtype, "sdpa", device)
-        return target, Numerics("float32", "sdpa", fallback,
-                                note=f"bf16 exact kernels failed the probe here ({result.reason}), so fp32 runs"), None
-    if step is not None:
-        step.drop_bf16_layers()  # q4: the layers' bf16 copies go (nothing to drop for bf16 weights)
-    return target, Numerics(str(target.dtype).removeprefix("torch."), attention, result, step=step_text), step
-
-
 class Engine:
     def __init__(self, target: LoadedModel, head=None, draft_vocab: torch.Tensor | None = None,
-                 numerics: Numerics | None = None, drafter=None, step: NativeStep | None = None):
+                 numerics: Numerics | None = None, drafter: DraftModel | None = None,
+                 step: NativeStep | None = None):
         """`drafter`: one already built for `head` (Engine.load), else it is built here. `step`:
         the native decode step for the target (core.step), else transformers' forward serves."""
         self.target = target
@@ -259,7 +106,7 @@ class Engine:
         folder = Path(head).expanduser() if Path(head).expanduser().exists() else resolve(
             head, allow_patterns=["config.json", "*.safetensors", "pytorch_model.bin"])
         drafter = load_any_head(folder, target.model, dtype=target.dtype, device=device)
-        engine = cls(target, drafter.head, getattr(drafter, "vocab", None), numerics, drafter=drafter, step=step)
+        engine = cls(target, drafter.head, drafter.vocab, numerics, drafter=drafter, step=step)
         engine.tree_choice = default_tree(engine, folder)
         return engine
 

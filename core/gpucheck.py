@@ -43,7 +43,8 @@ from core import cache as kv
 from core.autotune import DEPTHS
 from core.clock import median_time
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine, forward_tree, prefill
+from core.engine import Engine
+from core.forward import forward_tree, prefill
 from core.gpureport import Correctness, LogitCheck, PromptCheck, QuantResult, Report, to_markdown
 from core.head import HeadCache, HeadLoadError, load_head, new_head
 from core.models import LoadedModel, ModelLoadError, load_target

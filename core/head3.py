@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from core import native
+from core.drafter import DraftModel
 from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
-                       RMSNorm, _rotary, causal_mask, head_mask, read_checkpoint)
+                       RMSNorm, TreeRows, _rotary, causal_mask, head_mask, read_checkpoint)
 from core.invariant import draft_int8_enabled, quantize_linears, swap_linears
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -286,7 +287,7 @@ def target_features(out, layer_ids: tuple[int, ...] | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Drafter3:
-    """An EAGLE-3 head plus the target's input embedding, with core.tree.Drafter's interface."""
+    """An EAGLE-3 head plus the target's input embedding: a core.drafter.DraftModel."""
 
     head: Eagle3Head
     embed: nn.Module  # the target's input embedding
@@ -316,10 +317,10 @@ class Drafter3:
         return idx + self.head.d2t[idx]
 
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
-             positions: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+             positions: torch.Tensor, allowed: torch.Tensor | TreeRows | None = None) -> torch.Tensor:
         """tokens (m,); features (m, 3Ht) fused target features (catch-up) or (m, H) head
         states (tree rounds) -> head states (m, H). `allowed`: the tree mask, whole
-        (m, cache length + m) or its tree part (m, T) (core.head.head_mask); None = causal."""
+        (m, cache length + m) or its tree part (m, T, or TreeRows) (core.head.head_mask); None = causal."""
         m = tokens.shape[0]
         dtype = self.head.fc.weight.dtype
         emb = self.embed(tokens)[None].to(dtype)  # (1, m, H)
@@ -327,7 +328,7 @@ class Drafter3:
         return self.head(emb, features[None].to(dtype), positions, mask, cache)[0]
 
 
-def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None):
+def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None) -> DraftModel:
     """The drafting seam for either kind of head on `target_model` (a *ForCausalLM).
 
     On CPUs with the int8 kernel the head's linear layers and its LM head draft from int8
@@ -377,7 +378,7 @@ def draft_weights(drafter) -> str:
 
 
 def load_any_head(folder: str | Path, target_model, *, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu"):
+                  device: str | torch.device = "cpu") -> DraftModel:
     """Load an EAGLE-1/2 or EAGLE-3 head (told apart by config.json) -> a Drafter or Drafter3."""
     if head_kind(folder) == "eagle3":
         return drafter_for(load_head3(folder, target_model.config, dtype=dtype, device=device), target_model)

@@ -26,7 +26,9 @@ import torch
 
 from core import cache as kv
 from core import native
+from core.forward import forward_tree, plain_logits, prefill
 from core.models import cache_home, write_atomic
+from core.tree import tree_from_parents
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,6 @@ def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
 
 def _probe_tree(vocab: int, gen: torch.Generator, device):
     """A 9-node tree: root -> 3 children; two chains below them (depths up to 4)."""
-    from core.tree import tree_from_parents
-
     parents = [-1, 0, 0, 0, 1, 1, 4, 2, 7]
     tokens = torch.randint(0, vocab, (len(parents),), generator=gen).tolist()
     return tree_from_parents(tokens, parents, device)
@@ -102,8 +102,6 @@ def _preorder(parents: list[int]) -> list[int]:
 
 def run_probe(model, context: int = 62, seed: int = 0) -> ProbeResult:
     """Compare tree-verified logits with plain-step logits for every node of a random tree."""
-    from core.engine import forward_tree, plain_logits, prefill
-
     t0 = time.perf_counter()
     device = getattr(model, "hf", model).get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(seed)

@@ -187,7 +187,7 @@ class NativeStep:
     def _bind_cache(self, cache, need: int) -> None:
         layers = cache.layers
         assert len(layers) == self._m.layers and all(isinstance(l, BufferedLayer) and l.is_initialized for l in layers), \
-            "prefill the cache (core.engine.prefill) before native steps"
+            "prefill the cache (core.forward.prefill) before native steps"
         for layer in layers:
             layer.reserve(need)
         key = tuple(l._k.data_ptr() for l in layers) + tuple(l._v.data_ptr() for l in layers)

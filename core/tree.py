@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from core import native
 from core.config import TreeConfig
+from core.drafter import DraftModel
 from core.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass(frozen=True)
 class Drafter:
-    """The head plus the target modules it borrows; drafts over `vocab` (None = full vocabulary)."""
+    """An EAGLE-1/2 head plus the target modules it borrows, drafting over `vocab` (None = the full
+    vocabulary): a core.drafter.DraftModel."""
 
     head: EagleHead
     embed: torch.nn.Embedding     # the target's input embedding
@@ -137,7 +139,7 @@ class Drafter:
         return self.head(emb, features[None], positions, mask, cache)[0]
 
 
-def catch_up(drafter: Drafter, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+def catch_up(drafter: DraftModel, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     """Commit target features to the head's cache; return the head's last output (H,).
 
     tokens (m,) are t_{j+1} and features (m, H) are f_j for the next m positions j; the
@@ -149,7 +151,7 @@ def catch_up(drafter: Drafter, cache: HeadCache, tokens: torch.Tensor, features:
     return drafter.feed(cache, tokens, features, positions)[-1]
 
 
-def draft_dynamic(drafter: Drafter, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
+def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
                   cfg: TreeConfig, *, prune: bool = True) -> DraftTree:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, then keep the best overall.
 
@@ -225,7 +227,7 @@ def _select(tokens: list[int], parents: list[int], scores: list[float], depths: 
                      scores=torch.tensor([0.0] + [scores[c] for c in chosen], dtype=score_dtype, device=device))
 
 
-def draft_static(drafter: Drafter, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
+def draft_static(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
                  cfg: TreeConfig) -> DraftTree:
     """A fixed tree of child ranks (EAGLE-1 style); level by level, one head call per level."""
     paths = sorted(set(cfg.static_paths), key=lambda p: (len(p), p))
@@ -276,7 +278,7 @@ def draft_static(drafter: Drafter, cache: HeadCache, root_token: int, root_hidde
                      depths=torch.tensor(depths, device=device))
 
 
-def draft(drafter: Drafter, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
+def draft(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
           cfg: TreeConfig) -> DraftTree:
     fn = draft_static if cfg.is_static else draft_dynamic
     return fn(drafter, cache, root_token, root_hidden, cfg)

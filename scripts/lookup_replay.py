@@ -88,7 +88,8 @@ def record(a) -> None:
 
     from core import cache as kv
     from core.config import GenerationConfig, TreeConfig
-    from core.engine import Engine, prefill
+    from core.engine import Engine
+    from core.forward import prefill
     from core.head import HeadCache
     from core.tree import catch_up, draft_dynamic
 

@@ -9,7 +9,8 @@ from transformers import DynamicCache
 
 import core.engine as engine_mod
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
-from core.engine import Engine, EngineError, _Run, forward_tree
+from core.engine import Engine, EngineError, _Run
+from core.forward import forward_tree
 from core.invariant import make_invariant
 from core.tree import tree_from_parents
 from tests.test_tree_verify import _wrong_rule, chi2_pvalue

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from core import cache as kv
 from core import native
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine, forward_tree, plain_logits, prefill
+from core.engine import Engine
+from core.forward import forward_tree, plain_logits, prefill
 from core.invariant import InvariantLinear, make_invariant, undo_invariant
 from core.probe import probe, probe_key, run_probe
 from core.tree import tree_from_parents

@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from core import cache as kv
 from core import native, quant
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine, EngineError, forward_tree, plain_forward, prefill
+from core.engine import Engine, EngineError
+from core.forward import forward_tree, plain_forward, prefill
 from core.invariant import BlockLinear, chunked_linear, make_invariant, tree_ancestors
 from core.step import NativeStep, StepError, load_step, unsupported
 from core.tree import tree_from_parents

@@ -1,0 +1,94 @@
+"""The target's forwards: a draft tree verified in one forward, a plain decoding step, a prompt's prefill.
+
+Each takes the target explicitly (a transformers *ForCausalLM, or the native step of core.step
+that serves its decoding forwards) with its KV cache and the positions, and returns (features,
+logits); the cache is the one thing they change (they append the rows they computed). Only the
+model's public forward is used: a 4D mask, or core.invariant's tree layout where the exact kernels
+run. The decode loop (core.engine), the probe (core.probe) and the measuring commands (autotune,
+gpucheck) all call these, so what the probe checks is what the loop runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core import invariant
+from core.head import additive
+from core.head3 import target_features
+from core.step import NativeStep
+from core.tree import DraftTree
+
+
+def uses_exact_kernels(model) -> bool:
+    """Whether the model runs core.invariant's batch-invariant kernels (the "exact" attention)."""
+    return model.config._attn_implementation == invariant.NAME
+
+
+def _window_masks(model, allowed: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor,
+                  dtype: torch.dtype):
+    """The 4D mask(s) for a tree forward, with the model's sliding window built in."""
+    cfg = model.config
+    full = additive(allowed, dtype)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or []
+    if not window or (types and "sliding_attention" not in types):
+        return full
+    near = key_positions[None, :] > positions[:, None] - window  # (n, L + n)
+    sliding = additive(allowed & near, dtype)
+    return {"full_attention": full, "sliding_attention": sliding} if types else sliding
+
+
+def forward_tree(model, tree: DraftTree, cache, committed: int,
+                 feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the tree's n nodes -> (features (n, F), logits (n, V)).
+
+    Each node sees the committed context and its own ancestors; its position is the
+    context length plus its depth. The forward appends n entries to `cache`. Features are
+    the last hidden state, or the fused layers an EAGLE-3 head reads.
+    """
+    device = tree.tokens.device
+    positions = tree.positions(committed)  # (n,)
+    if isinstance(model, NativeStep):
+        ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
+        return model.forward(tree.tokens, positions, committed, ancestors, tree.depths + 1, cache, feature_layers)
+    kwargs = {}
+    if uses_exact_kernels(model):
+        kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, committed)
+    else:
+        allowed = torch.cat([torch.ones(tree.size, committed, dtype=torch.bool, device=device), tree.mask], 1)
+        key_pos = torch.cat([torch.arange(committed, device=device), positions])
+        kwargs["attention_mask"] = _window_masks(model, allowed, positions, key_pos,
+                                                 model.get_input_embeddings().weight.dtype)
+    out = model.model(input_ids=tree.tokens[None], position_ids=positions[None], cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None, **kwargs)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0])
+
+
+def plain_forward(model, token: int, cache, position: int, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row."""
+    if isinstance(model, NativeStep):
+        one = torch.ones(1, dtype=torch.long)
+        features, logits = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
+                                         one, cache, feature_layers)
+        return features, logits[0]
+    device = model.get_input_embeddings().weight.device
+    kwargs = {"tree_layout": invariant.TreeLayout.single(position, device)} if uses_exact_kernels(model) else {}
+    out = model.model(input_ids=torch.tensor([[token]], device=device),
+                      position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None, **kwargs)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1])
+
+
+def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
+    return plain_forward(model, token, cache, position)[1]
+
+
+def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,)). Through
+    transformers also where the native step serves the decoding steps (oneDNN's compute-bound
+    GEMMs for a long prompt; both decoding modes share it)."""
+    if isinstance(model, NativeStep):
+        model = model.hf
+    out = model.model(input_ids=ids[None], cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1:])[0]
