@@ -132,7 +132,7 @@ def start_manager(args):
     from app.manager import ModelManager
     from app.models_tab import LOAD_ERRORS
     from app.state import ModelChoice, remember
-    from core.engine import Engine
+    from core.decoding.engine import Engine
 
     choice = choose(args)
     if args.backend is not None:
@@ -162,7 +162,7 @@ def remote_manager(args, choice):
     """A manager that chats through --backend; the local model (`choice`) loads only on demand."""
     from app.manager import ModelManager
     from app.remote import RemoteBackend, RemoteError
-    from core.engine import Engine
+    from core.decoding.engine import Engine
 
     backend = RemoteBackend(args.backend, api_key=args.api_key)
     try:

@@ -84,7 +84,7 @@ class AnswerView:
 
     def on_step(self, tree, result) -> None:
         """The engine's per-step hook (Engine.generate's on_step), called before the step's event:
-        a tree's nodes grafted from context lookup (core.lookup.graft) score -inf, the head's do not."""
+        a tree's nodes grafted from context lookup (core.decoding.lookup.graft) score -inf, the head's do not."""
         scores = tree.scores
         copied = int((scores == float("-inf")).sum()) if scores is not None else 0
         self.head_nodes = tree.size - copied

@@ -14,7 +14,7 @@ from app.controls import CONTROLS, control_updates
 from app.errors import UserError, fault, plain_reason, refuse, user_error
 from app.manager import Request, catalogue_frame, progress_text
 from core.config import ConfigError
-from core.head import HeadLoadError
+from core.decoding.head import HeadLoadError
 from core.models import ModelLoadError
 
 # loading can also fail deeper (CUDA out of memory, a missing bitsandbytes, a corrupt file)

@@ -30,8 +30,8 @@ from app.models_tab import ModelHandlers
 from app.remote import RemoteError
 from app.state import Access, ChatSettings, tree_limit
 from core.config import ConfigError
-from core.engine import EngineError
-from core.head import HeadLoadError
+from core.decoding.engine import EngineError
+from core.decoding.head import HeadLoadError
 from core.models import ModelLoadError
 
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)

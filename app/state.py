@@ -64,7 +64,7 @@ class ModelChoice:
     dtype: str = "auto"       # "auto": the engine picks (bf16 + exact kernels on CPU where its probe passes)
     device: str = "cpu"
     load_in_4bit: bool = False
-    attention: str = "auto"   # "auto" | "exact" | "sdpa" | "eager" (core.engine.Engine.load)
+    attention: str = "auto"   # "auto" | "exact" | "sdpa" | "eager" (core.decoding.engine.Engine.load)
     weights: str = "auto"     # what the native step reads: "auto" | "q4" | "bf16" (core.config.WEIGHTS)
 
     def describe(self) -> str:

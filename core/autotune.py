@@ -4,7 +4,7 @@
 
 t_verify(n): measured cost of one target forward over n new tokens; t_draft(d, n): measured
 cost of the head's catch-up and first level plus each further level's round, weighted by how
-often drafting runs that round for an n-node tree (core.tree.draft_dynamic skips rounds whose
+often drafting runs that round for an n-node tree (core.decoding.tree.draft_dynamic skips rounds whose
 nodes cannot make the cut; `round_fractions` replays that); E[tokens per step]: from one
 calibration run with a large tree, replaying which smaller trees would have held the
 accepted path (a smaller EAGLE-2 tree keeps the best n - 1 candidates of depth <= d, a
@@ -28,15 +28,15 @@ if __name__ == "__main__":  # run as a command: choose the OpenMP policy before 
 import torch
 from tqdm import tqdm
 
-from core import cache as kv
+from core.decoding import cache as kv
 from core.clock import median_time
 from core.config import WEIGHTS, WEIGHTS_HELP, GenerationConfig, TreeConfig
-from core.engine import Engine
-from core.forward import forward_tree, prefill
-from core.head import HeadCache
-from core.lookup import DEFAULT_TOKENS, chain_tree
-from core.tree import catch_up, draft_dynamic, tree_from_parents
-from core.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped_tree, shipped_tree_path,  # noqa: F401
+from core.decoding.engine import Engine
+from core.decoding.forward import forward_tree, prefill
+from core.decoding.head import HeadCache
+from core.decoding.lookup import DEFAULT_TOKENS, chain_tree
+from core.decoding.tree import catch_up, draft_dynamic, tree_from_parents
+from core.decoding.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped_tree, shipped_tree_path,  # noqa: F401
                             tuned_path, tuned_tree)  # (re-exported)
 
 LOOKUP_CHOICES = (0, 8, 16, 24)  # chain lengths autotune compares end to end (--lookup auto)
@@ -90,7 +90,7 @@ def expected_tokens(steps, depth: int, size: int) -> float:
 
 def round_fractions(steps, depths, sizes) -> dict[tuple[int, int], float]:
     """(r, n) -> the fraction of steps in which drafting an n-node tree runs round r (feeds the
-    depth-r frontier for depth r + 1 candidates). core.tree.draft_dynamic runs it only when the
+    depth-r frontier for depth r + 1 candidates). core.decoding.tree.draft_dynamic runs it only when the
     best depth-r candidate scores above the (n - 1)-th best candidate of depth <= r; replayed
     on the calibration trees (where those hold too few shallow nodes, the round counts as run)."""
     rounds = range(1, max(depths, default=1))
@@ -343,7 +343,7 @@ def cached_tree(engine: Engine) -> TreeConfig | None:
 def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int | None = None,
                 confirm_top: int = 0) -> TreeConfig:
     """Measure (or reuse) the cost and acceptance profile and return the fastest tree, with
-    `lookup` context-lookup tokens (core.lookup; the head's tree is chosen without them).
+    `lookup` context-lookup tokens (core.decoding.lookup; the head's tree is chosen without them).
     confirm_top > 1: the model's choice and the best-predicted trees of the next sizes, that
     many in all, answer the calibration prompts end to end (`confirm`) and the fastest wins.
     lookup None (with confirm_top > 1): the chain length is measured too: the chosen tree with
@@ -450,7 +450,7 @@ def main(argv=None) -> None:
     print(f"attention: +{1e6 * report['attend_s_per_row_and_context_token'] * 1000:.0f} us per tree row per "
           f"1,000 context tokens; long-context caps [min_context, depth, total_tokens]: {list(tree.long_context)}")
     if a.ship:
-        from core.engine import default_head
+        from core.decoding.engine import default_head
 
         folder = Path(a.head if a.head != "default" else default_head(a.model))
         path = shipped_tree_path(folder, engine_gemm(engine))  # the file machines like this one read

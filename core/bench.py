@@ -3,7 +3,7 @@
 Every mode answers the same prompts on the SAME model object, dtype and torch threads:
   plain      our decode loop without speculation (one target forward per token)
   eagle      our decode loop with the EAGLE draft head and tree verification (with the
-             tree's context lookup, core.lookup)
+             tree's context lookup, core.decoding.lookup)
   eagle-head the same without context lookup: what the head's tree alone accepts
   hf         transformers' `model.generate` (greedy or sampled), what a user runs instead, on
              the same weights and dtype with transformers' stock kernels (sdpa attention)
@@ -53,14 +53,14 @@ import torch
 
 from core.config import (WEIGHTS, WEIGHTS_HELP, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
                          add_tree_args, tree_changes)
-from core.engine import Engine, EngineError
-from core.forward import uses_exact_kernels
-from core.invariant import make_invariant, undo_invariant
-from core.head import HeadLoadError, new_head
-from core.head3 import draft_weights
+from core.decoding.engine import Engine, EngineError
+from core.decoding.forward import uses_exact_kernels
+from core.kernels.invariant import make_invariant, undo_invariant
+from core.decoding.head import HeadLoadError, new_head
+from core.decoding.head3 import draft_weights
 from core.llamacpp import ENV as LLAMA_CPP_ENV, LlamaCppError, LlamaServer, find_server
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, ModelLoadError, load_target
-from core.treestore import BUILT_IN
+from core.decoding.treestore import BUILT_IN
 
 BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
 LLAMA_CPP = "llama.cpp"

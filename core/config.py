@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 
-ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # "exact" = core.invariant's batch-invariant kernels
+ATTENTIONS = ("auto", "exact", "sdpa", "eager")  # "exact" = core.kernels.invariant's batch-invariant kernels
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64")
-WEIGHTS = ("auto", "w4a8", "q4", "bf16")  # what the native step reads (core.step.WEIGHTS), torch-free for the CLIs
+WEIGHTS = ("auto", "w4a8", "q4", "bf16")  # what the native step reads (core.kernels.step.WEIGHTS), torch-free for the CLIs
 WEIGHTS_HELP = ("what the native decode step reads and how it multiplies: w4a8 = the GGUF's 4-bit blocks times 8-bit "
                 "activations (integer dot products, as llama.cpp; the fastest), q4 = the same blocks rebuilt to bf16 "
                 "(answers bit-identical to bf16), bf16 = the model's bf16 tensors, auto = w4a8 where the target came "
@@ -61,8 +61,8 @@ class ConfigError(ValueError):
 
 class EngineError(ValueError):
     """Bad input to the engine (empty prompt, too long for the context, numerics or weights it
-    cannot load, ...). Defined here, below both, so the engine (core.engine) and its load-time
-    numerics (core.numerics) raise one type without importing each other."""
+    cannot load, ...). Defined here, below both, so the engine (core.decoding.engine) and its load-time
+    numerics (core.decoding.numerics) raise one type without importing each other."""
 
 
 def _check(ok: bool, message: str) -> None:
@@ -79,7 +79,7 @@ class TreeConfig:
     log-probability) plus the root are verified.
     static: a fixed tree of child ranks, `static_paths`, e.g. ((0,), (1,), (0, 0)) means
     the root's best and second-best child and the best child of the best child.
-    lookup: up to this many tokens copied from earlier context (`core.lookup`) are grafted
+    lookup: up to this many tokens copied from earlier context (`core.decoding.lookup`) are grafted
     under the root as one more path, beyond `total_tokens` and `depth`; 0 = off.
     lookup_total_tokens: the head's tree on steps that graft a lookup chain (0 = `total_tokens`).
     The chain's rows cost verification time (past about 12 rows a target forward is

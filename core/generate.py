@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     core.threads.set_threads(a.threads)
     import torch
 
-    from core.engine import Engine, EngineError
-    from core.head import HeadLoadError
+    from core.decoding.engine import Engine, EngineError
+    from core.decoding.head import HeadLoadError
     from core.models import ModelLoadError
 
     try:

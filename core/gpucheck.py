@@ -39,18 +39,18 @@ if __name__ == "__main__":  # run as a command: choose the OpenMP policy before 
 
 import torch
 
-from core import cache as kv
+from core.decoding import cache as kv
 from core.autotune import DEPTHS
 from core.clock import median_time
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine
-from core.forward import forward_tree, prefill
+from core.decoding.engine import Engine
+from core.decoding.forward import forward_tree, prefill
 from core.gpureport import Correctness, LogitCheck, PromptCheck, QuantResult, Report, to_markdown
-from core.head import HeadCache, HeadLoadError, load_head, new_head
+from core.decoding.head import HeadCache, HeadLoadError, load_head, new_head
 from core.models import LoadedModel, ModelLoadError, load_target
 from core.projection import CostCurve, project, step_overheads
 from core.shapes import SHAPES, build_random, free_memory, random_nf4
-from core.tree import DraftTree, catch_up, draft, tree_from_parents
+from core.decoding.tree import DraftTree, catch_up, draft, tree_from_parents
 
 CONTEXTS = {"tiny": (64, 256)}  # every other shape: 512 and 2048 tokens of context
 QUANTS = {"nf4": torch.float16, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,

@@ -59,7 +59,7 @@ from starlette.requests import ClientDisconnect
 
 from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, TreeConfig, add_runtime_args,
                          add_tree_args, tree_changes)
-from core.engine import Engine, EngineError, StepEvent
+from core.decoding.engine import Engine, EngineError, StepEvent
 
 log = logging.getLogger("eagle_chat.serve")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
     core.threads.start()  # no-op where the command line (or the launcher) already did
     import uvicorn
 
-    from core.head import HeadLoadError
+    from core.decoding.head import HeadLoadError
     from core.models import ModelLoadError
 
     a = parse_args(argv)

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     threads.set_threads(args.threads)
     from core.bench import load_prompts
     from core.config import GenerationConfig
-    from core.engine import Engine
-    from core.head3 import load_any_head
+    from core.decoding.engine import Engine
+    from core.decoding.head3 import load_any_head
 
     shipped = Engine.load()
     tree = shipped.default_tree

@@ -21,7 +21,7 @@ if __name__ == "__main__":  # the OpenMP policy, before torch loads (core.thread
 import torch
 
 from core.config import GenerationConfig
-from core.engine import Engine
+from core.decoding.engine import Engine
 
 HOG = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nt = time.time()\n"
        "while time.time() - t < 600:\n    a @ a\n")

@@ -23,7 +23,7 @@ import torch
 
 from core.autotune import long_prompt
 from core.config import GenerationConfig
-from core.engine import Engine
+from core.decoding.engine import Engine
 
 
 def answer(engine: Engine, messages, config: GenerationConfig) -> tuple[float, int, int, list[int]]:

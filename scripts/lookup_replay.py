@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.lookup import CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, copy_after, longest_repeat
+from core.decoding.lookup import CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, copy_after, longest_repeat
 
 # measured here with 2 threads (a chain-shaped tree after a 50-token prompt, min of 12 runs)
 VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS = 22.6, 0.3, 12, 0.85
@@ -63,7 +63,7 @@ def previous(n: int, room: int) -> int:
 
 
 def shipped(n: int, room: int) -> int:
-    """core.lookup's rule, as the engine runs it (lookup_chain with the room-capped setting)."""
+    """core.decoding.lookup's rule, as the engine runs it (lookup_chain with the room-capped setting)."""
     return chain_length(n, min(DEFAULT_TOKENS, room))
 
 
@@ -86,12 +86,12 @@ def record(a) -> None:
     import torch
     from tqdm import tqdm
 
-    from core import cache as kv
+    from core.decoding import cache as kv
     from core.config import GenerationConfig, TreeConfig
-    from core.engine import Engine
-    from core.forward import prefill
-    from core.head import HeadCache
-    from core.tree import catch_up, draft_dynamic
+    from core.decoding.engine import Engine
+    from core.decoding.forward import prefill
+    from core.decoding.head import HeadCache
+    from core.decoding.tree import catch_up, draft_dynamic
 
     engine = Engine.load()
     skip = {json.loads(line)["id"] for line in open(a.exclude)} if a.exclude else set()

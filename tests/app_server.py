@@ -26,7 +26,7 @@ def random_head(folder: Path) -> Path:
     """A seeded random head for SmolLM2: low acceptance, but output must stay exact."""
     from transformers import AutoConfig
 
-    from core.head import new_head, save_head
+    from core.decoding.head import new_head, save_head
     from core.models import embedded_model_dir
 
     config = AutoConfig.from_pretrained(embedded_model_dir())

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from app.state import TREE_LIMIT_JS, Access, follow_depth_js, tree_limit
-from core.engine import Engine
+from core.decoding.engine import Engine
 from tests.app_server import CHROMIUM, Served, free_port
 from tests.tiny import oracle_head, tiny_target
 
@@ -307,7 +307,7 @@ def test_stop_and_esc_take_effect_within_half_a_second_while_streaming(page, ser
 def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_speculation_paused(page, served,
                                                                                               monkeypatch):
     from core.config import TreeConfig
-    from core.treestore import TreeChoice
+    from core.decoding.treestore import TreeChoice
 
     before = snapshot(page)["#chatbot"]
     huge = "w5 " * 10_667  # 32,001 characters

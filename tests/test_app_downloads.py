@@ -92,8 +92,8 @@ def test_one_click_download_and_switch_frees_the_old_engine(hub_cache, tmp_path,
     from transformers import AutoConfig
 
     from core.config import GenerationConfig, TreeConfig
-    from core.engine import Engine
-    from core.head import new_head, save_head
+    from core.decoding.engine import Engine
+    from core.decoding.head import new_head, save_head
 
     local = tiny_llama(tmp_path / "tiny")
     head = save_head(new_head(AutoConfig.from_pretrained(local), seed=0), tmp_path / "tiny-head")

@@ -19,8 +19,8 @@ from app.manager import ModelManager, Request
 from app.session import NO_HEAD, Handlers
 from app.state import Access, ChatSettings, ModelChoice
 from core.config import TreeConfig
-from core.engine import Engine
-from core.treestore import TreeChoice
+from core.decoding.engine import Engine
+from core.decoding.treestore import TreeChoice
 from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
 from tests.tiny import oracle_head, tiny_target
 
@@ -258,7 +258,7 @@ def test_a_refused_head_pickle_shows_torchs_whole_reason(tmp_path, monkeypatch):
     from transformers import AutoConfig
 
     from app.manager import CUSTOM
-    from core.head import new_head, save_head
+    from core.decoding.head import new_head, save_head
     from tests.test_app_downloads import tiny_llama
 
     monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "home"))

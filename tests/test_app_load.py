@@ -13,7 +13,7 @@ import pytest
 
 from app.chat import engine_messages
 from app.state import Access, generation_config
-from core.engine import Engine
+from core.decoding.engine import Engine
 from tests.app_server import Served
 from tests.tiny import oracle_head, tiny_target
 

@@ -18,7 +18,7 @@ from app.controls import LOCAL_INFO, REMOTE_COMPARE, REMOTE_HIGHLIGHT, REMOTE_SP
 from app.manager import ModelManager
 from app.session import Handlers
 from app.state import Access, ModelChoice
-from core.engine import Engine
+from core.decoding.engine import Engine
 from tests.app_server import CHROMIUM, ROOT, Launched, Served, free_port, isolated_home
 from tests.test_serve import ServeProcess, engine_text, saved_tiny
 from tests.tiny import oracle_head, tiny_target

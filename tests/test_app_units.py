@@ -13,7 +13,7 @@ from app.lane import is_remote
 from app.errors import UserError
 from app.state import Access, ModelChoice, generation_config, recall, remember, tree_limit
 from core.config import ConfigError, TreeConfig
-from core.engine import StepEvent
+from core.decoding.engine import StepEvent
 from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from core.autotune import Profile, cached_tree, choose, choose_tree, expected_tokens
 from core.config import ConfigError, TreeConfig
-from core.engine import Engine
+from core.decoding.engine import Engine
 from tests.tiny import random_head, tiny_target
 
 # one step: root, then nodes 1..6 with depths and cumulative scores; the target accepted 0 -> 2 -> 5
@@ -118,7 +118,7 @@ def test_end_to_end_check_picks_the_fastest_candidate(tmp_path, monkeypatch):
 
 def test_shipped_tree_beside_head(tmp_path):
     from core.autotune import shipped_tree
-    from core.head import HeadLoadError
+    from core.decoding.head import HeadLoadError
 
     assert shipped_tree(tmp_path) is None
     (tmp_path / "tree.json").write_text('{"depth": 5, "top_k": 6, "total_tokens": 16}')
@@ -133,7 +133,8 @@ def test_a_tree_shipped_for_this_machines_gemm_wins_over_tree_json(tmp_path, mon
     is dear with AVX-512, nearly free on AMX tiles); tree.json serves every other machine."""
     from types import SimpleNamespace
 
-    from core import native, treestore
+    from core.decoding import treestore
+    from core.kernels import native
 
     (tmp_path / "tree.json").write_text('{"depth": 5, "top_k": 8, "total_tokens": 16}')
     (tmp_path / "tree.avx512.json").write_text('{"depth": 4, "top_k": 6, "total_tokens": 10}')

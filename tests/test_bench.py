@@ -9,7 +9,7 @@ import core.bench as bench
 from core.bench import (BUILTIN_PROMPTS, BenchError, BenchSettings, Prompt, load_prompts, main,
                         mode_order, run_benchmark)
 from core.config import SamplingConfig, TreeConfig
-from core.engine import Engine
+from core.decoding.engine import Engine
 from tests.tiny import oracle_head, random_head, tiny_target
 
 TWO_PROMPTS = [{"id": "two-turn", "category": "math", "turns": ["w5 w6 w7", "w9 w10"]},
@@ -201,7 +201,7 @@ def test_auto_tree_is_the_apps_tree_and_tunes_only_without_one(tmp_path, monkeyp
     """--tree auto drafts with the tree the app uses (tuned here, else shipped beside the head);
     only an engine with neither tunes, with the end-to-end check."""
     import core.autotune as autotune
-    from core.treestore import BUILT_IN, TreeChoice
+    from core.decoding.treestore import BUILT_IN, TreeChoice
 
     target = tiny_target()
     eng = Engine(target, random_head(target))
@@ -218,7 +218,7 @@ def test_auto_tree_is_the_apps_tree_and_tunes_only_without_one(tmp_path, monkeyp
 def test_tree_settings_go_over_the_default_tree_keeping_lookup_and_long_chat_caps():
     """TreeConfig.override, the rule every entry point uses: a tree by hand keeps the default's
     lookup and caps (the bench built it from scratch before, without them)."""
-    from core.treestore import TreeChoice
+    from core.decoding.treestore import TreeChoice
 
     target = tiny_target()
     eng = Engine(target, random_head(target))

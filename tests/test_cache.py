@@ -1,11 +1,11 @@
-"""core.cache: the buffered KV cache behaves exactly like transformers' DynamicCache (plus `keep`)."""
+"""core.decoding.cache: the buffered KV cache behaves exactly like transformers' DynamicCache (plus `keep`)."""
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from core import cache as kv
-from core import native
+from core.decoding import cache as kv
+from core.kernels import native
 
 
 def _entries(n, start, kvh=2, hd=4):
@@ -24,7 +24,7 @@ def test_updates_and_keeps_match_a_concatenating_cache(mover, monkeypatch):
     """Prefill, tree writes and keeps (moved and in-place paths), past the first buffer's size;
     keep moves rows in one native call for every layer where it can, else layer by layer."""
     if mover == "native" and not native.status().available:
-        pytest.skip(f"core.native unavailable here: {native.status().reason}")
+        pytest.skip(f"core.kernels.native unavailable here: {native.status().reason}")
     calls = []
     if mover == "torch":
         monkeypatch.setattr(native, "move_rows_usable", lambda buffers: False)

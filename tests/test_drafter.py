@@ -1,4 +1,4 @@
-"""core.drafter: both head kinds are the written DraftModel, drafting asks nothing outside it, and a
+"""core.decoding.drafter: both head kinds are the written DraftModel, drafting asks nothing outside it, and a
 new head kind is one class."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import TreeConfig
-from core.drafter import DraftModel
-from core.head import HeadCache, HeadConfig, TreeRows
-from core.head3 import Drafter3, drafter_for, new_head3
-from core.tree import Drafter, catch_up, draft, log_probs, top_log_probs
+from core.decoding.drafter import DraftModel
+from core.decoding.head import HeadCache, HeadConfig, TreeRows
+from core.decoding.head3 import Drafter3, drafter_for, new_head3
+from core.decoding.tree import Drafter, catch_up, draft, log_probs, top_log_probs
 from tests.tiny import random_head, tiny_target
 
 CORE = Path(__file__).resolve().parents[1] / "core"
@@ -45,7 +45,7 @@ def test_the_library_asks_a_drafter_only_for_protocol_members():
     """The loop, the tree builders and the commands: a new head kind needs nothing else."""
     used = {str(p.relative_to(CORE)): drafter_attributes(p) - MEMBERS for p in sorted(CORE.rglob("*.py"))}
     assert {name: extra for name, extra in used.items() if extra} == {}
-    assert drafter_attributes(CORE / "tree.py") >= METHODS  # the scan sees what drafting calls
+    assert drafter_attributes(CORE / "decoding" / "tree.py") >= METHODS  # the scan sees what drafting calls
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import core.engine as engine_mod
+import core.decoding.engine as engine_mod
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
-from core.engine import Engine, EngineError, _Run
-from core.forward import forward_tree
-from core.invariant import make_invariant
-from core.tree import tree_from_parents
+from core.decoding.engine import Engine, EngineError, _Run
+from core.decoding.forward import forward_tree
+from core.kernels.invariant import make_invariant
+from core.decoding.tree import tree_from_parents
 from tests.test_tree_verify import _wrong_rule, chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
 
@@ -64,7 +64,7 @@ def test_greedy_speculative_equals_plain_random_head(engine, tree):
 def test_greedy_speculative_equals_plain_two_layer_head(engine, target):
     """A head grown to two decoder layers (each with its own head-cache keys) drafts through the
     same tree code; the output stays plain greedy decoding."""
-    from core.head import grow_head
+    from core.decoding.head import grow_head
 
     head = grow_head(random_head(target), 2, seed=4)
     with torch.no_grad():

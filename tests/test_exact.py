@@ -7,14 +7,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core import cache as kv
-from core import native
+from core.decoding import cache as kv
+from core.kernels import native
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine
-from core.forward import forward_tree, plain_logits, prefill
-from core.invariant import InvariantLinear, make_invariant, undo_invariant
-from core.probe import probe, probe_key, run_probe
-from core.tree import tree_from_parents
+from core.decoding.engine import Engine
+from core.decoding.forward import forward_tree, plain_logits, prefill
+from core.kernels.invariant import InvariantLinear, make_invariant, undo_invariant
+from core.decoding.probe import probe, probe_key, run_probe
+from core.decoding.tree import tree_from_parents
 from tests.tiny import oracle_head, tiny_target
 
 
@@ -29,10 +29,10 @@ def wide_llama(dtype=torch.bfloat16) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_probe_passes_with_exact_kernels_and_flags_stock_ones(kernel, monkeypatch):
-    if kernel == "torch":  # the fallback where core.native cannot run: oneDNN GEMMs, the block attention
+    if kernel == "torch":  # the fallback where core.kernels.native cannot run: oneDNN GEMMs, the block attention
         monkeypatch.setattr(native, "_library", lambda: (None, native.NativeStatus(False, "off for this test")))
     elif not native.status().available:
-        pytest.skip(f"core.native kernel unavailable here: {native.status().reason}")
+        pytest.skip(f"core.kernels.native kernel unavailable here: {native.status().reason}")
     model = wide_llama()
     model.set_attn_implementation("sdpa")
     stock = run_probe(model)
@@ -69,7 +69,7 @@ def test_probe_key_names_the_versions_of_what_computes(tmp_path, monkeypatch):
     showing a verdict about code that no longer runs."""
     import transformers
 
-    import core.probe
+    import core.decoding.probe
 
     monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
     model = tiny_target(dtype=torch.bfloat16).model
@@ -77,7 +77,7 @@ def test_probe_key_names_the_versions_of_what_computes(tmp_path, monkeypatch):
     key = lambda: probe_key(model, torch.bfloat16, "exact", "cpu")
     before = key()
     for owner, name, value in ((native, "source_digest", lambda: "other kernels"),
-                               (core.probe, "project_version", lambda: "99.0"), (transformers, "__version__", "99.0")):
+                               (core.decoding.probe, "project_version", lambda: "99.0"), (transformers, "__version__", "99.0")):
         with monkeypatch.context() as m:
             m.setattr(owner, name, value)
             assert key() != before, name

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from core.head import HeadCache, HeadLoadError, load_head, new_head, save_head
+from core.decoding.head import HeadCache, HeadLoadError, load_head, new_head, save_head
 from tests.tiny import tiny_target, write_checkpoint
 
 PUBLISHED_KEYS = {
@@ -126,7 +126,7 @@ def test_head_cache_forward_equals_full_causal(target):
     x, f = torch.randn(1, 9, 64), torch.randn(1, 9, 64)
     full = head(x, f, torch.arange(9))
     cache = HeadCache(head.config, torch.float32, torch.device("cpu"), capacity=4)  # forces growth
-    from core.head import causal_mask
+    from core.decoding.head import causal_mask
     a = head(x[:, :5], f[:, :5], torch.arange(5), cache=cache)
     b = head(x[:, 5:], f[:, 5:], torch.arange(5, 9), mask=causal_mask(4, 5, torch.float32, "cpu"), cache=cache)
     assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)
@@ -134,7 +134,7 @@ def test_head_cache_forward_equals_full_causal(target):
 
 def test_head_cache_grows_for_a_write_longer_than_twice_its_capacity():
     """A long prompt's catch-up writes thousands of entries at once (it crashed past 2x)."""
-    from core.head import HeadCache, HeadConfig
+    from core.decoding.head import HeadCache, HeadConfig
 
     cfg = HeadConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
     cache = HeadCache(cfg, torch.float32, torch.device("cpu"), capacity=4)
@@ -147,7 +147,7 @@ def test_head_cache_grows_for_a_write_longer_than_twice_its_capacity():
 
 def _two_layer_head(target, seed=3):
     """A grown head whose second layer computes something (output projections made non-zero)."""
-    from core.head import grow_head
+    from core.decoding.head import grow_head
 
     head = grow_head(new_head(target.model.config, seed=1), 2, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -162,7 +162,7 @@ def test_grown_head_computes_what_it_did_and_round_trips_strictly(tmp_path, targ
     """grow_head appends decoder layers whose output projections start at zero: the grown head
     computes exactly what the one-layer head did. Its checkpoint keeps the published key names
     (layers.1.* beside layers.0.*) and num_hidden_layers, and loads strictly."""
-    from core.head import grow_head
+    from core.decoding.head import grow_head
 
     one = new_head(target.model.config, seed=1).eval()
     two = grow_head(one, 2, seed=5).eval()
@@ -189,7 +189,7 @@ def test_grown_head_computes_what_it_did_and_round_trips_strictly(tmp_path, targ
 
 def test_two_layer_head_cache_forward_equals_full_causal(target):
     """Each decoder layer keeps its own keys and values in the head cache."""
-    from core.head import causal_mask
+    from core.decoding.head import causal_mask
 
     head = _two_layer_head(target)
     x, f = torch.randn(1, 9, 64), torch.randn(1, 9, 64)
@@ -207,14 +207,14 @@ def test_two_layer_head_cache_forward_equals_full_causal(target):
 
 @pytest.mark.parametrize("layers", [1, 2])
 def test_head_calls_through_the_native_attention_match_sdpa(layers):
-    """bf16 decoding sends short head calls through core.native's attention kernel
+    """bf16 decoding sends short head calls through core.kernels.native's attention kernel
     (KeyLayout): causal ones (catch-up) and draft rounds given the tree part of their mask.
     They compute what sdpa with the whole additive mask computes."""
-    from core import native
-    from core.head import EagleHead, HeadConfig, KeyLayout, TreeRows, additive, causal_allowed, head_mask
+    from core.kernels import native
+    from core.decoding.head import EagleHead, HeadConfig, KeyLayout, TreeRows, additive, causal_allowed, head_mask
 
     if not native.status().available:
-        pytest.skip(f"core.native kernel unavailable here: {native.status().reason}")
+        pytest.skip(f"core.kernels.native kernel unavailable here: {native.status().reason}")
     cfg = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=100, num_hidden_layers=layers)  # head_dim 32
     torch.manual_seed(0)
@@ -261,8 +261,8 @@ def test_rotary_table_and_native_norm_compute_what_transformers_and_torch_do():
     """The head looks cos / sin up in a table (bit for bit transformers' rotary embedding) and
     runs its RMSNorms through the native kernel in bf16 inference (torch's result to bf16
     rounding); training (grad) and fp32 take torch's path."""
-    from core import native
-    from core.head import HeadConfig, RMSNorm, RotaryTable, _rotary
+    from core.kernels import native
+    from core.decoding.head import HeadConfig, RMSNorm, RotaryTable, _rotary
 
     cfg = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=100, rope_theta=50000.0)

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 from core.config import TreeConfig
-from core.head import HeadCache, HeadLoadError, save_head
-from core.head3 import (Drafter3, default_layer_ids, fuse, head_kind, load_any_head, load_head3, new_head3,
+from core.decoding.head import HeadCache, HeadLoadError, save_head
+from core.decoding.head3 import (Drafter3, default_layer_ids, fuse, head_kind, load_any_head, load_head3, new_head3,
                         save_head3, target_features)
-from core.tree import Drafter, catch_up, draft_dynamic, draft_static
+from core.decoding.tree import Drafter, catch_up, draft_dynamic, draft_static
 from tests.tiny import random_head, tiny_target, write_checkpoint
 
 LAYERS = 8  # default fused layers (2, 4, 5): distinct

@@ -1,4 +1,4 @@
-"""The native head (core.headstep, csrc/decode_step.c's head_step): the EAGLE head's fc and
+"""The native head (core.kernels.headstep, csrc/decode_step.c's head_step): the EAGLE head's fc and
 decoder layers in one call, from Q8_0 copies of its weights. It must compute what the Python
 head computes from the same blocks (bit for bit, in catch-ups and in draft rounds with tree
 masks, across cache growth), and the engine must keep plain decoding's output with it."""
@@ -6,13 +6,13 @@ masks, across cache growth), and the engine must keep plain decoding's output wi
 import pytest
 import torch
 
-from core import native
-from core.head import EagleHead, HeadCache, HeadConfig, KeyLayout, TreeRows, head_mask
-from core.headstep import NATIVE_HEAD_ENV, NativeHead, native_head, unsupported
-from core.invariant import BlockLinear
+from core.kernels import native
+from core.decoding.head import EagleHead, HeadCache, HeadConfig, KeyLayout, TreeRows, head_mask
+from core.kernels.headstep import NATIVE_HEAD_ENV, NativeHead, native_head, unsupported
+from core.kernels.invariant import BlockLinear
 
 pytestmark = pytest.mark.skipif(not native.status().available,
-                                reason=f"core.native unavailable: {native.status().reason}")
+                                reason=f"core.kernels.native unavailable: {native.status().reason}")
 
 CONFIG = HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                     vocab_size=100, head_dim=32)
@@ -101,9 +101,9 @@ def test_engine_drafts_through_the_native_head_and_keeps_plain_output(monkeypatc
     """The engine's drafter uses the native head where it runs; greedy speculation still gives
     plain decoding's tokens, with a tree and with context lookup, and so does the Python head."""
     from core.config import GenerationConfig, TreeConfig
-    from core.engine import Engine
-    from core.head3 import draft_weights
-    from core.invariant import make_invariant
+    from core.decoding.engine import Engine
+    from core.decoding.head3 import draft_weights
+    from core.kernels.invariant import make_invariant
     from tests.tiny import random_head as tiny_head, tiny_target
 
     target = tiny_target(dtype=torch.bfloat16, hidden=128, mix=0.5, seed=3)  # head_dim 32: the kernels' minimum

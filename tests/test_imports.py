@@ -35,7 +35,7 @@ def imports_of(path: Path) -> set[str]:
             out |= {a.name for a in node.names if a.name.startswith("core.")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("core"):
             subs = {f"{node.module}.{a.name}" for a in node.names}
-            out |= {s for s in subs if is_module(s)} | ({node.module} if node.module != "core" else set())
+            out |= {s for s in subs if is_module(s)} | ({node.module} if any(not is_module(s) for s in subs) else set())
     return {m for m in out if is_module(m)}
 
 
@@ -81,8 +81,8 @@ def test_the_circle_finder_finds_a_circle():
 def test_the_import_graph_sees_imports_inside_functions_and_type_checking(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core.gpucheck import Report\n"
-                    "def f():\n    from core import tree\n    import core.config\n")
-    assert imports_of(path) == {"core.gpucheck", "core.tree", "core.config"}
+                    "def f():\n    from core.decoding import tree\n    import core.config\n")
+    assert imports_of(path) == {"core.gpucheck", "core.decoding.tree", "core.config"}
 
 
 def test_core_has_no_import_circles():
@@ -93,9 +93,9 @@ def test_core_has_no_import_circles():
 def test_the_probe_checks_the_forwards_the_loop_runs_without_importing_the_engine():
     """The split of issue 34 item 1: the forwards, the numerics and the drafter protocol below the engine."""
     graph = import_graph()
-    assert "core.engine" not in graph["core.probe"] and "core.forward" in graph["core.probe"]
-    assert {"core.forward", "core.numerics", "core.drafter"} <= graph["core.engine"]
-    assert not {"core.engine", "core.numerics", "core.probe"} & (graph["core.forward"] | graph["core.drafter"])
+    assert "core.decoding.engine" not in graph["core.decoding.probe"] and "core.decoding.forward" in graph["core.decoding.probe"]
+    assert {"core.decoding.forward", "core.decoding.numerics", "core.decoding.drafter"} <= graph["core.decoding.engine"]
+    assert not {"core.decoding.engine", "core.decoding.numerics", "core.decoding.probe"} & (graph["core.decoding.forward"] | graph["core.decoding.drafter"])
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

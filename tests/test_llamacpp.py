@@ -12,7 +12,7 @@ import pytest
 import core.bench as bench
 from core.bench import BenchSettings, Prompt, main, measure_prefill, run_benchmark
 from core.config import TreeConfig
-from core.engine import Engine
+from core.decoding.engine import Engine
 from core.llamacpp import LlamaCppError, LlamaServer, find_server, parse_completion
 from tests.tiny import random_head, tiny_target
 

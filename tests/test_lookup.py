@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
-from core.engine import Engine
-from core.invariant import make_invariant
-from core.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, chain_tree, graft,
+from core.decoding.engine import Engine
+from core.kernels.invariant import make_invariant
+from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, chain_tree, graft,
                          lookup_chain)
-from core.tree import tree_from_parents
+from core.decoding.tree import tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
 

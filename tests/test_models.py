@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine
+from core.decoding.engine import Engine
 from core.models import ModelLoadError, load_target, resolve
 from tests.tiny import random_head, tiny_target
 
@@ -113,7 +113,7 @@ def test_sliding_window_models_stay_lossless(tmp_path, numerics):
     output drifts from plain decoding and from generate() once the answer passes 8 tokens."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from core.invariant import make_invariant
+    from core.kernels.invariant import make_invariant
 
     save_family_model(tmp_path, MistralForCausalLM, MistralConfig, seed=1, sliding_window=8)
     target = load_target(str(tmp_path), dtype="float64" if numerics == "float64-sdpa" else "bfloat16")

@@ -1,4 +1,4 @@
-"""core.native: the AVX-512 bf16 decoding GEMM and attention are accurate, row-invariant by
+"""core.kernels.native: the AVX-512 bf16 decoding GEMM and attention are accurate, row-invariant by
 construction, and step aside (with their reason) where they cannot run."""
 
 import ctypes
@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core import native
-from core.invariant import InvariantLinear, swap_linears
+from core.kernels import native
+from core.kernels.invariant import InvariantLinear, swap_linears
 
 needs_kernel = pytest.mark.skipif(not native.status().available,
-                                  reason=f"core.native kernel unavailable here: {native.status().reason}")
+                                  reason=f"core.kernels.native kernel unavailable here: {native.status().reason}")
 
 # (N, K): SmolLM2's projections and LM heads, odd sizes (K % 32 tail, N % 16 tail: the AVX-512
 # GEMM on every machine) and, for AMX, a last task of fewer than four 16-column blocks (80, 96)
@@ -257,7 +257,7 @@ def test_make_invariant_swaps_llama_norms_and_undo_restores_them():
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from core.invariant import make_invariant, undo_invariant
+    from core.kernels.invariant import make_invariant, undo_invariant
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1)
@@ -314,7 +314,7 @@ def test_attention_with_more_than_64_query_heads_per_kv_head():
 def test_topk_log_probs_is_torchs_log_softmax_topk(m, v, k):
     """Draft scores: torch's log_softmax + clamp + topk, values within 1e-6 (relative), the same tokens (the
     same logits where bf16 ties make the order arbitrary), best first, ties to the lower index."""
-    from core.tree import log_probs, top_log_probs
+    from core.decoding.tree import log_probs, top_log_probs
 
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = (torch.randn(m, v, generator=g) * 3).bfloat16()
@@ -374,8 +374,8 @@ def test_int8_linear_is_its_integer_reference_and_near_the_bf16_product(m, n, k)
 
 @needs_int8
 def test_draft_heads_draft_from_int8_copies_and_keep_their_weights(monkeypatch):
-    from core.head3 import drafter_for
-    from core.invariant import Int8DraftLinear
+    from core.decoding.head3 import drafter_for
+    from core.kernels.invariant import Int8DraftLinear
     from tests.tiny import random_head, tiny_target
 
     target = tiny_target(dtype=torch.bfloat16)
@@ -435,7 +435,7 @@ exec gcc "$@"
 
 @pytest.fixture
 def fresh_cache(monkeypatch, tmp_path):
-    """core.native loads again with its kernel cache under tmp_path/home."""
+    """core.kernels.native loads again with its kernel cache under tmp_path/home."""
     import core.models
 
     monkeypatch.setattr(core.models, "cache_home", lambda: tmp_path / "home")
@@ -695,7 +695,7 @@ def test_wrappers_refuse_what_the_c_would_misread():
     bad += [lambda: native.move_rows(buffers, torch.tensor([1, 2]), torch.tensor([0])),
             lambda: native.move_rows([buffers[0], torch.zeros(1, 2, 9, 4).bfloat16()], torch.tensor([1]), torch.tensor([0]))]
     for call in bad:
-        with pytest.raises(ValueError, match="core.native"):
+        with pytest.raises(ValueError, match="core.kernels.native"):
             call()
     if native.int8_available():
         with pytest.raises(ValueError, match="linear_s8 needs"):

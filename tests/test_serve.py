@@ -24,8 +24,8 @@ from fastapi.responses import StreamingResponse
 from app.remote import (RemoteBackend, RemoteError, llamacpp_stats, parse_metrics, sglang_stats, stats_markdown,
                         vllm_stats)
 from core.config import GenerationConfig
-from core.engine import Engine
-from core.head import save_head
+from core.decoding.engine import Engine
+from core.decoding.head import save_head
 from core.serve import build_app
 from tests.app_server import ROOT, free_port
 from tests.tiny import oracle_head, tiny_target

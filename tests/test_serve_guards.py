@@ -14,7 +14,7 @@ import pytest
 
 from app.remote import RemoteBackend, parse_metrics
 from core.config import ConfigError
-from core.engine import Engine
+from core.decoding.engine import Engine
 from core.serve import API_KEY_ENV, ServeConfig, build_app, check_args, is_loopback, main, parse_args
 from tests.test_serve import ServeProcess, ServerThread, engine_text, saved_tiny, user
 from tests.tiny import oracle_head, tiny_target
@@ -29,7 +29,7 @@ def test_tree_settings_go_over_the_engines_default_tree():
     for every answer (the server ignored them before)."""
     from core.config import TreeConfig
     from core.serve import parse
-    from core.treestore import TreeChoice
+    from core.decoding.treestore import TreeChoice
 
     limits = check_args(parse_args(["--depth", "2", "--lookup", "0"]))
     assert limits.tree == (("depth", 2), ("lookup", 0)) and check_args(parse_args([])).tree == ()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine
-from core.head import new_head, save_head
+from core.decoding.engine import Engine
+from core.decoding.head import new_head, save_head
 from core.models import DEFAULT_HEAD_DIR
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",

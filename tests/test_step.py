@@ -1,4 +1,4 @@
-"""The native decode step (core.step): one C call per forward, bit-identical to the transformers
+"""The native decode step (core.kernels.step): one C call per forward, bit-identical to the transformers
 exact path, on bf16 weights or GGUF blocks; and what happens where it cannot run."""
 
 import types
@@ -8,18 +8,18 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from core import cache as kv
-from core import native, quant
+from core.decoding import cache as kv
+from core.kernels import native, quant
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine, EngineError
-from core.forward import forward_tree, plain_forward, prefill
-from core.invariant import BlockLinear, chunked_linear, make_invariant, tree_ancestors
-from core.step import NativeStep, StepError, load_step, unsupported
-from core.tree import tree_from_parents
+from core.decoding.engine import Engine, EngineError
+from core.decoding.forward import forward_tree, plain_forward, prefill
+from core.kernels.invariant import BlockLinear, chunked_linear, make_invariant, tree_ancestors
+from core.kernels.step import NativeStep, StepError, load_step, unsupported
+from core.decoding.tree import tree_from_parents
 from tests.test_exact import wide_llama
 
 pytestmark = pytest.mark.skipif(not native.status().available,
-                                reason=f"core.native unavailable: {native.status().reason}")
+                                reason=f"core.kernels.native unavailable: {native.status().reason}")
 
 TYPES = {"Q4_1": GGMLQuantizationType.Q4_1, "Q4_0": GGMLQuantizationType.Q4_0, "Q8_0": GGMLQuantizationType.Q8_0}
 

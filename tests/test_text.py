@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from core.config import GenerationConfig, TreeConfig
-from core.engine import Engine
-from core.text import Detokenizer, TextStream
+from core.decoding.engine import Engine
+from core.decoding.text import Detokenizer, TextStream
 from tests.tiny import oracle_head, tiny_target
 
 

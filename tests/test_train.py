@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.head import load_head, new_head
+from core.decoding.head import load_head, new_head
 from core.train.data import (DataError, PromptSetConfig, assistant_mask, build_prompts, parse_record,
                              read_conversations)
 from core.train.features import FeatureConfig, build_features, load_sequences, read_manifest
@@ -299,7 +299,7 @@ def test_end_to_end_training_beats_random_and_reloads(trained):
 
 def test_trained_head_greedy_identical_to_plain(trained):
     from core.config import GenerationConfig
-    from core.engine import Engine
+    from core.decoding.engine import Engine
     from core.models import LoadedModel
 
     tiny, _, fz, ckpt, _, _, _ = trained
@@ -324,8 +324,8 @@ def test_head_grown_to_two_layers_keeps_its_accuracy_trains_and_stays_lossless(t
     """--head-layers 2 with --init: the trained head grown by a zero-output layer scores what it
     scored, trains on (its checkpoint resumes as a two-layer head), and drafts losslessly."""
     from core.config import GenerationConfig
-    from core.engine import Engine
-    from core.head import grow_head
+    from core.decoding.engine import Engine
+    from core.decoding.head import grow_head
     from core.models import LoadedModel
 
     tiny, head, fz, _, _, _, after = trained

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from core.head import HeadCache
-from core.head3 import Drafter3, load_head3, new_head3
+from core.decoding.head import HeadCache
+from core.decoding.head3 import Drafter3, load_head3, new_head3
 from core.train.data import DataError, assistant_mask
 from core.train.features import FeatureConfig, build_features, load_sequences, read_manifest
 from core.train.trainer import Frozen, TrainConfig, train
 from core.train.trainer3 import EAGLE3, collate3, evaluate_features3, scored_rows, ttt_loss, ttt_states
-from core.tree import catch_up
+from core.decoding.tree import catch_up
 from tests.test_train import char_tokenizer, toy_conversations
 
 LAYER_IDS = (1, 2, 3)
@@ -158,7 +158,7 @@ def test_cli_features_and_train_eagle3(tmp_path, capsys):
     # an EAGLE-1 head trains on the same (EAGLE-3) features' last hidden state
     common1 = [a if a != "eagle3" else "eagle1" for a in common[:-2]]
     assert main(["train", *common1, "--epochs", "1", "--draft-vocab-size", "40", "--out", str(tmp_path / "head1")]) == 0
-    from core.head import load_head
+    from core.decoding.head import load_head
 
     head1, vocab1 = load_head(tmp_path / "head1", tiny.model.config)
     assert len(vocab1) <= 40 and not (tmp_path / "work" / "features").exists()

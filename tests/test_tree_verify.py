@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 from core.config import SamplingConfig
-from core.tree import ancestor_mask, tree_from_parents
-from core.verify import Verification, target_probs, verify_greedy, verify_sampled
+from core.decoding.tree import ancestor_mask, tree_from_parents
+from core.decoding.verify import Verification, target_probs, verify_greedy, verify_sampled
 
 #        0 (root, token 10)
 #       / \
@@ -209,7 +209,7 @@ def test_sampled_leaf_bonus_uses_full_target_distribution(temperature):
 
 
 def test_greedy_tokens_is_bf16_argmax_with_the_first_maximum_on_ties():
-    from core.verify import greedy_tokens
+    from core.decoding.verify import greedy_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(26, 49152, generator=g) * 4).bfloat16()  # bf16 rounding makes many ties
@@ -226,8 +226,8 @@ def test_pruned_drafting_selects_the_full_tree_and_skips_rounds(shape, monkeypat
     """Drafting skips frontier nodes that cannot make the cut; the selected tree is exactly the
     one drafting every level selects, and deep trees stop early where the head is unsure."""
     from core.config import TreeConfig
-    from core.head import HeadCache
-    from core.tree import Drafter, catch_up, draft_dynamic
+    from core.decoding.head import HeadCache
+    from core.decoding.tree import Drafter, catch_up, draft_dynamic
     from tests.tiny import random_head, tiny_target
 
     target = tiny_target()  # float64

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from core import cache as kv
-from core import native, quant
-from core.engine import Engine, plain_forward, prefill
-from core.invariant import BlockLinear
-from core.step import NativeStep
+from core.decoding import cache as kv
+from core.kernels import native, quant
+from core.decoding.engine import Engine, plain_forward, prefill
+from core.kernels.invariant import BlockLinear
+from core.kernels.step import NativeStep
 from tests.test_step import TYPES, assert_step_equals_transformers, quantized_llama, two_thread_engine
 
 pytestmark = pytest.mark.skipif(not native.status().available,
-                                reason=f"core.native unavailable: {native.status().reason}")
+                                reason=f"core.kernels.native unavailable: {native.status().reason}")
 
 
 def x8_model(kind: str):
@@ -151,7 +151,7 @@ def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
     plain run and a speculative run started a minute apart can get 1 and 2 threads: their texts
     stay equal only if no logit depends on the thread count (columns are split among threads,
     never the sum over K), nor on AMX-INT8 vs VNNI. The probe passes on every combination too."""
-    from core.probe import run_probe
+    from core.decoding.probe import run_probe
 
     step = smollm2_w4a8.step
     ids = torch.tensor(smollm2_w4a8.encode("Name three rivers in Europe and the seas they flow into."))

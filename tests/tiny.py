@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from core.head import EagleHead, HeadConfig, new_head
+from core.decoding.head import EagleHead, HeadConfig, new_head
 from core.models import LoadedModel
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"

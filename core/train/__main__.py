@@ -21,7 +21,7 @@ Self-written prompts, answered greedily and at temperature 0.7 half each:
       --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5
 (train on them with --data runs/train/magpie_distill.jsonl and the other conversation files)
 
---head-kind eagle3 trains the EAGLE-3 head (core.head3): its features are three fused target
+--head-kind eagle3 trains the EAGLE-3 head (core.decoding.head3): its features are three fused target
 layers (kept apart from EAGLE-1 features, in features_eagle3/), its training unrolls the
 head `--unroll` steps on its own states (training-time test, default 7), and it is written
 to assets/smollm2-135m-eagle3 unless --out says otherwise.
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from core.head import HeadLoadError
+    from core.decoding.head import HeadLoadError
     from core.models import ModelLoadError
     from core.train.data import DataError
 
@@ -357,7 +357,7 @@ def feature_source(args, split: str = "train") -> tuple[Path, bool]:
 
 
 def layer_ids(args, target_config) -> tuple[int, ...] | None:
-    from core.head3 import default_layer_ids
+    from core.decoding.head3 import default_layer_ids
 
     if args.head_kind == "eagle1":
         return None
@@ -393,8 +393,8 @@ def stage_train(args) -> None:
     val = heldout[::4] or None  # a quarter of them for the periodic check (it costs training time)
     layers = read_manifest(folders[0]).get("layer_ids")
     if args.init is not None:  # warm start: continue from an existing head of this kind and its vocabulary
-        from core.head import load_head
-        from core.head3 import head_kind, load_head3
+        from core.decoding.head import load_head
+        from core.decoding.head3 import head_kind, load_head3
 
         if head_kind(args.init) != args.head_kind:
             raise DataError(f"--init {args.init} is an {head_kind(args.init)} head, but --head-kind is "
@@ -406,7 +406,7 @@ def stage_train(args) -> None:
             head, vocab = load_head(args.init, target.model.config)
             vocab = vocab if vocab is not None else torch.arange(target.model.config.vocab_size)
             if args.head_layers and args.head_layers != head.config.num_hidden_layers:
-                from core.head import grow_head
+                from core.decoding.head import grow_head
 
                 try:
                     head = grow_head(head, args.head_layers, seed=args.seed)
@@ -446,11 +446,11 @@ def new_trainee(args, target_model, vocab, feature_layers):
     (so its first drafts already read its state as a last hidden state)."""
     target_config = target_model.config
     if args.head_kind == "eagle1":
-        from core.head import new_head
+        from core.decoding.head import new_head
         from core.train.trainer import EAGLE1
 
         return new_head(target_config, seed=args.seed, layers=args.head_layers or 1), EAGLE1
-    from core.head3 import new_head3
+    from core.decoding.head3 import new_head3
     from core.train.data import DataError
     from core.train.trainer3 import EAGLE3
 
@@ -475,9 +475,9 @@ def stage_eval(args) -> None:
     from dataclasses import replace
 
     from core.config import GenerationConfig
-    from core.engine import Engine
-    from core.head import load_head
-    from core.head3 import head_kind, load_head3
+    from core.decoding.engine import Engine
+    from core.decoding.head import load_head
+    from core.decoding.head3 import head_kind, load_head3
     from core.models import load_target
     from core.train.data import read_prompts
     from core.train.evaluate import evaluate_engine, format_table, pick_prompts, summarize

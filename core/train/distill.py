@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from core.config import SamplingConfig
 from core.train.data import Prompt
-from core.verify import greedy_tokens, target_probs
+from core.decoding.verify import greedy_tokens, target_probs
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def generate_ids(model, tokenizer, texts: list[str], stop_ids, max_new_tokens: i
     """Continue each already-templated text, batched (left padding) -> per text (the new
     token ids before the first stop id, that stop id or None when cut at max_new_tokens).
 
-    Greedy (argmax) or sampled from core.verify.target_probs, the engine's own temperature /
+    Greedy (argmax) or sampled from core.decoding.verify.target_probs, the engine's own temperature /
     top-k / top-p. A row that stops leaves the batch (its cache rows are dropped): a batch
     then costs about what its rows generate, where transformers' generate() runs every row
     until the longest ends (user turns of 10 to 250 tokens: most of that work wasted).

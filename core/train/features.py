@@ -4,7 +4,7 @@
 Shard k (`shard_00000.safetensors`) holds a run of consecutive conversations:
   input_ids (N,) int32, loss_mask (N,) bool (assistant tokens), hidden (N, H) fp16,
   argmax (N,) int32, offsets (M + 1,) int64 (conversation i spans offsets[i]:offsets[i+1]).
-EAGLE-3 features (`FeatureConfig.layer_ids`, see core.head3): hidden is (N, 3H), the
+EAGLE-3 features (`FeatureConfig.layer_ids`, see core.decoding.head3): hidden is (N, 3H), the
 hidden states of those layers concatenated, and final (N, H) fp16 holds the last one.
 `manifest.json` lists the shards in order with how many source conversations each
 covers, and the layer ids; a rerun continues after the last complete shard (a shard is
@@ -54,7 +54,7 @@ def target_features(model, seqs: list[torch.Tensor], layer_ids: tuple[int, ...] 
                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Features, greedy next tokens and (EAGLE-3) last hidden states per id sequence (one
     batched forward, right padding) -> [(hidden (n_i, H or 3H) fp16, (n_i,) long, final)]."""
-    from core.head3 import target_features as pick
+    from core.decoding.head3 import target_features as pick
 
     n = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), n, dtype=torch.long)

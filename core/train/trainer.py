@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core.head import EagleHead, additive, load_head, save_head
+from core.decoding.head import EagleHead, additive, load_head, save_head
 from core.train.data import DataError
 from core.train.features import Sequence
 

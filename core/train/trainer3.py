@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.head import additive
-from core.head3 import Eagle3Head, load_head3, save_head3
+from core.decoding.head import additive
+from core.decoding.head3 import Eagle3Head, load_head3, save_head3
 from core.train.data import DataError
 from core.train.features import Sequence
 from core.train.trainer import Frozen, Recipe, StepMetrics, TrainConfig, _average

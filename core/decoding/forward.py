@@ -1,10 +1,10 @@
 """The target's forwards: a draft tree verified in one forward, a plain decoding step, a prompt's prefill.
 
-Each takes the target explicitly (a transformers *ForCausalLM, or the native step of core.step
+Each takes the target explicitly (a transformers *ForCausalLM, or the native step of core.kernels.step
 that serves its decoding forwards) with its KV cache and the positions, and returns (features,
 logits); the cache is the one thing they change (they append the rows they computed). Only the
-model's public forward is used: a 4D mask, or core.invariant's tree layout where the exact kernels
-run. The decode loop (core.engine), the probe (core.probe) and the measuring commands (autotune,
+model's public forward is used: a 4D mask, or core.kernels.invariant's tree layout where the exact kernels
+run. The decode loop (core.decoding.engine), the probe (core.decoding.probe) and the measuring commands (autotune,
 gpucheck) all call these, so what the probe checks is what the loop runs.
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from core import invariant
-from core.head import additive
-from core.head3 import target_features
-from core.step import NativeStep
-from core.tree import DraftTree
+from core.kernels import invariant
+from core.decoding.head import additive
+from core.decoding.head3 import target_features
+from core.kernels.step import NativeStep
+from core.decoding.tree import DraftTree
 
 
 def uses_exact_kernels(model) -> bool:
-    """Whether the model runs core.invariant's batch-invariant kernels (the "exact" attention)."""
+    """Whether the model runs core.kernels.invariant's batch-invariant kernels (the "exact" attention)."""
     return model.config._attn_implementation == invariant.NAME
 
 

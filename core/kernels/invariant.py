@@ -6,7 +6,7 @@ is row-invariant (a row's reduction order does not depend on how many rows are i
 batch), but attention is not: the `p @ V` reduction runs over a key axis whose length and
 layout change with the tree (masked siblings sit between a node's ancestors).
 
-How (attention): where core.native's kernels run (AVX-512 bf16, x86-64 Linux), each row
+How (attention): where core.kernels.native's kernels run (AVX-512 bf16, x86-64 Linux), each row
 attends to its keys 0..p in plain decoding's order with one fixed instruction sequence in C,
 invariant by construction. Elsewhere, in torch: every query at absolute position p attends
 to its keys laid out in plain decoding's order, positions 0..p, cut into fixed blocks of B
@@ -18,10 +18,10 @@ positions anchored at position 0:
 Blocks that hold only committed context are shared by all rows (one batched GEMM; bf16
 GEMMs are row-invariant); the one or two blocks holding a row's own ancestors are gathered
 per row. A plain step is the same code with a one-node tree, so both compute each row the
-same way by construction; `core.probe` checks this on the loaded model at start-up.
+same way by construction; `core.decoding.probe` checks this on the loaded model at start-up.
 
 Linear layers: `InvariantLinear` (swapped in at load, same parameters and state_dict keys)
-runs core.native's AVX-512 bf16 kernel, row-invariant by construction and about twice as fast as
+runs core.kernels.native's AVX-512 bf16 kernel, row-invariant by construction and about twice as fast as
 oneDNN on decoding's few rows. Where that kernel is unavailable it falls back to oneDNN, whose
 bf16 GEMMs here are row-invariant for inner sizes up to 768 but not beyond (SmolLM2's
 down_proj, K = 1536, changes rows for some batch sizes): it then reduces K in fixed chunks of
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core import native
+from core.kernels import native
 
 NAME = "eagle_exact"
 BLOCK = 64  # positions per block; a tree deeper than this is refused
@@ -191,14 +191,14 @@ class InvariantLinear(torch.nn.Linear):
 
 
 class BlockLinear(InvariantLinear):
-    """A linear layer whose weight lives only as GGUF blocks (core.quant; `weight` is empty):
+    """A linear layer whose weight lives only as GGUF blocks (core.kernels.quant; `weight` is empty):
     decoding-sized calls multiply the blocks in place (native.linear_w: the bits its bf16 copy
     gives), longer ones (a prompt's prefill) dequantize them to those bf16 values per call for
-    oneDNN. Made by core.step once the native step serves from the blocks; make_invariant and
+    oneDNN. Made by core.kernels.step once the native step serves from the blocks; make_invariant and
     undo_invariant leave it as it is."""
 
     wmat: native.WMat
-    blocks: object  # core.quant.Blocks that wmat points into
+    blocks: object  # core.kernels.quant.Blocks that wmat points into
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
@@ -227,7 +227,7 @@ def _native_norm(base: type) -> type:
 
 def swap_norms(model: torch.nn.Module) -> int:
     """Turn transformers' Llama-style RMSNorms into their native subclass (same weights) where
-    core.native runs; returns the number swapped."""
+    core.kernels.native runs; returns the number swapped."""
     if not native.status().available:
         return 0
     swapped = 0
@@ -259,7 +259,7 @@ def _native_mlp(base: type) -> type:
 
 
 def swap_mlps(model: torch.nn.Module) -> int:
-    """Turn SiLU-gated MLPs (NATIVE_MLPS) into their native subclass where core.native runs."""
+    """Turn SiLU-gated MLPs (NATIVE_MLPS) into their native subclass where core.kernels.native runs."""
     if not native.status().available:
         return 0
     swapped = 0
@@ -272,7 +272,7 @@ def swap_mlps(model: torch.nn.Module) -> int:
 
 def swap_linears(model: torch.nn.Module) -> int:
     """Turn the nn.Linear layers that need it into InvariantLinear (in place, same weights):
-    all of them when core.native's kernel runs here (it is also the fast one), else those with
+    all of them when core.kernels.native's kernel runs here (it is also the fast one), else those with
     in_features > K_CHUNK. Returns the number swapped."""
     every = native.status().available
     swapped = 0
@@ -286,7 +286,7 @@ def swap_linears(model: torch.nn.Module) -> int:
 
 class Int8DraftLinear(InvariantLinear):
     """A draft head's linear layer that runs decoding-sized calls on an int8 copy of its weight
-    (core.native.linear_s8: half the bytes to stream, about 1% error); longer calls (a prompt's
+    (core.kernels.native.linear_s8: half the bytes to stream, about 1% error); longer calls (a prompt's
     catch-up) and anything the int8 kernel does not serve keep the bf16 weight. The parameters
     and state_dict are the layer's own; the int8 copy is derived from them (`quantize_linears`)."""
 

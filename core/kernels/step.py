@@ -5,7 +5,7 @@ kernels (transformers' module dispatch, torch glue, Python: ~2,000 crossings per
 csrc/decode_step.c runs the Llama decoder itself (embedding, 30 x [RMSNorm, q/k/v, rotary,
 cache write, tree attention, o_proj, residual, RMSNorm, gate/up, SiLU x up, down, residual],
 final norm, LM head) with the same row-invariant kernels and the same roundings as the
-transformers-driven exact path (core.invariant), so its logits are bit-identical to that
+transformers-driven exact path (core.kernels.invariant), so its logits are bit-identical to that
 path's, row by row, alone or in a tree (tests/test_step.py), and the start-up probe checks it.
 
 Weights (core.config.WEIGHTS): the GGUF's own 4-bit blocks times 8-bit activations ("w4a8",
@@ -16,7 +16,7 @@ the model's bf16 tensors ("bf16").
 
 transformers stays the loader, the prefill (long prompts: oneDNN's compute-bound GEMMs and
 sdpa, shared by both decoding modes) and the reference; the step writes its keys and values
-into the same cache buffers (core.cache.BufferedLayer), so the two interleave freely.
+into the same cache buffers (core.decoding.cache.BufferedLayer), so the two interleave freely.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from core import native
-from core.cache import BufferedLayer
+from core.kernels import native
+from core.decoding.cache import BufferedLayer
 from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
-from core.quant import X8
+from core.kernels.quant import X8
 
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 STEP_TYPES = ("llama", "mistral", "qwen2")
@@ -104,7 +104,7 @@ class StepInfo:
 
 class NativeStep:
     """A transformers Llama-family model's forward as one native call. `forward` appends the n
-    new tokens' keys and values to `cache` (a core.cache cache that prefill has started)."""
+    new tokens' keys and values to `cache` (a core.decoding.cache cache that prefill has started)."""
 
     def __init__(self, model, blocks: dict | None = None, source: str = ""):
         reason = unsupported(model)
@@ -160,7 +160,7 @@ class NativeStep:
         GGUF's size; returns the bytes freed. Prefill then dequantizes each weight per call, to
         the same bf16 values (the same answers); call it once the numerics are settled (a probe
         that fails falls back to fp32 on the bf16 weights)."""
-        from core.invariant import BlockLinear
+        from core.kernels.invariant import BlockLinear
 
         freed = 0
         embedding = self.hf.get_input_embeddings().weight
@@ -187,7 +187,7 @@ class NativeStep:
     def _bind_cache(self, cache, need: int) -> None:
         layers = cache.layers
         assert len(layers) == self._m.layers and all(isinstance(l, BufferedLayer) and l.is_initialized for l in layers), \
-            "prefill the cache (core.forward.prefill) before native steps"
+            "prefill the cache (core.decoding.forward.prefill) before native steps"
         for layer in layers:
             layer.reserve(need)
         key = tuple(l._k.data_ptr() for l in layers) + tuple(l._v.data_ptr() for l in layers)
@@ -250,7 +250,7 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
     note = ""
     blocks = {}
     if weights != "bf16":
-        from core.quant import QuantWeightError, load_llama_blocks, pack_x8, tile_blocks
+        from core.kernels.quant import QuantWeightError, load_llama_blocks, pack_x8, tile_blocks
 
         if target.gguf is None:
             if weights != "auto":

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core import native
-from core.drafter import DraftModel
-from core.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
+from core.kernels import native
+from core.decoding.drafter import DraftModel
+from core.decoding.head import (CONFIG_FILE, WEIGHTS_FILE, Attention, HeadCache, HeadConfig, HeadLoadError, MLP,
                        RMSNorm, TreeRows, _rotary, causal_mask, head_mask, read_checkpoint)
-from core.invariant import draft_int8_enabled, quantize_linears, swap_linears
+from core.kernels.invariant import draft_int8_enabled, quantize_linears, swap_linears
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 MAP_KEYS = ("d2t", "t2d")  # absent from checkpoints whose draft vocabulary is the full one
@@ -287,7 +287,7 @@ def target_features(out, layer_ids: tuple[int, ...] | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Drafter3:
-    """An EAGLE-3 head plus the target's input embedding: a core.drafter.DraftModel."""
+    """An EAGLE-3 head plus the target's input embedding: a core.decoding.drafter.DraftModel."""
 
     head: Eagle3Head
     embed: nn.Module  # the target's input embedding
@@ -302,14 +302,14 @@ class Drafter3:
         return self.head.target_ids()
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: (m, H) head states -> (m, Vd), as core.tree.Drafter
-        from core.tree import log_probs
+        # hidden: (m, H) head states -> (m, Vd), as core.decoding.tree.Drafter
+        from core.decoding.tree import log_probs
 
         return log_probs(self.head.logits(hidden))
 
     def top_log_probs(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden: (m, H) -> the k best draft log-probabilities (m, k) and their draft ids
-        from core.tree import top_log_probs
+        from core.decoding.tree import top_log_probs
 
         return top_log_probs(self.head.logits(hidden), k)
 
@@ -320,7 +320,7 @@ class Drafter3:
              positions: torch.Tensor, allowed: torch.Tensor | TreeRows | None = None) -> torch.Tensor:
         """tokens (m,); features (m, 3Ht) fused target features (catch-up) or (m, H) head
         states (tree rounds) -> head states (m, H). `allowed`: the tree mask, whole
-        (m, cache length + m) or its tree part (m, T, or TreeRows) (core.head.head_mask); None = causal."""
+        (m, cache length + m) or its tree part (m, T, or TreeRows) (core.decoding.head.head_mask); None = causal."""
         m = tokens.shape[0]
         dtype = self.head.fc.weight.dtype
         emb = self.embed(tokens)[None].to(dtype)  # (1, m, H)
@@ -332,11 +332,11 @@ def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None
     """The drafting seam for either kind of head on `target_model` (a *ForCausalLM).
 
     On CPUs with the int8 kernel the head's linear layers and its LM head draft from int8
-    copies of their weights (core.invariant.quantize_linears; EAGLE_CHAT_DRAFT_INT8=0 turns
+    copies of their weights (core.kernels.invariant.quantize_linears; EAGLE_CHAT_DRAFT_INT8=0 turns
     it off): drafting streams those weights from memory every round, so half the bytes make a
     round cheaper. The target is untouched, so the output is the same either way; only which
     tokens the tree proposes can change (about 1% error on a draft logit)."""
-    from core.headstep import native_head
+    from core.kernels.headstep import native_head
 
     fused = native_head(head)  # from the bf16 weights, before the int8 copies
     if native.status().available:  # drafting is decoding-sized GEMMs too: the faster kernel
@@ -344,7 +344,7 @@ def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None
     quantize_linears(head)
     if isinstance(head, Eagle3Head):
         return Drafter3(head=head, embed=target_model.get_input_embeddings())
-    from core.tree import Drafter
+    from core.decoding.tree import Drafter
 
     weight = lm_head_weight(target_model)
     lm_weight = (weight if vocab is None else weight[vocab].clone()).to(weight.dtype)
@@ -355,7 +355,7 @@ def drafter_for(head: nn.Module, target_model, vocab: torch.Tensor | None = None
 
 def lm_head_weight(target_model) -> torch.Tensor:
     """The target's LM head as a bf16 (V, H) tensor, also where the native step serves it from
-    blocks (core.step, w4a8: the module's weight is empty): a tied head is the input embedding
+    blocks (core.kernels.step, w4a8: the module's weight is empty): a tied head is the input embedding
     (the same values), an untied one is dequantized."""
     lm = target_model.lm_head
     if lm.weight.numel():
@@ -366,9 +366,9 @@ def lm_head_weight(target_model) -> torch.Tensor:
 
 
 def draft_weights(drafter) -> str:
-    """How a drafter's head multiplies: the native head (core.headstep), 'int8' (copies of its
+    """How a drafter's head multiplies: the native head (core.kernels.headstep), 'int8' (copies of its
     weights, drafter_for) or its dtype."""
-    from core.invariant import Int8DraftLinear
+    from core.kernels.invariant import Int8DraftLinear
 
     if getattr(drafter, "native", None) is not None:
         return "Q8_0 blocks x 8-bit activations, one native call per head forward"
@@ -382,7 +382,7 @@ def load_any_head(folder: str | Path, target_model, *, dtype: torch.dtype = torc
     """Load an EAGLE-1/2 or EAGLE-3 head (told apart by config.json) -> a Drafter or Drafter3."""
     if head_kind(folder) == "eagle3":
         return drafter_for(load_head3(folder, target_model.config, dtype=dtype, device=device), target_model)
-    from core.head import load_head
+    from core.decoding.head import load_head
 
     head, vocab = load_head(folder, target_model.config, dtype=dtype, device=device)
     return drafter_for(head, target_model, vocab)

@@ -1,4 +1,4 @@
-"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/csrc): GEMM, attention, RMSNorm, argmax,
+"""Row-invariant bf16 decoding kernels for AVX-512 CPUs, in C (core/kernels/csrc): GEMM, attention, RMSNorm, argmax,
 KV-row moves, and the draft's top-k log-probabilities.
 
 Why: a decoding step multiplies 1 to a few dozen rows by every weight matrix, so its cost is
@@ -9,7 +9,7 @@ row (about 30 GB/s, 1.7-2.9x faster per call) and stays 1.1-1.5x faster at 11-27
 Exact by construction: the kernel computes every output element with one fixed instruction
 sequence whatever the number of rows, so a token's row is bit-identical alone (a plain step)
 or inside a draft tree. oneDNN is row-invariant here only for inner sizes up to 768, which
-is why `core.invariant` otherwise splits wider reductions.
+is why `core.kernels.invariant` otherwise splits wider reductions.
 
 AMX (csrc/gemm_amx.c): on CPUs with AMX bf16 tiles (Intel Sapphire Rapids and later) the GEMM
 runs on tiles for every shape with K % 32 == 0 and N % 16 == 0, again one fixed accumulation
@@ -21,7 +21,7 @@ which one runs is fixed per machine and shape, never per call. `EAGLE_CHAT_AMX=0
 AVX-512 GEMM.
 
 Attention (`attention`): each row attends to its keys in plain decoding's order with one fixed
-instruction sequence (csrc/attention_bf16.c), so it needs none of core.invariant's block layout
+instruction sequence (csrc/attention_bf16.c), so it needs none of core.kernels.invariant's block layout
 and its dozens of small torch ops per layer. RMSNorm (`rms_norm`, csrc/rmsnorm_bf16.c): the
 formula of transformers' LlamaRMSNorm in one call instead of eight torch ops.
 
@@ -77,8 +77,8 @@ class NativeStatus:
         if not self.available:
             return f"torch kernels ({self.reason})"
         if self.amx:
-            return "AMX bf16 GEMM, AVX-512 attention and RMSNorm (core/csrc)"
-        return "AVX-512 bf16 GEMM, attention and RMSNorm (core/csrc)"  # as before AMX: autotune keys hold it
+            return "AMX bf16 GEMM, AVX-512 attention and RMSNorm (core/kernels/csrc)"
+        return "AVX-512 bf16 GEMM, attention and RMSNorm (core/kernels/csrc)"  # as before AMX: autotune keys hold it
 
 
 def _cpu_flags() -> set[str]:
@@ -294,7 +294,7 @@ def status() -> NativeStatus:
 
 def gemm_kind() -> str | None:
     """Which decoding GEMM runs here: "amx", "avx512", or None (torch's kernels). What a verified
-    row costs depends on it, so shipped draft trees may differ by it (core.treestore)."""
+    row costs depends on it, so shipped draft trees may differ by it (core.decoding.treestore)."""
     st = status()
     return ("amx" if st.amx else "avx512") if st.available else None
 
@@ -315,7 +315,7 @@ def _expect(ok: bool, what: Callable[[], str]) -> None:
     message only when it is needed (describing every tensor of every call cost 0.2 ms a
     decoding step)."""
     if not ok:
-        raise ValueError(f"core.native: {what()}")
+        raise ValueError(f"core.kernels.native: {what()}")
 
 
 def _bf16_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -381,7 +381,7 @@ def _topk_log_probs(k: _Kernels, x: torch.Tensor, top: int) -> tuple[torch.Tenso
     idx = torch.empty(m, top, dtype=torch.int64, device=x.device)
     if k.topk_logprobs_bf16(rows.data_ptr(), ldx, vals.data_ptr(), idx.data_ptr(), m, x.shape[-1], top,
                             torch.get_num_threads()):
-        raise ValueError(f"core.native: top-k needs 1 <= top <= {TOPK_MAX}, got {top}")
+        raise ValueError(f"core.kernels.native: top-k needs 1 <= top <= {TOPK_MAX}, got {top}")
     return vals, idx
 
 
@@ -692,18 +692,18 @@ def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
 
 
 class WMat(ctypes.Structure):
-    """csrc/weights.h's wmat: a weight as the GEMMs read it, bf16 rows or GGUF blocks (core.quant).
+    """csrc/weights.h's wmat: a weight as the GEMMs read it, bf16 rows or GGUF blocks (core.kernels.quant).
     It points into tensors it does not own: keep them alive while it is used."""
 
     _fields_ = [("type", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32), ("tiled", ctypes.c_int32),
                 ("data", ctypes.c_void_p), ("ld", ctypes.c_int64)]
 
 
-WT_BF16 = 30  # csrc/weights.h; the block types use their ggml ids (core.quant.SUPPORTED)
+WT_BF16 = 30  # csrc/weights.h; the block types use their ggml ids (core.kernels.quant.SUPPORTED)
 
 
 def wmat(weight: torch.Tensor | None = None, blocks=None) -> WMat:
-    """A WMat over a bf16 weight (N, K) with unit stride in K, or over core.quant.Blocks."""
+    """A WMat over a bf16 weight (N, K) with unit stride in K, or over core.kernels.quant.Blocks."""
     if blocks is not None:
         return WMat(blocks.type, blocks.n, blocks.k, int(blocks.tiled), blocks.data.data_ptr(), blocks.data.stride(0))
     _expect(weight is not None and _bf16_cpu(weight) and weight.dim() == 2 and weight.stride(1) == 1,

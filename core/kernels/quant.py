@@ -1,4 +1,4 @@
-"""A GGUF file's weights as its own 4- and 8-bit blocks, for the native decode step (core.step).
+"""A GGUF file's weights as its own 4- and 8-bit blocks, for the native decode step (core.kernels.step).
 
 The embedded model ships as a GGUF (Q4_1 layers, a Q8_0 embedding that is also the tied LM
 head). transformers reads it only by dequantizing every weight to fp32, and the bf16 copy the

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from core import cache as kv
-from core import native
-from core.forward import forward_tree, plain_logits, prefill
+from core.decoding import cache as kv
+from core.kernels import native
+from core.decoding.forward import forward_tree, plain_logits, prefill
 from core.models import cache_home, write_atomic
-from core.tree import tree_from_parents
+from core.decoding.tree import tree_from_parents
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _cpu_name() -> str:
 def project_version() -> str:
     """eagle-chat's version: pyproject.toml's in a source checkout (an editable install's metadata
     keeps the version it was installed at), else the installed package's."""
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
         text = pyproject.read_text()
     except OSError:
@@ -67,7 +67,7 @@ def project_version() -> str:
 
 
 def probe_key(model, dtype: torch.dtype, attention: str, device) -> str:
-    """`model`: the transformers model, or the native step (core.step) that serves it."""
+    """`model`: the transformers model, or the native step (core.kernels.step) that serves it."""
     import transformers
 
     c = model.config

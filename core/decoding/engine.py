@@ -2,17 +2,17 @@
 then steps of (draft -> verify -> commit), yielding StepEvents.
 
 One step in speculative mode:
-  draft    the head extends the root (last accepted token) into a DraftTree   (core.tree)
-  verify   the target runs root + tree in ONE forward                         (core.forward)
-  accept   greedy or sampled acceptance picks a path + bonus token             (core.verify)
+  draft    the head extends the root (last accepted token) into a DraftTree   (core.decoding.tree)
+  verify   the target runs root + tree in ONE forward                         (core.decoding.forward)
+  accept   greedy or sampled acceptance picks a path + bonus token             (core.decoding.verify)
   commit   the target cache keeps only the path; the head catches up on the
-           path's true target features, giving the next root's proposal        (core.cache, catch_up)
+           path's true target features, giving the next root's proposal        (core.decoding.cache, catch_up)
 Plain mode is the same loop with no draft: each step verifies just the root.
 
-Numerics: with the batch-invariant kernels (core.invariant, bf16 on CPU) a tree row computes
+Numerics: with the batch-invariant kernels (core.kernels.invariant, bf16 on CPU) a tree row computes
 bit for bit what a plain step computes, so greedy output equals plain decoding by
-construction; `Engine.numerics` says which numerics run and what the probe found (core.numerics).
-The drafter is any core.drafter.DraftModel: the loop asks nothing else of it.
+construction; `Engine.numerics` says which numerics run and what the probe found (core.decoding.numerics).
+The drafter is any core.decoding.drafter.DraftModel: the loop asks nothing else of it.
 """
 
 from __future__ import annotations
@@ -23,22 +23,22 @@ from typing import Iterator, Sequence
 
 import torch
 
-from core import cache as kv
+from core.decoding import cache as kv
 from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig
-from core.drafter import DraftModel
-from core.forward import forward_tree, plain_forward, prefill, uses_exact_kernels
-from core.head import HeadCache
-from core.head3 import drafter_for, load_any_head
-from core.lookup import graft, lookup_chain
+from core.decoding.drafter import DraftModel
+from core.decoding.forward import forward_tree, plain_forward, prefill, uses_exact_kernels
+from core.decoding.head import HeadCache
+from core.decoding.head3 import drafter_for, load_any_head
+from core.decoding.lookup import graft, lookup_chain
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, resolve
-from core.numerics import Numerics, load_numerics
-from core.step import NativeStep
-from core.text import TextStream
-from core.tree import catch_up, draft
-from core.treestore import BUILT_IN, TreeChoice, default_tree
-from core.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
+from core.decoding.numerics import Numerics, load_numerics
+from core.kernels.step import NativeStep
+from core.decoding.text import TextStream
+from core.decoding.tree import catch_up, draft
+from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
+from core.decoding.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Engine:
                  numerics: Numerics | None = None, drafter: DraftModel | None = None,
                  step: NativeStep | None = None):
         """`drafter`: one already built for `head` (Engine.load), else it is built here. `step`:
-        the native decode step for the target (core.step), else transformers' forward serves."""
+        the native decode step for the target (core.kernels.step), else transformers' forward serves."""
         self.target = target
         self.step = step
         self.head = head
@@ -93,7 +93,7 @@ class Engine:
              weights: str = "auto") -> "Engine":
         """Load a target and its head. head="default": the shipped head for the embedded
         model, the catalogue's head for a catalogue target, else none (plain decoding only).
-        weights: what the native step reads (core.step.WEIGHTS). The probe runs with or without a
+        weights: what the native step reads (core.kernels.step.WEIGHTS). The probe runs with or without a
         head (once per machine, cached): a plain run must pick the numerics a speculative run
         picks, or `--plain` and the default could answer in different numerics (the clean-clone
         CI saw two texts when a failed probe had sent only the speculative run to fp32)."""

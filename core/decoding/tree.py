@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from core import native
+from core.kernels import native
 from core.config import TreeConfig
-from core.drafter import DraftModel
-from core.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask
+from core.decoding.drafter import DraftModel
+from core.decoding.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask
 
 if TYPE_CHECKING:
-    from core.headstep import NativeHead
+    from core.kernels.headstep import NativeHead
 
 
 @dataclass(frozen=True)
@@ -95,16 +95,16 @@ def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 @dataclass(frozen=True)
 class Drafter:
     """An EAGLE-1/2 head plus the target modules it borrows, drafting over `vocab` (None = the full
-    vocabulary): a core.drafter.DraftModel."""
+    vocabulary): a core.decoding.drafter.DraftModel."""
 
     head: EagleHead
     embed: torch.nn.Embedding     # the target's input embedding
     lm_weight: torch.Tensor       # (Vd, H): rows of the target's LM head the draft scores
     vocab: torch.Tensor | None    # (Vd,) target ids of those rows, None when Vd == V
     lm_int8: native.Int8Weight | None = None  # lm_weight as int8, where drafting uses it (drafter_for)
-    native: "NativeHead | None" = None  # the head as one native call (core.headstep), where it runs
+    native: "NativeHead | None" = None  # the head as one native call (core.kernels.headstep), where it runs
     # which target hidden states the head reads: None = the last one (after the final norm);
-    # an EAGLE-3 drafter (core.head3.Drafter3) names the fused layers instead
+    # an EAGLE-3 drafter (core.decoding.head3.Drafter3) names the fused layers instead
     feature_layers = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The numerics a target computes in, chosen once at load: its dtype, its attention kernels, the
 native step that runs its decoding forwards, and the probe's verdict on whether a tree row
-verifies bit for bit what a plain step computes on this machine (core.probe).
+verifies bit for bit what a plain step computes on this machine (core.decoding.probe).
 
-"auto" asks for bf16 with the batch-invariant kernels on the CPU (core.invariant): greedy
+"auto" asks for bf16 with the batch-invariant kernels on the CPU (core.kernels.invariant): greedy
 speculation then equals plain decoding by construction. Where the probe finds otherwise, the
 target falls back to fp32 + sdpa, and `Numerics.note` says why.
 """
@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from core import invariant, native
+from core.kernels import invariant, native
 from core.config import ATTENTIONS, EngineError
 from core.models import LoadedModel, load_target
-from core.probe import ProbeResult, probe
-from core.quant import QuantWeightError
-from core.step import WEIGHTS, NativeStep, StepError, load_step
+from core.decoding.probe import ProbeResult, probe
+from core.kernels.quant import QuantWeightError
+from core.kernels.step import WEIGHTS, NativeStep, StepError, load_step
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _auto_numerics(device: str, load_in_4bit: bool, dtype: str, attention: str) 
 
 
 def set_numerics(target: LoadedModel, attention: str) -> None:
-    """Swap core.invariant's kernels into the target ("exact") or out of it (another attention)."""
+    """Swap core.kernels.invariant's kernels into the target ("exact") or out of it (another attention)."""
     if attention == "exact":
         invariant.make_invariant(target.model)
     else:
@@ -72,7 +72,7 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
                   check: bool, weights: str = "auto") -> tuple[LoadedModel, Numerics, NativeStep | None]:
     """Load the target in the requested numerics ("auto": bf16 + exact kernels on CPU when the
     probe passes, else fp32 + sdpa with the probe's reason kept), and the native step that runs
-    its decoding forwards where it can (core.step; `weights`: one of core.config.WEIGHTS)."""
+    its decoding forwards where it can (core.kernels.step; `weights`: one of core.config.WEIGHTS)."""
     if attention not in ATTENTIONS:
         raise EngineError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     if weights not in WEIGHTS:

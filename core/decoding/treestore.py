@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from core import native, threads
+from core import threads
+from core.kernels import native
 from core.config import TreeConfig
-from core.head import HeadLoadError
+from core.decoding.head import HeadLoadError
 from core.models import cache_home, write_atomic
 
 BUILT_IN = "built-in default"  # TreeChoice.origin when neither a tuned nor a shipped tree exists

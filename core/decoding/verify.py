@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core import native
+from core.kernels import native
 from core.config import SamplingConfig
-from core.tree import DraftTree
+from core.decoding.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) argmax token ids: plain decoding's and verification's choice.
 
     Exact either way (bf16 -> fp32 loses nothing; the first maximum wins): bf16 logits go
-    through the native kernel (core.native; 13 / 29 x 49,152 logits: 0.12 / 0.25 ms), anything
+    through the native kernel (core.kernels.native; 13 / 29 x 49,152 logits: 0.12 / 0.25 ms), anything
     else through torch on an fp32 copy (0.35 / 1.0 ms; torch's argmax over bf16 itself took
     2.45 ms for 26 rows).
     """

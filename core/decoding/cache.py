@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from core import native
+from core.kernels import native
 
 MIN_CAPACITY = 256  # first buffer, in positions; it doubles when full
 
@@ -61,7 +61,7 @@ class BufferedLayer(DynamicLayer):
         self._k, self._v = k, v
 
     def reserve(self, need: int) -> None:
-        """Room for `need` positions (an initialized layer; core.step writes into the buffers)."""
+        """Room for `need` positions (an initialized layer; core.kernels.step writes into the buffers)."""
         self._reserve(self._k, self._v, need)
 
     # `keys` / `values`: views of the buffers' first `length` positions, made when read (an
@@ -121,7 +121,7 @@ def cache_length(cache: DynamicCache) -> int:
 def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) -> None:
     """Keep entries [0, committed) and committed + path[i], in that order; drop the rest.
 
-    CPU caches move the kept rows of every layer in one native call (core.native.move_rows:
+    CPU caches move the kept rows of every layer in one native call (core.kernels.native.move_rows:
     about 20 us against 0.5 ms for two indexed copies per layer); elsewhere each layer gathers.
     """
     path = torch.as_tensor(path, dtype=torch.long).cpu()  # a few ints: decide on the host

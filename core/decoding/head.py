@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import native
+from core.kernels import native
 
 CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "config.json", "model.safetensors", "pytorch_model.bin"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # optional extra: target ids the head drafts over
@@ -378,7 +378,7 @@ class RotaryTable(nn.Module):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (the same weight, the same key) whose inference runs core.native's kernel on
+    """nn.RMSNorm (the same weight, the same key) whose inference runs core.kernels.native's kernel on
     bf16 CPU rows: one call instead of torch's six ops (about 50 us a head call)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

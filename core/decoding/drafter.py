@@ -1,12 +1,12 @@
-"""The drafter seam: what the decode loop (core.engine) and the tree builders (core.tree) ask of a
+"""The drafter seam: what the decode loop (core.decoding.engine) and the tree builders (core.decoding.tree) ask of a
 draft model, written down once.
 
 A drafter is an EAGLE head plus what it borrows from the target (the input embedding, rows of
-the LM head). Two kinds implement this protocol: core.tree.Drafter (EAGLE-1/2 heads, which read
-the target's last hidden state) and core.head3.Drafter3 (EAGLE-3 heads, which read three fused
+the LM head). Two kinds implement this protocol: core.decoding.tree.Drafter (EAGLE-1/2 heads, which read
+the target's last hidden state) and core.decoding.head3.Drafter3 (EAGLE-3 heads, which read three fused
 target layers and score a draft vocabulary of their own). A new head kind is one more class
-with these members; core.head3.drafter_for picks the class for a head, and nothing in
-core.tree or core.engine changes.
+with these members; core.decoding.head3.drafter_for picks the class for a head, and nothing in
+core.decoding.tree or core.decoding.engine changes.
 
 Words used here:
   features   what the head reads per input token: a target hidden state (catch-up; (m, 3H)
@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from core.head import HeadCache, TreeRows
+from core.decoding.head import HeadCache, TreeRows
 
 
 @runtime_checkable
@@ -33,13 +33,13 @@ class DraftModel(Protocol):
 
     @property
     def head(self) -> nn.Module:
-        """The head module; its `config` sizes the head's KV cache (core.head.HeadCache)."""
+        """The head module; its `config` sizes the head's KV cache (core.decoding.head.HeadCache)."""
         ...
 
     @property
     def feature_layers(self) -> tuple[int, ...] | None:
         """Which target hidden states the head reads: None = the last one (after the final
-        norm); else the decoder layers whose outputs are fused (core.head3.target_features)."""
+        norm); else the decoder layers whose outputs are fused (core.decoding.head3.target_features)."""
         ...
 
     @property
@@ -54,11 +54,11 @@ class DraftModel(Protocol):
 
         `allowed`: None = causal after the cache; bool (m, cache length + m), the whole mask; or
         the tree part (the last T keys; every earlier key is seen), as bool (m, T) or TreeRows
-        (core.head.head_mask)."""
+        (core.decoding.head.head_mask)."""
         ...
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (m, H) -> fp32 draft log-probabilities (m, Vd), clamped at 0 (core.tree.log_probs)."""
+        """hidden (m, H) -> fp32 draft log-probabilities (m, Vd), clamped at 0 (core.decoding.tree.log_probs)."""
         ...
 
     def top_log_probs(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,9 +20,9 @@ import os
 import numpy as np
 import torch
 
-from core import native, quant
-from core.head import EagleHead, HeadCache, KeyLayout
-from core.step import _PROJ, StepError, _Layer, _Model
+from core.kernels import native, quant
+from core.decoding.head import EagleHead, HeadCache, KeyLayout
+from core.kernels.step import _PROJ, StepError, _Layer, _Model
 
 NATIVE_HEAD_ENV = "EAGLE_CHAT_NATIVE_HEAD"  # "0" turns the native head off (the Python head drafts)
 _TABLE = 4096  # rotary table rows at start (grown by doubling)
@@ -55,7 +55,7 @@ def unsupported(head) -> str | None:
     c = head.config
     if head.fc.weight.dtype is not torch.bfloat16 or head.fc.weight.device.type != "cpu":
         return "a head that is not bf16 on the CPU"
-    from core.invariant import draft_int8_enabled
+    from core.kernels.invariant import draft_int8_enabled
 
     if not draft_int8_enabled(head.fc.weight):
         return "8-bit drafting is off (EAGLE_CHAT_DRAFT_INT8=0) or its kernel does not run here"

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from core.config import TreeConfig
-from core.tree import DraftTree
+from core.decoding.tree import DraftTree
 
 # The chain follows the latest earlier occurrence of the longest suffix that occurred before
 # (2 to MAX_NGRAM tokens), and its length grows with that match: `max_tokens` after 4 or more
