@@ -22,7 +22,7 @@ from app.chat import AnswerView, Pace, empty_frame, engine_messages, trim_to_con
 from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
-from app.errors import TOAST_S, UserError, fault, refuse, user_error
+from app.errors import TOAST_S, UserError, fault, log, refuse, user_error
 from app.lane import Ticket, Tickets, visitor_of
 from app.longchat import PREFILL_NOTE_S, LongChat, new_chat_hint, plan, reading
 from app.manager import ModelManager
@@ -35,6 +35,8 @@ from core.decoding.head import HeadLoadError
 from core.models import ModelLoadError
 
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
+EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
+NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
 # the chat events' outputs, in the order of ui.build's `outs`
 CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")
@@ -53,11 +55,14 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         self.manager = manager
         self.access = access
         self.tickets = Tickets()
+        self._sends = itertools.count(1)  # the gates' counter: each request it lets go is a new value
 
     # ---- the queue: validators run when a request joins it --------------------------------
+    # They guard the API (a refusal reaches a client as a validation error, HTTP 422). The page
+    # asks the gates below first, so its requests that reach a validator pass it.
     def check_chat(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
                    highlight, request: gr.Request = None):
-        return self._check_text(message, system, 11, request, "Type a message first.")
+        return self._join(self._text_problem(message, system, request, EMPTY_MESSAGE), 11, request)
 
     def check_regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
                          highlight, request: gr.Request = None):
@@ -65,20 +70,41 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
 
     def check_compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
                       request: gr.Request = None):
-        return self._check_text(prompt, system, 8, request, "Type a prompt to compare.")
+        return self._join(self._text_problem(prompt, system, request, EMPTY_PROMPT), 8, request)
 
-    def _check_text(self, text, system, n_inputs: int, request, empty: str):
-        """An empty or over-long text is refused inline, on its box, before the request joins the
-        queue. (Gradio passes the request only to named positional parameters, hence the long lists.)"""
-        problem = "" if (text or "").strip() else empty
-        return self._join(problem or self._too_long(request, text, system) or self._busy(request), n_inputs,
-                          request)
+    def _text_problem(self, text, system, request, empty: str) -> str:
+        """Why this message (or prompt) cannot be sent now, or "". (Gradio passes the request only
+        to named positional parameters, hence the validators' long lists.)"""
+        return ("" if (text or "").strip() else empty) or self._too_long(request, text, system) or self._busy(request)
 
     def _join(self, problem: str, n_inputs: int, request):
         """The validators' answer: the problem shown on the first input, or the request joins the queue."""
         if not problem:
             self.tickets.join(request)
         return [gr.validate(not problem, problem)] + [gr.validate(True, "")] * (n_inputs - 1)
+
+    # ---- the page's gates: the same checks, answered in place -------------------------------
+    # Send (or Enter), Regenerate and Compare first call a gate outside the queue (answered at
+    # once, even while another answer runs). A problem becomes the notice (the chat's, or the
+    # race's summary) and nothing is sent: every box keeps its text. Otherwise the gate moves a
+    # hidden counter, whose change sends the queued request (app.ui). A validator's refusal would
+    # instead be a failed request (HTTP 422) in the browser's console.
+    def gate_chat(self, message, system, request: gr.Request = None):
+        return self._gate(self._text_problem(message, system, request, EMPTY_MESSAGE))
+
+    def gate_regenerate(self, history, system, request: gr.Request = None):
+        nothing = "" if any(m.get("role") == "user" for m in history or []) else NOTHING_TO_REGENERATE
+        return self._gate(nothing or self._too_long(request, system=system) or self._busy(request))
+
+    def gate_compare(self, prompt, system, request: gr.Request = None):
+        return self._gate(self._text_problem(prompt, system, request, EMPTY_PROMPT))
+
+    def _gate(self, problem: str) -> tuple:
+        """(notice, counter): the problem and no request, or no new notice and the request."""
+        if problem:
+            log.warning("%s", problem)
+            return problem, gr.skip()
+        return gr.skip(), next(self._sends)
 
     def _too_long(self, request, message=None, system=None) -> str:
         """Why this message or system prompt is refused for its length, or ""."""
@@ -134,10 +160,10 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
-                             empty_first=not users, empty_message="Nothing to regenerate yet: send a message first.")
+                             empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
 
     def _run(self, work, request, n_outputs: int, notice_at: int, *, empty_first=False,
-             empty_message="Type a message first."):
+             empty_message=EMPTY_MESSAGE):
         """Drive one queued request: its ticket, and every problem turned into a message."""
         ticket = self.tickets.ticket(request)
         try:
@@ -350,7 +376,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 yield from self._race(engine, msgs, spec_cfg, seconds, ticket, notices)
 
         yield from self._run(work, request, 4, 2, empty_first=not prompt,
-                             empty_message="Type a prompt to compare.")
+                             empty_message=EMPTY_PROMPT)
 
     @staticmethod
     def _race(engine, msgs, spec_cfg, seconds, ticket: Ticket, notices: list[str]):

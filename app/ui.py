@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import gradio as gr
 
 from app.chat import BONUS, DRAFT, PLAIN, empty_frame
@@ -41,8 +43,9 @@ MAX_DEPTH = 16  # the depth slider's range is 1..MAX_DEPTH; the tree size slider
 
 # Runs once when the page loads.
 # Esc stops the answer (or the race) being written, like the Stop button of the tab in view.
-# Gradio clamps a typed number to its slider's range when the box loses focus, silently. This
-# says what was changed, under the slider (capture phase: before Gradio's own blur handler).
+# Gradio clamps a typed number to its slider's range when the box loses focus, silently, and an
+# empty box (or one holding no number) becomes the minimum. This says what was changed, under the
+# slider (capture phase: before Gradio's own blur handler).
 PAGE_JS = """
 () => {
   document.addEventListener("keydown", (event) => {
@@ -52,15 +55,17 @@ PAGE_JS = """
   });
   document.addEventListener("blur", (event) => {
     const box = event.target;
-    if (!(box instanceof HTMLInputElement) || box.type !== "number" || box.value === "") return;
-    const value = Number(box.value), lo = Number(box.min), hi = Number(box.max);
-    const used = box.min !== "" && value < lo ? lo : box.max !== "" && value > hi ? hi : null;
+    if (!(box instanceof HTMLInputElement) || box.type !== "number") return;
+    const lo = box.min === "" ? null : Number(box.min), hi = box.max === "" ? null : Number(box.max);
+    const typed = box.value === "" ? null : Number(box.value);
+    const used = typed === null ? lo : lo !== null && typed < lo ? lo : hi !== null && typed > hi ? hi : null;
     const wrap = box.closest(".wrap") || box.parentElement;
     let note = wrap.querySelector(":scope > .range-note");
     if (used === null) { if (note) note.remove(); return; }
     if (!note) { note = document.createElement("div"); note.className = "range-note"; wrap.appendChild(note); }
     const name = (box.getAttribute("aria-label") || "").replace("number input for ", "");
-    note.textContent = `${name}: ${value} is outside ${lo}–${hi}, so ${used} is used.`;
+    const what = typed === null ? "no number was typed" : `${typed} is outside ${lo}–${hi}`;
+    note.textContent = `${name}: ${what}, so ${used} is used.`;
   }, true);
 }
 """
@@ -68,6 +73,22 @@ HEADER = "## eagle-chat"
 ABOUT = ("Local chat with lossless EAGLE speculative decoding: a small draft head guesses a tree of tokens, "
          "the model checks them all in one pass, and the answer is exactly what the model alone would write — "
          "only faster. **τ (tau)** is the number of tokens each model pass adds to the answer.")
+
+
+def in_range_js(components: list) -> str:
+    """JavaScript that runs in the page before the settings are kept: each slider's value brought into
+    its range as Gradio does when its box loses focus (no number: the minimum). A slider's input
+    event carries its number as typed, and Gradio's Slider refuses a value outside its range (HTTP
+    500 and an "Error" toast); PAGE_JS's note says which value is used instead."""
+    ranges = [[c.minimum, c.maximum] if isinstance(c, gr.Slider) else None for c in components]
+    return f"""(...values) => {{
+  const ranges = {json.dumps(ranges)};
+  return values.map((value, i) => {{
+    if (!ranges[i]) return value;
+    const [lo, hi] = ranges[i], n = value === null || value === "" ? NaN : Number(value);
+    return Number.isFinite(n) ? Math.min(Math.max(n, lo), hi) : lo;
+  }});
+}}"""
 
 
 class App:
@@ -173,24 +194,32 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         # one generation at a time on the shared engine, whichever button started it; the
         # validators run when a request joins the queue (see app.lane)
         lane = dict(concurrency_id="engine", concurrency_limit=1)
-        chat_args = dict(fn=h.respond, inputs=[box, history, system] + settings, outputs=outs,
-                         validator=h.check_chat, **lane)
+        # the buttons ask a gate first (app.session): a problem is shown in place and nothing is sent,
+        # else the gate moves a hidden counter and its change sends the request ("once": not again
+        # while one is pending, as a button's click)
+        chat_go, regen_go, compare_go = (gr.Number(0, visible="hidden", elem_id=f"{name}-go", precision=0)
+                                         for name in ("chat", "regenerate", "compare"))
+        gate = dict(queue=False, api_visibility="private", show_progress="hidden")
+        gr.on([send.click, box.submit], h.gate_chat, [box, system], [notice, chat_go], **gate)
+        regen.click(h.gate_regenerate, [history, system], [notice, regen_go], **gate)
+        run.click(h.gate_compare, [prompt, system], [summary, compare_go], **gate)
         headline = dict(fn=manager.status_markdown, inputs=None, outputs=status, api_visibility="private",
                         queue=False, show_progress="hidden")  # the header's speed follows the last answer
-        for answered in (send.click(api_name="chat", **chat_args), box.submit(api_visibility="private", **chat_args),
-                         regen.click(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
-                                     validator=h.check_regenerate, **lane)):
+        for answered in (chat_go.change(h.respond, [box, history, system] + settings, outs, api_name="chat",
+                                        validator=h.check_chat, trigger_mode="once", **lane),
+                         regen_go.change(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
+                                         validator=h.check_regenerate, trigger_mode="once", **lane)):
             answered.success(**save)
             answered.success(**headline)
         stop.click(h.stop, None, None, queue=False, api_name="stop")
         clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save)
         chat_events(h, listing, store, chats_out)
         keep = dict(fn=h.settings_save, inputs=[system] + settings, outputs=kept_settings, queue=False,
-                    api_visibility="private")
+                    api_visibility="private", js=in_range_js([system] + settings))
         gr.on([c.input for c in [system] + settings], **keep)
-        run.click(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
-                  [plain_out, spec_out, summary, compare_json], api_name="compare",
-                  validator=h.check_compare, **lane)
+        compare_go.change(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
+                          [plain_out, spec_out, summary, compare_json], api_name="compare",
+                          validator=h.check_compare, trigger_mode="once", **lane)
         stop2.click(h.stop, None, None, queue=False, api_visibility="private")
         # a deeper tree needs room: the size follows the depth up, and a smaller size says what it caps
         # (in the page: two server round trips could land out of order and undo the newer value)

@@ -1,7 +1,8 @@
 """The app in Debian's chromium (driven by pip's playwright), served in this process on tiny
 models: problems are shown as messages while every component keeps its content and stays
 usable, a typed number outside its slider's range is reported, and the chart, the legend,
-the checkbox and the catalogue stay readable."""
+the checkbox and the catalogue stay readable. After every test the browser has reported no
+errors: no console error (a refused or failed request is one), no uncaught exception."""
 
 from __future__ import annotations
 
@@ -31,6 +32,50 @@ def served():
     server.close()
 
 
+class ConsoleErrors:
+    """Every error the page reports: console messages of type "error" (a failed request's "Failed to
+    load resource" among them) and uncaught exceptions. Each test ends with none, except messages it
+    expects by their exact text (`expect`), each once. Failed requests are listed with the errors:
+    the console names only their status."""
+
+    def __init__(self, page):
+        self.seen: list[str] = []
+        self.expected: list[str] = []
+        self.failed: list[str] = []
+        page.on("console", self._console)
+        page.on("pageerror", lambda error: self.seen.append(f"uncaught: {error}"))
+        page.on("response", self._response)
+
+    def _console(self, message) -> None:
+        if message.type == "error":
+            self.seen.append(f"console error: {message.text} (at {(message.location or {}).get('url') or '?'})")
+
+    def _response(self, response) -> None:
+        if response.status >= 400:
+            try:
+                answer = response.text()[:300]
+            except Exception as e:  # the body may be gone already
+                answer = f"(unreadable: {e})"
+            sent = (response.request.post_data or "")[:300]
+            self.failed.append(f"{response.status} {response.request.method} {response.url} {sent} -> {answer}")
+
+    def expect(self, message: str) -> None:
+        """A test that provokes this exact console error on purpose allows it once."""
+        self.expected.append(message)
+
+    def check(self) -> None:
+        seen, expected, failed = self.seen, self.expected, self.failed
+        self.seen, self.expected, self.failed = [], [], []
+        unexpected = []
+        for line in seen:
+            text = line.removeprefix("console error: ").rsplit(" (at ", 1)[0]
+            if line.startswith("console error: ") and text in expected:
+                expected.remove(text)
+            else:
+                unexpected.append(line)
+        assert not unexpected, "\n".join(["the browser reported errors:", *unexpected, "failed requests:", *failed])
+
+
 @pytest.fixture(scope="module")
 def page(served):
     from playwright.sync_api import sync_playwright
@@ -39,6 +84,7 @@ def page(served):
         browser = p.chromium.launch(executable_path=CHROMIUM,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.console_errors = ConsoleErrors(page)  # from the first load on; checked after each test
         page.goto(served.url)
         page.locator("#chart .mark-rect path").first.wait_for(state="attached", timeout=30_000)
         page.wait_for_function("document.querySelector('#chat-pick input')?.value", timeout=30_000)  # chats loaded
@@ -47,6 +93,13 @@ def page(served):
         page.locator("#max-new input[type=number]").press("Enter")
         yield page
         browser.close()
+
+
+@pytest.fixture(autouse=True)
+def no_console_errors(page):
+    """After each test (and the page's first load, for the first): the browser reported no errors."""
+    yield
+    page.console_errors.check()
 
 
 def send(page, text: str, wait=True) -> None:
@@ -70,8 +123,8 @@ def test_problems_are_messages_and_every_component_keeps_its_content(page):
     send(page, "w5 w9")
     before = snapshot(page)
     assert "w5 w9" in before["#chatbot"] and "τ" in before["#stats"]
-    send(page, "   ", wait=False)
-    page.get_by_text("Type a message first.").first.wait_for(timeout=10_000)
+    send(page, "   ", wait=False)  # said in place: no request is sent (a refused one is an error in the console)
+    page.wait_for_function("document.querySelector('#notice').innerText === 'Type a message first.'", timeout=10_000)
     assert snapshot(page) == before and page.evaluate(ERROR_PILLS) == 0
     too_long = " ".join(f"w{4 + i % 90}" for i in range(600))
     send(page, too_long, wait=False)
@@ -93,6 +146,12 @@ def test_problems_are_messages_and_every_component_keeps_its_content(page):
     send(page, "w8 w9")
     page.get_by_role("tab", name="Models").click()
     assert page.evaluate(ERROR_PILLS) == 0 and page.locator("#catalogue tbody tr").count() == rows
+
+    page.get_by_role("tab", name="Side by side").click()
+    page.locator("#compare").click()  # no prompt
+    page.wait_for_function("document.querySelector('#compare-summary').innerText === 'Type a prompt to compare.'",
+                           timeout=10_000)
+    assert page.locator("#plain-answer").inner_text() == "" and page.evaluate(ERROR_PILLS) == 0
     page.get_by_role("tab", name="Chat").click()
 
 
@@ -109,6 +168,10 @@ def test_a_number_outside_its_range_is_reported_when_changed(page):
     page.locator("#message textarea").click()  # the box loses focus: Gradio clamps it
     assert box.input_value() == "16"
     assert page.locator("#depth .range-note").inner_text() == "Tree depth: 100 is outside 1–16, so 16 is used."
+    box.fill("")  # no number: Gradio uses the minimum
+    page.locator("#message textarea").click()
+    assert box.input_value() == "1"
+    assert page.locator("#depth .range-note").inner_text() == "Tree depth: no number was typed, so 1 is used."
     box.fill("3")
     page.locator("#message textarea").click()
     assert page.locator("#depth .range-note").count() == 0
@@ -160,7 +223,10 @@ def test_the_tree_size_follows_a_deeper_depth_and_a_smaller_size_says_what_it_ca
     # the boxes come back enabled after an earlier test switched speculation off and on (the slider first)
     page.wait_for_function("document.querySelector('#depth input[type=number]')?.disabled === false && "
                            "document.querySelector('#tree-size input[type=number]')?.disabled === false", timeout=10_000)
+    # each value waits for the page's answer to the last: the depth's event reads the size when it runs
+    enter(size, "6")
     enter(depth, "6")
+    page.wait_for_function("document.querySelector('#tree-size input[type=number]').value === '7'", timeout=10_000)
     enter(size, "5")
     page.wait_for_function("document.querySelector('#tree-limit').innerText.includes('caps')", timeout=10_000)
     assert page.locator("#tree-limit").inner_text().startswith("Tree size 5 caps the tree at 4 drafted tokens")
@@ -211,6 +277,9 @@ def upload(page, path) -> None:
 def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch(page, tmp_path):
     page.locator("#new-chat").click()
     page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    page.locator("#regenerate").click()  # an empty chat: said at once, in place
+    page.wait_for_function("document.querySelector('#notice').innerText.startsWith('Nothing to regenerate yet')",
+                           timeout=10_000)
     send(page, "w11 w12")
     page.wait_for_function("document.querySelector('#chat-pick input').value === 'w11 w12'", timeout=10_000)
     shown = snapshot(page)["#chatbot"]
@@ -249,12 +318,17 @@ def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch
     page.locator("#chat-pick input").click()
     page.get_by_role("option", name="w11 w12").click()
     wait_for_chat(page, shown)
+    # the title box is among the same outputs, perhaps drawn after the chat: typed over before, it would be undone
+    page.wait_for_function("document.querySelector('#chat-title input')?.value === 'w11 w12'", timeout=10_000)
     page.locator("#chat-title input").fill("Renamed")
     page.locator("#rename-chat").click()
     page.wait_for_function("document.querySelector('#chat-pick input')?.value === 'Renamed'", timeout=10_000)
     page.reload()
     wait_for_chat(page, shown)
     assert page.locator("#chat-pick input").input_value() == "Renamed", "the open chat and its name survive"
+    # the saved settings again arrive last: the next test's max new tokens must not be overwritten by them
+    page.locator("#sampling").get_by_text("Sampling").first.click()
+    page.wait_for_function("document.querySelector('#max-new input[type=number]')?.value === '60'", timeout=10_000)
     page.locator("#manage-chats").get_by_text("Manage chats").first.click()
     page.locator("#delete-chat").click()
     page.wait_for_function("document.querySelector('#chatbot')?.innerText.includes('w22 w23')", timeout=10_000)
@@ -289,19 +363,22 @@ def test_stop_and_esc_take_effect_within_half_a_second_while_streaming(page, ser
     box.fill("2000")
     box.press("Enter")
     latencies = {}
-    for press in ("button", "Escape"):
-        send(page, "w5 w9", wait=False)
-        page.wait_for_function("/streaming/.test(document.querySelector('#stats').innerText)", timeout=10_000)
-        page.wait_for_timeout(1500)
-        started = time.monotonic()
-        page.evaluate("() => document.title")  # an in-page script call during streaming
-        assert time.monotonic() - started < 0.5, "the page answers scripts while the text streams"
-        latencies[press] = page.evaluate(STOP_LATENCY_JS, press)
-        print(f"Stop by {press}: {latencies[press]:.0f} ms after the press")
+    try:
+        for press in ("button", "Escape"):
+            send(page, "w5 w9", wait=False)
+            page.wait_for_function("/streaming/.test(document.querySelector('#stats').innerText)", timeout=10_000)
+            page.wait_for_timeout(1500)
+            started = time.monotonic()
+            page.evaluate("() => document.title")  # an in-page script call during streaming
+            assert time.monotonic() - started < 0.5, "the page answers scripts while the text streams"
+            latencies[press] = page.evaluate(STOP_LATENCY_JS, press)
+            print(f"Stop by {press}: {latencies[press]:.0f} ms after the press")
+    finally:  # whatever failed, the next tests find no long answer running and short answers set
+        page.locator("#stop").click()
+        box.fill("60")
+        box.press("Enter")
     assert all(0 <= ms < 500 for ms in latencies.values()), latencies
     assert "Stopped." in page.locator("#notice").inner_text()
-    box.fill("60")
-    box.press("Enter")
 
 
 def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_speculation_paused(page, served,
@@ -313,8 +390,8 @@ def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_spe
     huge = "w5 " * 10_667  # 32,001 characters
     page.locator("#message textarea").fill(huge)
     page.locator("#send").click()
-    page.get_by_text("This message is 32,001 characters long; the limit is 32,000 characters").first.wait_for(
-        timeout=10_000)
+    page.wait_for_function("document.querySelector('#notice').innerText.startsWith("
+                           "'This message is 32,001 characters long; the limit is 32,000 characters')", timeout=10_000)
     assert page.locator("#message textarea").input_value() == huge, "the typed text stays, to be shortened"
     assert snapshot(page)["#chatbot"] == before, "the chat stays"
 

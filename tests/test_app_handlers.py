@@ -377,6 +377,24 @@ def test_messages_have_a_length_limit_said_with_its_numbers(bigram):
     with pytest.warns(UserWarning, match="The system prompt is 59 characters long"):
         list(h.regenerate(history, longer, *GREEDY, request=LOCAL))
     assert h.check_compare(longer, SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=LOCAL)[0]["is_valid"] is False
+    # the page's gates say the same in place (notice, and no new counter value: nothing is sent)
+    assert h.gate_chat(message, SYSTEM, request=SHARE_LINK) == (check[0]["message"], SKIP)
+    assert h.gate_compare(longer, SYSTEM, request=LOCAL)[1] == SKIP
+    assert "The system prompt is 59 characters long" in h.gate_regenerate(history, longer, request=LOCAL)[0]
+
+
+def test_the_pages_gates_refuse_in_place_and_let_each_good_request_go_once(bigram):
+    h = handlers_for(bigram[0])
+    chat = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    assert h.gate_chat("   ", SYSTEM, request=LOCAL) == ("Type a message first.", SKIP)
+    assert h.gate_compare("", SYSTEM, request=LOCAL) == ("Type a prompt to compare.", SKIP)
+    assert h.gate_regenerate([], SYSTEM, request=LOCAL) == ("Nothing to regenerate yet: send a message first.", SKIP)
+    goes = [h.gate_chat("w5", SYSTEM, request=LOCAL), h.gate_regenerate(chat, SYSTEM, request=LOCAL),
+            h.gate_compare("w5", SYSTEM, request=LOCAL), h.gate_chat("w5", SYSTEM, request=LOCAL)]
+    assert all(notice == SKIP for notice, _ in goes), "a good request leaves the notice to its answer"
+    counts = [count for _, count in goes]
+    assert all(isinstance(c, int) for c in counts) and len(set(counts)) == 4, "each one moves the counter"
+    assert h.tickets.sessions() == set(), "a gate holds no ticket: the request gets one when it joins the queue"
 
 
 def test_a_visitor_through_the_public_link_holds_one_answer_at_a_time(bigram):
@@ -396,6 +414,8 @@ def test_a_visitor_through_the_public_link_holds_one_answer_at_a_time(bigram):
     someone_else = FakeRequest(host="abcd1234.gradio.live", forwarded="203.0.113.8", session_hash="s3")
     assert all(v["is_valid"] for v in h.check_chat("w6", [], SYSTEM, *settings, request=someone_else))
     assert all(v["is_valid"] for v in h.check_chat("w6", [], SYSTEM, *settings, request=LOCAL)), "local: no bound"
+    assert "Wait for your answer to finish" in h.gate_chat("w6", SYSTEM, request=other_tab)[0]
+    assert h.gate_chat("w6", SYSTEM, request=someone_else)[0] == SKIP
     list(first)
     assert list(h.respond("w6", [], SYSTEM, *settings, request=other_tab))[-1][5]["tokens"] == 40
 
