@@ -119,13 +119,20 @@ class ChatsHandlers:
     def settings_load(self, stored, system, *values):
         """Page load: the settings kept in this browser, each checked as the chat would check it.
         Speculation stays off when this model cannot speculate."""
+        spec_ok = self.manager.backend is None and self.manager.engine is not None and self.manager.engine.has_head
+        spec_at = 1 + ChatSettings.names().index("spec")
+        if not isinstance(stored, dict):  # nothing kept in this browser: leave the controls as they are now
+            # (the values this event read are the page's first ones; a slider moved since would be undone)
+            updates = [gr.skip()] * (1 + len(values))
+            if not spec_ok:
+                updates[spec_at] = False
+            return tuple(updates)
         shown_now = ChatSettings(*values)
         kept = ChatSettings.stored(stored, shown_now)
-        spec_ok = self.manager.backend is None and self.manager.engine is not None and self.manager.engine.has_head
         kept_system = stored.get("system") if isinstance(stored, dict) and isinstance(stored.get("system"), str) \
             else system
         updates = [kept_system] + [getattr(kept, name) for name in ChatSettings.names()]
-        updates[1 + ChatSettings.names().index("spec")] = kept.spec and spec_ok
+        updates[spec_at] = kept.spec and spec_ok
         return tuple(updates)
 
 

@@ -483,3 +483,21 @@ def test_the_panel_counts_head_tree_nodes_and_copied_text_apart(bigram):
     stats_md = answer(h, "w5 w9", [], GREEDY._replace(depth=2, top_k=2, tree_size=4, max_new=60))[0][-1][4]
     assert (f"head tree {stats['head_nodes']} nodes · copied from earlier text on {stats['copied_steps']} steps, "
             f"{stats['copied_accepted']} tokens accepted") in stats_md
+
+
+def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_when_nothing_is_kept(bigram):
+    """A fresh browser has nothing kept: the load must not write back the page's first values over a
+    slider the visitor moved meanwhile (the browser test set 60 new tokens, then saw 512 come back);
+    kept settings are restored, each checked; without a head speculation is switched off either way."""
+    values = tuple(ChatSettings(max_new=60).__dict__.values())
+    h = handlers_for(Engine(*bigram))
+    fresh = h.settings_load(None, "sys", *values)
+    assert len(fresh) == 1 + len(values) and all(isinstance(u, type(gr.skip())) for u in fresh)
+    kept = h.settings_load({"system": "kept", "max_new": 77, "depth": "x"}, "sys", *values)
+    assert kept[0] == "kept" and len(kept) == 1 + len(values)
+    assert dict(zip(ChatSettings.names(), kept[1:]))["max_new"] == 77
+    assert dict(zip(ChatSettings.names(), kept[1:]))["depth"] == ChatSettings().depth  # unparsable: the value shown
+    no_head = handlers_for(Engine(bigram[0]))
+    spec_at = 1 + ChatSettings.names().index("spec")
+    fresh = no_head.settings_load(None, "sys", *values)
+    assert fresh[spec_at] is False and all(isinstance(u, type(gr.skip())) for i, u in enumerate(fresh) if i != spec_at)
