@@ -112,6 +112,44 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
     return 0;
 }
 
+// A forward's work memory: the activations (n rows each), the GEMM's packed rows, per-thread
+// GEMM scratch and per-thread attention scores. kin: the widest input the first GEMM reads.
+typedef struct {
+    acts t;
+    uint16_t *work, *pack, *scratch;
+    float *scores;
+    int kmax;
+    int64_t per_thread, cap;  // scores per thread; keys one query head may score
+} step_mem;
+
+static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int64_t committed, const int64_t *counts,
+                          int nthreads) {
+    int H = m->hidden, F = m->ffn, g = m->heads / m->kv_heads;
+    int64_t qw = (int64_t)m->heads * m->head_dim, kw = (int64_t)m->kv_heads * m->head_dim;
+    s->kmax = kin > F ? kin : F;
+    s->kmax = s->kmax > qw ? s->kmax : (int)qw;
+    int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
+    s->per_thread = attention_scores_per_thread(counts, n, committed, g);
+    s->cap = (s->per_thread - g) / g;
+    s->work = (uint16_t *)malloc((size_t)n * act * 2);
+    s->pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, s->kmax) * 2);
+    s->scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(s->kmax) * 2);
+    s->scores = (float *)malloc((size_t)nthreads * s->per_thread * sizeof(float));
+    if (!(s->work && s->pack && s->scratch && s->scores)) return STEP_NO_MEMORY;
+    acts *t = &s->t;
+    t->x = s->work; t->h = t->x + (int64_t)n * H; t->o = t->h + (int64_t)n * H;
+    t->q = t->o + (int64_t)n * H; t->qr = t->q + n * qw; t->k = t->qr + n * qw; t->kr = t->k + n * kw;
+    t->v = t->kr + n * kw; t->g = t->v + n * kw; t->u = t->g + (int64_t)n * F; t->a = t->u + (int64_t)n * F;
+    return STEP_OK;
+}
+
+static void step_mem_free(step_mem *s) {
+    free(s->work);
+    free(s->pack);
+    free(s->scratch);
+    free(s->scores);
+}
+
 // tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
 // its own key and value go to slot committed + i. features (n, nf * H) or NULL: the hidden state after
 // stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
@@ -122,50 +160,39 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
 int decode_step(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
                 const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids, int nf,
                 uint16_t *features, uint16_t *hidden, uint16_t *logits, int nthreads) {
-    int H = m->hidden, hd = m->head_dim, F = m->ffn, g = m->heads / m->kv_heads;
-    int64_t qw = (int64_t)m->heads * hd, kw = (int64_t)m->kv_heads * hd;
+    int H = m->hidden;
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= m->embed.N) return STEP_BAD_TOKEN;
         if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
     }
-    int kmax = H > F ? H : F;
-    kmax = kmax > qw ? kmax : (int)qw;
-    int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
-    int64_t per_thread = attention_scores_per_thread(counts, n, committed, g), cap = (per_thread - g) / g;
-    uint16_t *work = (uint16_t *)malloc((size_t)n * act * 2);
-    uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, kmax) * 2);
-    uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(kmax) * 2);
-    float *scores = (float *)malloc((size_t)nthreads * per_thread * sizeof(float));
-    int status = work && pack && scratch && scores ? STEP_OK : STEP_NO_MEMORY;
+    step_mem s;
+    int status = step_mem_alloc(&s, m, n, H, committed, counts, nthreads);
     if (status == STEP_OK) {
-        acts t;
-        t.x = work; t.h = t.x + (int64_t)n * H; t.o = t.h + (int64_t)n * H;
-        t.q = t.o + (int64_t)n * H; t.qr = t.q + n * qw; t.k = t.qr + n * qw; t.kr = t.k + n * kw; t.v = t.kr + n * kw;
-        t.g = t.v + n * kw; t.u = t.g + (int64_t)n * F; t.a = t.u + (int64_t)n * F;
+        const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
         {
             int me = omp_get_thread_num(), bad = 0;
-            uint16_t *mine = scratch + me * scratch_elems(kmax);
-            float *sc = scores + me * per_thread;
+            uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
+            float *sc = s.scores + me * s.per_thread;
             amx_begin();
 #pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t.x + (int64_t)i * H);
+            for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t->x + (int64_t)i * H);
             if (features) {  // the same branch on every thread: the single's barrier only where it runs
 #pragma omp single
-                keep_features(t.x, n, H, 0, feature_ids, nf, features);
+                keep_features(t->x, n, H, 0, feature_ids, nf, features);
             }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
-                bad = layer_team(m, &m->layer[l], &t, positions, n, committed, committed, anc, anc_stride, counts, pack,
-                                 mine, sc, cap);
+                bad = layer_team(m, &m->layer[l], t, positions, n, committed, committed, anc, anc_stride, counts,
+                                 s.pack, mine, sc, s.cap);
                 if (features) {
 #pragma omp single
-                    keep_features(t.x, n, H, l + 1, feature_ids, nf, features);
+                    keep_features(t->x, n, H, l + 1, feature_ids, nf, features);
                 }
             }
             if (!bad) {
-                rmsnorm_team(t.x, H, m->norm, hidden, H, n, H, m->eps);
+                rmsnorm_team(t->x, H, m->norm, hidden, H, n, H, m->eps);
                 gemm_job lm = {&m->lm_head, NULL, logits, m->vocab};
-                if (logits) bad = gemm_team(hidden, H, &lm, 1, n, H, pack, mine);
+                if (logits) bad = gemm_team(hidden, H, &lm, 1, n, H, s.pack, mine);
             }
             amx_end();
             if (bad) {
@@ -174,10 +201,7 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
             }
         }
     }
-    free(work);
-    free(pack);
-    free(scratch);
-    free(scores);
+    step_mem_free(&s);
     return status;
 }
 
@@ -191,47 +215,33 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
 int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const uint16_t *xin,
               const int64_t *positions, int n, int64_t committed, int64_t at, const int64_t *anc,
               int64_t anc_stride, const int64_t *counts, uint16_t *out, int nthreads) {
-    int H = m->hidden, hd = m->head_dim, F = m->ffn, g = m->heads / m->kv_heads;
-    int64_t qw = (int64_t)m->heads * hd, kw = (int64_t)m->kv_heads * hd;
+    int H = m->hidden;
     for (int i = 0; i < n; i++)
         if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
     if (fc->K != 2 * H || fc->N != H) return STEP_BAD_WEIGHT;
-    int kmax = 2 * H > F ? 2 * H : F;
-    kmax = kmax > qw ? kmax : (int)qw;
-    int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
-    int64_t per_thread = attention_scores_per_thread(counts, n, committed, g), cap = (per_thread - g) / g;
-    uint16_t *work = (uint16_t *)malloc((size_t)n * act * 2);
-    uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, kmax) * 2);
-    uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(kmax) * 2);
-    float *scores = (float *)malloc((size_t)nthreads * per_thread * sizeof(float));
-    int status = work && pack && scratch && scores ? STEP_OK : STEP_NO_MEMORY;
+    step_mem s;
+    int status = step_mem_alloc(&s, m, n, 2 * H, committed, counts, nthreads);
     if (status == STEP_OK) {
-        acts t;
-        t.x = work; t.h = t.x + (int64_t)n * H; t.o = t.h + (int64_t)n * H;
-        t.q = t.o + (int64_t)n * H; t.qr = t.q + n * qw; t.k = t.qr + n * qw; t.kr = t.k + n * kw; t.v = t.kr + n * kw;
-        t.g = t.v + n * kw; t.u = t.g + (int64_t)n * F; t.a = t.u + (int64_t)n * F;
+        const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
         {
             int me = omp_get_thread_num(), bad = 0;
-            uint16_t *mine = scratch + me * scratch_elems(kmax);
-            float *sc = scores + me * per_thread;
+            uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
+            float *sc = s.scores + me * s.per_thread;
             amx_begin();
-            gemm_job in = {fc, fc_bias, t.x, H};
-            bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, pack, mine);
+            gemm_job in = {fc, fc_bias, t->x, H};
+            bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, s.pack, mine);
             for (int l = 0; l < m->layers && !bad; l++)
-                bad = layer_team(m, &m->layer[l], &t, positions, n, committed, at, anc, anc_stride, counts, pack, mine,
-                                 sc, cap);
+                bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack, mine,
+                                 sc, s.cap);
             amx_end();
             if (bad) {
 #pragma omp atomic write
                 status = STEP_BAD_WEIGHT;
             }
         }
-        if (status == STEP_OK) memcpy(out, t.x, (size_t)n * H * 2);
+        if (status == STEP_OK) memcpy(out, t->x, (size_t)n * H * 2);
     }
-    free(work);
-    free(pack);
-    free(scratch);
-    free(scores);
+    step_mem_free(&s);
     return status;
 }
