@@ -546,3 +546,40 @@ def test_reproduce_script_is_valid_bash_and_its_commands_parse():
     assert (u3.unroll, u3.minutes, u3.lr) == (3, 55.0, 1e-3)
     assert u3.init == u1.out and u3.ckpt != u1.ckpt  # phase 2 continues phase 1, in its own checkpoint
     assert commands[1].head_kind == "eagle3"  # one feature pass serves both head kinds
+
+
+def test_engine_distill_gives_the_engines_own_answers_and_resumes(tmp_path):
+    """--distiller engine: greedy answers are the engine's plain greedy answers (speculation
+    through a head changes nothing), equal to the batched distiller's in the same numerics;
+    sampled answers repeat per id; records name the numerics; a rerun resumes."""
+    from core.decoding.engine import Engine
+    from core.train.data import Prompt
+    from core.train.distill import DistillConfig, distill, distill_engine
+    from tests.tiny import oracle_head, tiny_target
+
+    target = target_plain = tiny_target(mix=0.3, seed=2)  # some answers stop at eos, some at the cap
+    prompts = [Prompt(f"p{i}", "chat", (f"w{5 + i} w{9 + 2 * i}",)) for i in range(6)]
+    prompts.append(Prompt("p6-fu", "chat", ("w7",), history=(("user", "w11 w12"), ("assistant", "w13"))))
+    cfg = DistillConfig(batch_size=3, max_new_tokens=20)
+    read = lambda path: {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    spec = Engine(target, oracle_head(target))
+    assert distill_engine(spec, prompts, tmp_path / "spec.jsonl", cfg) > 0
+    distill_engine(Engine(target_plain), prompts, tmp_path / "plain.jsonl", cfg)
+    distill(target, prompts, tmp_path / "batched.jsonl", cfg)
+    rows, plain, batched = (read(tmp_path / f) for f in ("spec.jsonl", "plain.jsonl", "batched.jsonl"))
+    assert set(rows) == {p.id for p in prompts}
+    for i, r in rows.items():
+        assert r["messages"] == plain[i]["messages"] == batched[i]["messages"]
+        assert r["new_tokens"] == batched[i]["new_tokens"] and r["truncated"] == batched[i]["truncated"]
+        assert r["numerics"] and "temperature" not in r
+    assert any(r["truncated"] for r in rows.values()) and any(not r["truncated"] for r in rows.values())
+    assert distill_engine(spec, prompts, tmp_path / "spec.jsonl", cfg) == 0  # resumed: nothing left
+
+    mixed = DistillConfig(batch_size=2, max_new_tokens=20, sampled_fraction=0.5, temperature=1.0)
+    distill_engine(spec, prompts, tmp_path / "m1.jsonl", mixed)
+    distill_engine(spec, prompts, tmp_path / "m2.jsonl", mixed)
+    m1, m2 = read(tmp_path / "m1.jsonl"), read(tmp_path / "m2.jsonl")
+    sampled = {p.id for p in prompts if mixed.temperature_for(p.id)}
+    assert m1 == m2 and {i for i, r in m1.items() if r.get("temperature") == 1.0} == sampled
+    assert all(m1[i]["messages"] == rows[i]["messages"] for i in m1 if i not in sampled)
+    assert any(m1[i]["messages"] != rows[i]["messages"] for i in sampled)

@@ -15,7 +15,7 @@ cached; train: the head; eval: the real engine on held-out prompts.
 Self-written prompts, answered greedily and at temperature 0.7 half each:
   python -m core.train magpie --threads 1 --count 20000 --distill-dtype bfloat16
   python -m core.train distill --threads 1 --prompt-file runs/train/magpie.jsonl \
-      --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5
+      --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5 --distiller engine
   python -m core.train magpie --threads 1 --followups --distill-dtype bfloat16
   python -m core.train distill --threads 1 --prompt-file runs/train/magpie_followups.jsonl \
       --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5
@@ -128,6 +128,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--distill-dtype", default="float32",
                    help="target dtype for self-distillation (bfloat16: ~1.3x faster batched on AMX CPUs)")
+    g.add_argument("--distiller", choices=["batched", "engine"], default="batched",
+                   help="batched: transformers in --distill-dtype (the shipped data); engine: the app's own "
+                        "engine with the shipped head, one prompt at a time, in the numerics it serves (on a "
+                        "CPU the native 4-bit step), ~2x the answers per hour at one thread")
     g.add_argument("--until", default=None, help="stop distilling at this UTC time, HH:MM")
     g.add_argument("--max-prompts", type=int, default=None)
     g.add_argument("--prompt-file", type=Path, default=None,
@@ -210,7 +214,7 @@ def stage_prompts(args) -> None:
 def stage_distill(args, prompt_file: Path | None = None) -> None:
     from core.models import load_target
     from core.train.data import DataError, read_prompts
-    from core.train.distill import DistillConfig, distill
+    from core.train.distill import DistillConfig, distill, distill_engine
 
     explicit = prompt_file or args.prompt_file
     prompts_path = explicit or args.work / "prompts.jsonl"
@@ -222,13 +226,22 @@ def stage_distill(args, prompt_file: Path | None = None) -> None:
     cfg = DistillConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, deadline=deadline,
                         max_prompts=args.max_prompts, sampled_fraction=args.sampled_fraction,
                         temperature=args.distill_temperature, seed=args.seed)
-    target = load_target(args.target, dtype=args.distill_dtype)
+    if args.distiller == "engine":
+        from core.decoding.engine import Engine
+
+        engine = Engine.load(args.target)
+        print(f"distill: the engine answers ({engine.numerics.step or engine.numerics.dtype}; "
+              f"{'speculative' if engine.has_head else 'plain'})", flush=True)
+        run = lambda prompts, out: distill_engine(engine, prompts, out, cfg)  # noqa: E731
+    else:
+        target = load_target(args.target, dtype=args.distill_dtype)
+        run = lambda prompts, out: distill(target, prompts, out, cfg)  # noqa: E731
     if args.split == "heldout":
-        n = distill(target, read_prompts(args.heldout), args.work / "heldout_distill.jsonl", cfg)
+        n = run(read_prompts(args.heldout), args.work / "heldout_distill.jsonl")
     else:
         natural = heldout_ids(args.heldout_natural)
         prompts = [p for p in read_prompts(prompts_path) if p.id not in natural]
-        n = distill(target, prompts, args.answers or args.work / "distill.jsonl", cfg)
+        n = run(prompts, args.answers or args.work / "distill.jsonl")
     print(f"distill: wrote {n} new answer tokens")
 
 
