@@ -5,8 +5,10 @@
     python scripts/ab.py PROMPTS.jsonl --tree 3,8,12 [--tree DEPTH,TOP_K,TOTAL ...] [--limit N]
 
 The first contender is always the shipped head with its `tree.json`; each `--head` adds a
-head folder drafting the same tree, each `--tree` the shipped head with that depth, top-k
-and size (lookup and long-context caps as shipped). Every prompt's first turn is answered
+head folder drafting the same tree, each `--tree` that depth, top-k and size (lookup and
+long-context caps as shipped) for the shipped head and every `--head` (heads x trees: a
+better head may pay for a deeper tree, so heads are compared at each tree). `--out FILE`
+writes the figures as JSON. Every prompt's first turn is answered
 greedily (128 new tokens) by each contender in turn, the order alternating from prompt to
 prompt, so the machine's slow and fast phases fall on all of them alike: on this VM only
 ratios measured this way are worth comparing. Prints tau and tokens/s per contender, tau
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, help="write tau, tok/s and tau per category per contender here (JSON)")
     args = p.parse_args(argv)
     shapes = {}
     for spec in args.tree:
@@ -55,12 +58,16 @@ def main(argv: list[str] | None = None) -> int:
 
     shipped = Engine.load()
     tree = shipped.default_tree
-    runs = {"shipped": (shipped, tree)}
+    heads = {"shipped": shipped}
     for folder in args.head:
         d = load_any_head(folder, shipped.target.model, dtype=shipped.target.dtype)
-        runs[folder] = (Engine(shipped.target, d.head, d.vocab, shipped.numerics), tree)
-    for spec, (depth, top_k, total) in shapes.items():
-        runs[f"tree {spec}"] = (shipped, replace(tree, depth=depth, top_k=top_k, total_tokens=total))
+        heads[folder] = Engine(shipped.target, d.head, d.vocab, shipped.numerics, drafter=d, step=shipped.step)
+    runs = {}
+    for name, engine in heads.items():
+        runs[name] = (engine, tree)
+        for spec, (depth, top_k, total) in shapes.items():
+            label = f"tree {spec}" if name == "shipped" else f"{name} tree {spec}"
+            runs[label] = (engine, replace(tree, depth=depth, top_k=top_k, total_tokens=total))
     skip = {q.id for q in load_prompts(args.exclude)} if args.exclude else set()
     prompts = [q for q in load_prompts(args.prompts) if q.id not in skip][: args.limit or None]
     names = list(runs)
@@ -91,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         cats = " ".join(f"{c} {v[0] / v[1]:.2f}" for c, v in sorted(s["cat"].items()))
         print(f"{k}: tau {s['tokens'] / s['forwards']:.3f}, {s['tokens'] / s['seconds']:.1f} tok/s; {cats}")
     print(f"identical to the shipped contender: {identical} / {len(prompts)}")
+    if args.out:
+        import json
+        from dataclasses import asdict
+
+        args.out.write_text(json.dumps({
+            "prompts_file": str(args.prompts), "prompts": len(prompts), "threads": args.threads,
+            "max_new_tokens": args.max_new_tokens, "identical": identical, "shipped_tree": asdict(tree),
+            "contenders": {k: {"tau": s["tokens"] / s["forwards"], "tok_s": s["tokens"] / s["seconds"],
+                               "tau_per_category": {c: v[0] / v[1] for c, v in sorted(s["cat"].items())}}
+                           for k, s in stats.items()}}, indent=1, default=str) + "\n")
     return 0 if identical == len(prompts) else 1
 
 

@@ -223,18 +223,29 @@ def test_the_tree_size_follows_a_deeper_depth_and_a_smaller_size_says_what_it_ca
     # the boxes come back enabled after an earlier test switched speculation off and on (the slider first)
     page.wait_for_function("document.querySelector('#depth input[type=number]')?.disabled === false && "
                            "document.querySelector('#tree-size input[type=number]')?.disabled === false", timeout=10_000)
+
+    def shows(condition: str, what: str) -> None:
+        """Wait (30 s: a busy machine) for the page's answer; else say what the boxes show."""
+        try:
+            page.wait_for_function(condition, timeout=30_000)
+        except Exception:
+            now = page.evaluate("[...['#depth', '#tree-size']].map(s => document.querySelector(s + "
+                                "' input[type=number]').value).concat([document.querySelector('#tree-limit').innerText])")
+            raise AssertionError(f"{what}: depth box {now[0]!r}, size box {now[1]!r}, note {now[2]!r}") from None
+
+    size_is = "document.querySelector('#tree-size input[type=number]').value === '{}'".format
     # each value waits for the page's answer to the last: the depth's event reads the size when it runs
     enter(size, "6")
+    shows(size_is(6), "the size box takes 6")
     enter(depth, "6")
-    page.wait_for_function("document.querySelector('#tree-size input[type=number]').value === '7'", timeout=10_000)
+    shows(size_is(7), "depth 6 grows size 6 to 7")
     enter(size, "5")
-    page.wait_for_function("document.querySelector('#tree-limit').innerText.includes('caps')", timeout=10_000)
+    shows("document.querySelector('#tree-limit').innerText.includes('caps')", "size 5 under depth 6 caps")
     assert page.locator("#tree-limit").inner_text().startswith("Tree size 5 caps the tree at 4 drafted tokens")
     send(page, "w5 w9")
     assert "Tree size 5 caps the tree" in page.locator("#notice").inner_text(), "the answer says it too"
     enter(depth, "12")
-    page.wait_for_function("document.querySelector('#tree-size input[type=number]').value === '13'",
-                           timeout=10_000)
+    shows(size_is(13), "depth 12 grows size 5 to 13")
     assert page.locator("#tree-limit").inner_text().strip() == "", "depth 12 is reachable with 13 nodes"
     enter(depth, "3")
     page.wait_for_timeout(500)
