@@ -3,6 +3,7 @@
     python scripts/ab.py assets/heldout_prompts.jsonl --exclude assets/bench/heldout20.jsonl --head runs/head_set3
     python scripts/ab.py PROMPTS.jsonl --head DIR [--head DIR ...] [--limit N]
     python scripts/ab.py PROMPTS.jsonl --tree 3,8,12 [--tree DEPTH,TOP_K,TOTAL ...] [--limit N]
+    python scripts/ab.py PROMPTS.jsonl --temperature 0.7 --plain --tree 3,8,6   # which tree pays when sampling
 
 The first contender is always the shipped head with its `tree.json`; each `--head` adds a
 head folder drafting the same tree, each `--tree` that depth, top-k and size (lookup and
@@ -13,7 +14,10 @@ greedily (128 new tokens) by each contender in turn, the order alternating from 
 prompt, so the machine's slow and fast phases fall on all of them alike: on this VM only
 ratios measured this way are worth comparing. Prints tau and tokens/s per contender, tau
 per category, and how many answers are identical to the shipped contender's (greedy
-speculation is lossless, so anything but all of them is a bug).
+speculation is lossless, so anything but all of them is a bug). `--temperature T` samples
+instead (seed `--seed` + the prompt's index, the same for every contender; answers then differ
+between contenders by design and are not compared), and `--plain` adds plain decoding as a
+contender, so the speed-up over it is measured in the same run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+DEPTHS = 5  # acceptance reported per depth up to this many draft tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prompts", type=Path)
@@ -36,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sampled")
+    p.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
+    p.add_argument("--plain", action="store_true", help="add plain decoding (no speculation) as a contender")
     p.add_argument("--out", type=Path, help="write tau, tok/s and tau per category per contender here (JSON)")
     args = p.parse_args(argv)
     shapes = {}
@@ -52,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     threads.start()  # the OpenMP policy, before torch loads
     threads.set_threads(args.threads)
     from core.bench import load_prompts
-    from core.config import GenerationConfig
+    from core.config import GenerationConfig, SamplingConfig
     from core.decoding.engine import Engine
     from core.decoding.head3 import load_any_head
 
@@ -68,13 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         for spec, (depth, top_k, total) in shapes.items():
             label = f"tree {spec}" if name == "shipped" else f"{name} tree {spec}"
             runs[label] = (engine, replace(tree, depth=depth, top_k=top_k, total_tokens=total))
+    if args.plain:
+        runs["plain"] = (shipped, None)
+    sampling = SamplingConfig(temperature=args.temperature)
+    def config_for(t, max_new_tokens: int, seed: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=max_new_tokens, speculative=t is not None, tree=t or tree,
+                                sampling=sampling, seed=seed if args.temperature else None)
     skip = {q.id for q in load_prompts(args.exclude)} if args.exclude else set()
     prompts = [q for q in load_prompts(args.prompts) if q.id not in skip][: args.limit or None]
     names = list(runs)
-    stats = {k: {"tokens": 0, "forwards": 0, "seconds": 0.0, "cat": {}} for k in names}
+    stats = {k: {"tokens": 0, "forwards": 0, "seconds": 0.0, "cat": {}, "steps": [0] * (DEPTHS + 1)} for k in names}
     identical = 0
     for engine, t in runs.values():  # warm-up
-        list(engine.generate(prompts[0].turns[0], GenerationConfig(max_new_tokens=16, tree=t)))
+        list(engine.generate(prompts[0].turns[0], config_for(t, 16, args.seed)))
     from tqdm import tqdm
 
     for i, prompt in enumerate(tqdm(prompts, unit="prompt", desc="a/b")):
@@ -83,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in (order if i % 2 else order[::-1]):
             engine, t = runs[k]
             start = time.perf_counter()
-            config = GenerationConfig(max_new_tokens=args.max_new_tokens, tree=t)
+            config = config_for(t, args.max_new_tokens, args.seed + i)
             events = list(engine.generate(prompt.turns[0], config))
             s = stats[k]
             s["seconds"] += time.perf_counter() - start
@@ -92,23 +108,37 @@ def main(argv: list[str] | None = None) -> int:
             c = s["cat"].setdefault(prompt.category, [0, 0])
             c[0] += events[-1].total_tokens
             c[1] += events[-1].target_forwards
+            for ev in events:  # speculative steps by draft tokens accepted (context lookup's included)
+                if ev.tree_size:
+                    s["steps"][min(ev.draft_tokens, DEPTHS)] += 1
             outs[k] = [tok for ev in events for tok in ev.token_ids]
         identical += all(o == outs["shipped"] for o in outs.values())
+    plain_rate = stats["plain"]["tokens"] / stats["plain"]["seconds"] if args.plain else None
     for k, s in stats.items():
+        s["speedup"] = s["tokens"] / s["seconds"] / plain_rate if plain_rate else None
         cats = " ".join(f"{c} {v[0] / v[1]:.2f}" for c, v in sorted(s["cat"].items()))
-        print(f"{k}: tau {s['tokens'] / s['forwards']:.3f}, {s['tokens'] / s['seconds']:.1f} tok/s; {cats}")
-    print(f"identical to the shipped contender: {identical} / {len(prompts)}")
+        vs = f" ({s['speedup']:.2f}x plain)" if plain_rate else ""
+        s["accept_at"] = [sum(s["steps"][d:]) / max(1, sum(s["steps"])) for d in range(1, DEPTHS + 1)]
+        if sum(s["steps"]):
+            cats += "; steps accepting >= 1..%d draft tokens: %s" % (DEPTHS, " / ".join(f"{a:.2f}" for a in s["accept_at"]))
+        print(f"{k}: tau {s['tokens'] / s['forwards']:.3f}, {s['tokens'] / s['seconds']:.1f} tok/s{vs}; {cats}")
+    if args.temperature:
+        print(f"sampled at temperature {args.temperature}: answers differ between contenders by design")
+    else:
+        print(f"identical to the shipped contender: {identical} / {len(prompts)}")
     if args.out:
         import json
         from dataclasses import asdict
 
         args.out.write_text(json.dumps({
             "prompts_file": str(args.prompts), "prompts": len(prompts), "threads": args.threads,
-            "max_new_tokens": args.max_new_tokens, "identical": identical, "shipped_tree": asdict(tree),
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+            "identical": None if args.temperature else identical, "shipped_tree": asdict(tree),
             "contenders": {k: {"tau": s["tokens"] / s["forwards"], "tok_s": s["tokens"] / s["seconds"],
+                               "speedup_vs_plain": s["speedup"], "accept_at_least": s["accept_at"],
                                "tau_per_category": {c: v[0] / v[1] for c, v in sorted(s["cat"].items())}}
                            for k, s in stats.items()}}, indent=1, default=str) + "\n")
-    return 0 if identical == len(prompts) else 1
+    return 0 if args.temperature or identical == len(prompts) else 1
 
 
 if __name__ == "__main__":
