@@ -16,18 +16,11 @@ P1=${2:-18}
 P2=${3:-55}
 THREADS=${THREADS:-2}
 mkdir -p "$OUT"
-stage() {  # stage NAME CMD...: run it and append its wall time to times.txt
-    local name=$1 t0
-    shift
-    t0=$(date +%s)
-    echo "== $name: $*"
-    "$@"
-    echo "$name $(( $(date +%s) - t0 ))" >> "$OUT/times.txt"
-}
+. "$(dirname "$0")/stage.sh"  # stage NAME CMD..., stage_total
 stage fixed python -m core.train fixed
 stage features python -m core.train features --threads "$THREADS" --head-kind eagle3
 stage train_unroll1 python -m core.train train --threads "$THREADS" --unroll 1 --bf16 \
     --minutes "$P1" --out "$OUT/head_u1" --ckpt "$OUT/ckpt_u1"
 stage train_unroll3 python -m core.train train --threads "$THREADS" --unroll 3 --bf16 --lr 1e-3 \
     --init "$OUT/head_u1" --minutes "$P2" --out "$OUT/head" --ckpt "$OUT/ckpt_u3"
-awk '{s += $2; print} END {printf "total %d s (%.1f min)\n", s, s / 60}' "$OUT/times.txt"
+stage_total

@@ -18,14 +18,7 @@ THREADS=${THREADS:-2}
 INIT_COMMIT=${INIT_COMMIT:-5f56bac}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT/init"
-stage() {  # stage NAME CMD...: run it and append its wall time to times.txt
-    local name=$1 t0
-    shift
-    t0=$(date +%s)
-    echo "== $name: $*"
-    "$@"
-    echo "$name $(( $(date +%s) - t0 ))" >> "$OUT/times.txt"
-}
+. scripts/stage.sh  # stage NAME CMD..., stage_total (the cd above made the repository root the folder)
 data="$OUT/magpie_distill.jsonl"
 [ -s "$data" ] || gunzip -c assets/train-data/magpie-distill.jsonl.gz > "$data"
 for f in config.json model.safetensors draft_vocab.safetensors; do
@@ -34,4 +27,4 @@ done
 stage features python -m core.train features --work "$OUT" --threads "$THREADS" --head-kind eagle3 --data "$data"
 stage train python -m core.train train --work "$OUT" --threads "$THREADS" --data "$data" --head-kind eagle1 \
     --init "$OUT/init" --unroll 3 --lr 1e-3 --bf16 --minutes "$MIN" --out "$OUT/head" --ckpt "$OUT/ckpt"
-awk '{s += $2; print} END {printf "total %d s (%.1f min)\n", s, s / 60}' "$OUT/times.txt"
+stage_total

@@ -515,10 +515,9 @@ def test_eval_log_tag_follows_weights_vocabulary_and_tree(tmp_path):
     assert eval_tag(a, cfg) != eval_tag(a, replace(cfg, tree=TreeConfig(depth=4, top_k=8, total_tokens=10)))
 
 
-def test_reproduce_script_is_valid_bash_and_its_commands_parse():
-    """scripts/reproduce_head.sh stays in step with the CLI: bash accepts it, and every
-    `python -m core.train` line it runs parses with today's flags (a renamed or dropped
-    flag fails here, not two hours into a retrain)."""
+def script_commands(name: str) -> tuple[dict, list]:
+    """A retraining script's defaults (VAR=${N:-default}) and its `python -m core.train` lines,
+    parsed with today's flags after putting those defaults in (bash must accept the script)."""
     import re
     import shlex
     import subprocess
@@ -526,12 +525,10 @@ def test_reproduce_script_is_valid_bash_and_its_commands_parse():
 
     from core.train.__main__ import parser
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_head.sh"
+    script = Path(__file__).resolve().parents[1] / "scripts" / name
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text().replace("\\\n", " ")
-    # the script's own defaults (VAR=${N:-default}), so the assertions below check them
     values = {f"${m[1]}": m[2] for m in re.finditer(r"^(\w+)=\$\{\w+:-([^}]*)\}$", text, re.M)}
-    assert set(values) == {"$OUT", "$P1", "$P2", "$THREADS"}
     commands = []
     for line in text.splitlines():
         if "python -m core.train" not in line or line.lstrip().startswith("#"):
@@ -540,12 +537,33 @@ def test_reproduce_script_is_valid_bash_and_its_commands_parse():
             line = line.replace(var, val)
         argv = shlex.split(line.split("python -m core.train", 1)[1])
         commands.append(parser().parse_args(argv))
+    return values, commands
+
+
+def test_reproduce_script_is_valid_bash_and_its_commands_parse():
+    """scripts/reproduce_head.sh stays in step with the CLI: bash accepts it, and every
+    `python -m core.train` line it runs parses with today's flags (a renamed or dropped
+    flag fails here, not two hours into a retrain)."""
+    values, commands = script_commands("reproduce_head.sh")
+    assert set(values) == {"$OUT", "$P1", "$P2", "$THREADS"}
     assert [c.stage for c in commands] == ["fixed", "features", "train", "train"]
     u1, u3 = commands[2], commands[3]
     assert (u1.unroll, u1.minutes, u1.init) == (1, 18.0, None)  # phase 1: from scratch
     assert (u3.unroll, u3.minutes, u3.lr) == (3, 55.0, 1e-3)
     assert u3.init == u1.out and u3.ckpt != u1.ckpt  # phase 2 continues phase 1, in its own checkpoint
     assert commands[1].head_kind == "eagle3"  # one feature pass serves both head kinds
+
+
+def test_issue31_reproduce_script_continues_the_previous_head_on_the_magpie_answers():
+    """scripts/reproduce_head31.sh: its two commands parse with today's flags, read the same
+    unpacked Magpie file, and train an EAGLE-1 head from the previous head (from git)."""
+    values, commands = script_commands("reproduce_head31.sh")
+    assert set(values) == {"$OUT", "$MIN", "$THREADS", "$INIT_COMMIT"}
+    assert [c.stage for c in commands] == ["features", "train"]
+    features, train = commands
+    assert features.head_kind == "eagle3" and train.head_kind == "eagle1"  # one feature pass serves both
+    assert features.data == train.data and str(features.work) == str(train.work) == "runs/repro31"
+    assert (train.unroll, train.minutes, train.lr, str(train.init)) == (3, 115.0, 1e-3, "runs/repro31/init")
 
 
 def test_engine_distill_gives_the_engines_own_answers_and_resumes(tmp_path):
