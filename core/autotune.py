@@ -34,12 +34,12 @@ from core.config import WEIGHTS, WEIGHTS_HELP, GenerationConfig, TreeConfig
 from core.decoding.engine import Engine
 from core.decoding.forward import forward_tree, prefill
 from core.decoding.head import HeadCache
-from core.decoding.lookup import DEFAULT_TOKENS, chain_tree
+from core.decoding.lookup import chain_tree, default_tokens
 from core.decoding.tree import catch_up, draft_dynamic, tree_from_parents
 from core.decoding.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped_tree, shipped_tree_path,  # noqa: F401
                             tuned_path, tuned_tree)  # (re-exported)
 
-LOOKUP_CHOICES = (0, 8, 16, 24)  # chain lengths autotune compares end to end (--lookup auto)
+LOOKUP_CHOICES = (0, 6, 10, 16, 24)  # chain lengths autotune compares end to end (--lookup auto)
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
     "Write a short poem about autumn leaves.",
@@ -360,20 +360,21 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
                       steps_at=calibrate_long(engine, top_k))
     candidates = rank(profile)
     tree, rate = pick(candidates)
+    default_lookup = default_tokens(engine.step is not None and engine.step.info.activations == "int8")
     confirmed = {}
     if confirm_top > 1:
         trees = [tree]  # then the best depth of each next-best size: size is what costs
         for _, _, t in candidates:
             if len(trees) < confirm_top and all(t.total_tokens != u.total_tokens for u in trees):
                 trees.append(t)
-        with_lookup = [chain_tree(replace(t, lookup=DEFAULT_TOKENS if lookup is None else lookup)) for t in trees]
+        with_lookup = [chain_tree(replace(t, lookup=default_lookup if lookup is None else lookup)) for t in trees]
         best, rates = confirm(engine, with_lookup)
         tree = trees[with_lookup.index(best)]
         rate = next(r for r, _, t in candidates if t == tree)  # the model's prediction for the tree kept
         confirmed = {f"{t.depth},{t.total_tokens}": r for t, r in zip(trees, (rates[w] for w in with_lookup))}
     by_lookup = {}
     if lookup is None:
-        lookup = DEFAULT_TOKENS
+        lookup = default_lookup
         if confirm_top > 1:
             chains = [chain_tree(replace(tree, lookup=n)) for n in LOOKUP_CHOICES]
             best, rates = confirm(engine, chains)
@@ -421,7 +422,8 @@ def main(argv=None) -> None:
     p.add_argument("--lookup", type=_lookup_arg, default=None, metavar="N|auto",
                    help=f"context-lookup tokens in the chosen tree (0 = off; default auto: each of "
                         f"{', '.join(map(str, LOOKUP_CHOICES))} answers end to end and the fastest wins; "
-                        f"{DEFAULT_TOKENS} where --confirm is 0 or 1)")
+                        f"where --confirm is 0 or 1: {default_tokens(True)} on the 8-bit-activation step, else "
+                        f"{default_tokens(False)})")
     p.add_argument("--confirm", type=int, default=4, metavar="N",
                    help="answer the calibration prompts end to end with the model's N best trees and keep "
                         "the fastest (0 = trust the cost model; default 4)")

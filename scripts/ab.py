@@ -4,10 +4,11 @@
     python scripts/ab.py PROMPTS.jsonl --head DIR [--head DIR ...] [--limit N]
     python scripts/ab.py PROMPTS.jsonl --tree 3,8,12 [--tree DEPTH,TOP_K,TOTAL ...] [--limit N]
     python scripts/ab.py PROMPTS.jsonl --temperature 0.7 --plain --tree 3,8,6   # which tree pays when sampling
+    python scripts/ab.py PROMPTS.jsonl --plain --tree 1,8,3,10 --tree 1,8,3,24   # context-lookup lengths
 
 The first contender is always the shipped head with its `tree.json`; each `--head` adds a
 head folder drafting the same tree, each `--tree` that depth, top-k and size (lookup and
-long-context caps as shipped) for the shipped head and every `--head` (heads x trees: a
+long-context caps as shipped; a fourth number sets the context-lookup length, 0 = off) for the shipped head and every `--head` (heads x trees: a
 better head may pay for a deeper tree, so heads are compared at each tree). `--out FILE`
 writes the figures as JSON. Every prompt's first turn is answered
 greedily (128 new tokens) by each contender in turn, the order alternating from prompt to
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prompts", type=Path)
     p.add_argument("--head", action="append", default=[], help="another head folder (same target)")
-    p.add_argument("--tree", action="append", default=[], help="DEPTH,TOP_K,TOTAL_TOKENS for the shipped head")
+    p.add_argument("--tree", action="append", default=[], help="DEPTH,TOP_K,TOTAL_TOKENS[,LOOKUP] for the shipped head")
     p.add_argument("--exclude", type=Path, help="skip the prompts whose ids this JSONL file holds")
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             shapes[spec] = tuple(int(x) for x in spec.split(","))
         except ValueError:
             shapes[spec] = ()
-        if len(shapes[spec]) != 3:
-            p.error(f"--tree {spec!r}: expected DEPTH,TOP_K,TOTAL_TOKENS, e.g. 3,8,12")
+        if len(shapes[spec]) not in (3, 4):
+            p.error(f"--tree {spec!r}: expected DEPTH,TOP_K,TOTAL_TOKENS[,LOOKUP], e.g. 3,8,12 or 1,8,3,10")
 
     from core import threads
 
@@ -75,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, engine in heads.items():
         runs[name] = (engine, tree)
-        for spec, (depth, top_k, total) in shapes.items():
+        for spec, (depth, top_k, total, *lookup) in shapes.items():
             label = f"tree {spec}" if name == "shipped" else f"{name} tree {spec}"
-            runs[label] = (engine, replace(tree, depth=depth, top_k=top_k, total_tokens=total))
+            runs[label] = (engine, replace(tree, depth=depth, top_k=top_k, total_tokens=total,
+                                                  lookup=lookup[0] if lookup else tree.lookup))
     if args.plain:
         runs["plain"] = (shipped, None)
     sampling = SamplingConfig(temperature=args.temperature)

@@ -11,10 +11,11 @@ the tree a step would verify at that position is known for any depth <= 5 and an
 lookup rule and a tree shape without running the target again: a step accepts the longest
 path of its tree or of its lookup chain that matches the answer, then moves on by that plus
 the bonus token. Tau is exact for the recorded answers (up to the tiny feature differences
-between a prefill and a tree forward); time comes from a cost model measured on this machine:
-a target forward of r rows costs `VERIFY_MS + ROW_MS * (r - 1)` up to KNEE rows and
-`PAST_KNEE_MS` for each row past that; drafting costs `ROUND_MS` per head round run.
+between a prefill and a tree forward); time comes from a cost model measured on a machine
+(`--cost`, COSTS): a target forward of r rows costs `VERIFY_MS + ROW_MS * (r - 1)` up to KNEE
+rows and `PAST_KNEE_MS` for each row past that; drafting costs `ROUND_MS` per head round run.
 Speed-ups are relative to plain decoding in the same model, so the absolute level cancels.
+The served w4a8 tree (depth 1, 3 tokens) is `replay FILE --depth 1 --size 3`.
 Run `record` with --threads 1 if another job shares the machine: nothing in it is timed.
 """
 
@@ -27,11 +28,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.decoding.lookup import CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, copy_after, longest_repeat
+from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, chain_length,
+                                  copy_after, longest_repeat)
 
-# measured here with 2 threads (a chain-shaped tree after a 50-token prompt, min of 12 runs)
-VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS = 22.6, 0.3, 12, 0.85
-ROUND_MS, STEP_MS, PLAIN_OTHER_MS = 0.87, 1.8, 0.3  # head round; catch-up + bookkeeping; plain's own
+# Cost models, 2 threads: (VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS, ROUND_MS, STEP_MS, PLAIN_OTHER_MS):
+# a one-row forward; each further row up to KNEE rows; each row past it; a head round; a step's
+# catch-up + bookkeeping; a plain step's own bookkeeping.
+COSTS = {
+    # the 4-bit x 8-bit native step, AMD EPYC Zen 5 (2026-12-04: forwards by rows in the engine,
+    # 3 rows 3.5 ms, 8 rows 6.1 ms, 26 rows 16.1 ms; draft + bookkeeping 1.0 ms a step)
+    "w4a8-avx512": (3.4, 0.5, 512, 0.5, 0.35, 1.0, 0.18),
+    # the bf16 transformers forward on AMX tiles, Intel Xeon (2026-12-01; a chain-shaped tree after
+    # a 50-token prompt, min of 12 runs): rows nearly free up to 12
+    "bf16-amx": (22.6, 0.3, 12, 0.85, 0.87, 1.8, 0.3),
+}
+VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS, ROUND_MS, STEP_MS, PLAIN_OTHER_MS = COSTS["w4a8-avx512"]
 RECORD_DEPTH, RECORD_TOP_K = 5, 6
 
 
@@ -57,24 +68,37 @@ def table(*pairs: tuple[int, int]) -> Callable[[int, int], int]:
 
 
 def previous(n: int, room: int) -> int:
-    """The rule before this one (16 tokens after a 4-token match, half after 3), as it ran."""
+    """The rule before 2026-12-01 (16 tokens after a 4-token match, half after 3), as it ran."""
     k = min(16, room)
     return k if n >= 4 else k // 2 if n == 3 else 0
 
 
-def shipped(n: int, room: int) -> int:
-    """core.decoding.lookup's rule, as the engine runs it (lookup_chain with the room-capped setting)."""
-    return chain_length(n, min(DEFAULT_TOKENS, room))
+def until_dec4(max_tokens: int) -> Callable[[int, int], int]:
+    """The rule of 2026-12-01 to 12-03: max_tokens after 4+ matching tokens, a third after 3, a quarter after 2."""
+    def lengths(n: int, room: int) -> int:
+        k = min(max_tokens, room)
+        return k if n >= 4 else k // 3 if n == 3 else k // 4 if n == 2 else 0
+    return lengths
 
+
+def shipped_at(max_tokens: int) -> Callable[[int, int], int]:
+    """core.decoding.lookup's rule with a tree's `lookup` setting, as the engine runs it
+    (lookup_chain with the room-capped setting)."""
+    return lambda n, room: chain_length(n, min(max_tokens, room))
+
+
+shipped = shipped_at(DEFAULT_TOKENS)
 
 RULES = (
     Rule("previous: 4 -> 16, 3 -> 8 tokens, full tree", previous, 4),
-    Rule("+ 2 -> 4 tokens", table((4, 16), (3, 5), (2, 4)), MAX_NGRAM),
-    Rule(f"shipped lengths ({DEFAULT_TOKENS} tokens after 4+), full tree", shipped, MAX_NGRAM),
-    Rule(f"shipped: and a {CHAIN_TREE_TOKENS}-token tree beside a chain", shipped, MAX_NGRAM, CHAIN_TREE_TOKENS),
-    Rule("shipped lengths, a 4-token tree beside a chain", shipped, MAX_NGRAM, 4),
-    Rule("4+ -> 32, 3 -> 10, 2 -> 8 tokens, a 6-token tree beside a chain", table((4, 32), (3, 10), (2, 8)),
-         MAX_NGRAM, 6),
+    Rule(f"12-01 rule: 4+ -> 24, 3 -> 8, 2 -> 6, a {CHAIN_TREE_TOKENS}-token tree beside a chain", until_dec4(24),
+         MAX_NGRAM, CHAIN_TREE_TOKENS),
+    Rule("12-01 rule at 8 tokens", until_dec4(8), MAX_NGRAM, CHAIN_TREE_TOKENS),
+    Rule(f"shipped rule (5+ -> all, 4 -> 60%, 3 -> 40%, 2 -> 30%) at {DEFAULT_TOKENS} tokens", shipped, MAX_NGRAM,
+         CHAIN_TREE_TOKENS),
+    Rule(f"shipped rule at {DEFAULT_TOKENS_INT8} tokens (the w4a8 trees)", shipped_at(DEFAULT_TOKENS_INT8), MAX_NGRAM,
+         CHAIN_TREE_TOKENS),
+    Rule("shipped rule at 16 tokens", shipped_at(16), MAX_NGRAM, CHAIN_TREE_TOKENS),
 )
 
 
@@ -149,7 +173,7 @@ def replay_answer(rec: dict, rule: Rule | None, depth: int, size: int, top_k: in
     while i < len(out) - 1:
         tree = trees[i]
         chain = rule.chain(rec["prompt"] + out[:i + 1], budget - i - 2) if rule else []
-        nodes = head_tree(tree, depth, rule.chain_tree if chain and rule.chain_tree else size)
+        nodes = head_tree(tree, depth, min(size, rule.chain_tree) if chain and rule.chain_tree else size)
         accepted, kids = 0, {}
         for j in nodes:  # topological: a node matches if its parent did and it is the answer's token
             p = tree["parents"][j]
@@ -171,23 +195,25 @@ def replay_answer(rec: dict, rule: Rule | None, depth: int, size: int, top_k: in
 
 
 def replay(a) -> None:
+    global VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS, ROUND_MS, STEP_MS, PLAIN_OTHER_MS
+    VERIFY_MS, ROW_MS, KNEE, PAST_KNEE_MS, ROUND_MS, STEP_MS, PLAIN_OTHER_MS = COSTS[a.cost]
     for path in a.records:
         recs = [json.loads(line) for line in open(path)]
         plain_ms = sum((len(r["answer"]) - 1) * (verify_ms(1) + PLAIN_OTHER_MS) for r in recs)
         print(f"{path}: {len(recs)} answers, {sum(len(r['answer']) for r in recs)} tokens "
-              f"(tree depth {a.depth}, top-k {RECORD_TOP_K}, {a.size} tokens)")
-        base = None
+              f"(tree depth {a.depth}, top-k {RECORD_TOP_K}, {a.size} tokens; cost model {a.cost})")
+        results = {}
         for rule in (None,) + RULES:
             tokens = forwards = 0
             ms = 0.0
             for r in recs:
                 n, f, t = replay_answer(r, rule, a.depth, a.size, RECORD_TOP_K, a.max_new_tokens)
                 tokens, forwards, ms = tokens + n, forwards + f, ms + t
-            speedup = plain_ms / ms
-            base = speedup if rule is RULES[0] else base
-            rel = f", {speedup / base:.4f}x the previous rule" if base and rule is not RULES[0] else ""
-            print(f"  {rule.name if rule else 'no lookup'}: tau {tokens / forwards:.3f}, "
-                  f"modelled speed-up over plain {speedup:.3f}x{rel}")
+            results[rule] = (tokens / forwards, plain_ms / ms)
+        base = results[RULES[1]][1]  # the rule this one replaced
+        for rule, (tau, speedup) in results.items():
+            rel = f", {speedup / base:.4f}x the 12-01 rule" if rule not in (None, RULES[1]) else ""
+            print(f"  {rule.name if rule else 'no lookup'}: tau {tau:.3f}, modelled speed-up over plain {speedup:.3f}x{rel}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--depth", type=int, default=4)
     q.add_argument("--size", type=int, default=10)
     q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--cost", choices=sorted(COSTS), default="w4a8-avx512",
+                   help="the measured cost model (COSTS): which machine and step the speed-ups model")
     a = p.parse_args(argv)
     if a.cmd == "replay" and not (1 <= a.depth <= RECORD_DEPTH and a.size >= 2):
         p.error(f"--depth must be in 1..{RECORD_DEPTH} (the recorded depth) and --size at least 2")

@@ -9,33 +9,38 @@ import torch
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding.engine import Engine
 from core.kernels.invariant import make_invariant
-from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, MAX_NGRAM, chain_length, chain_tree, graft,
-                         lookup_chain)
+from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, chain_length,
+                                  chain_tree, default_tokens, graft, lookup_chain)
 from core.decoding.tree import tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
 
 
 def test_chain_literals():
-    # a 4-token match: the full chain, from the latest occurrence
-    assert lookup_chain([1, 2, 3, 4, 8, 1, 2, 3, 4, 9, 7, 1, 2, 3, 4], 3) == [9, 7, 1]
-    # a 3-token match gets a third of the chain, a 2-token match a quarter, a 1-token match none
+    # a match of 5 or more tokens: the full chain, from the latest occurrence
+    assert lookup_chain([1, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5, 9, 7, 1, 2, 3, 4, 5], 3) == [9, 7, 1]
+    # a 4-token match gets 60% of the chain, a 3-token match 40%, a 2-token match 30% (at least 2
+    # tokens, at most the setting), a 1-token match none
+    assert lookup_chain([1, 2, 3, 4, 8, 1, 2, 3, 4, 9, 7, 1, 2, 3, 4], 3) == [9, 7]
     assert lookup_chain([1, 2, 3, 9, 9, 6, 1, 2, 3], 6) == [9, 9]
     assert lookup_chain([5, 1, 2, 7, 6, 3, 4, 1, 2], 8) == [7, 6]
-    assert lookup_chain([5, 1, 2, 7, 1, 2], 3) == []  # a quarter of 3 is 0
+    assert lookup_chain([5, 1, 2, 7, 1, 2], 3) == [7, 1] and lookup_chain([5, 1, 2, 7, 1, 2], 1) == [7]
     assert lookup_chain([5, 1, 7, 3, 1], 8) == []
     # the longest match wins over a later, shorter one; among equals the latest
     assert lookup_chain([1, 2, 3, 4, 5, 6, 9, 3, 4, 7, 7, 1, 2, 3, 4], 2) == [5, 6]
     assert lookup_chain([2, 3, 4, 5, 1, 2, 3, 4, 6, 8, 2, 3, 4], 6) == [6, 8]
     # where the copy runs into the present, it goes round the loop
-    assert lookup_chain([4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
-    assert lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 7) == [1, 2, 3, 4, 1, 2, 3]
+    assert lookup_chain([4, 4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
+    assert lookup_chain([1, 2, 3, 4, 5, 1, 2, 3, 4, 5], 7) == [1, 2, 3, 4, 5, 1, 2]
     assert lookup_chain([1, 2, 3, 4], 5) == [] and lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 0) == []
 
 
 def test_chain_length_follows_the_match():
-    assert [chain_length(n, 24) for n in (1, 2, 3, 4, 8)] == [0, 6, 8, 24, 24]
-    assert [chain_length(n, 16) for n in (2, 3, 4)] == [4, 5, 16]
+    assert [chain_length(n, 24) for n in (0, 1, 2, 3, 4, 5, 8)] == [0, 0, 7, 10, 14, 24, 24]
+    assert [chain_length(n, 10) for n in (2, 3, 4, 5)] == [3, 4, 6, 10]
+    assert [chain_length(n, 2) for n in (2, 3, 4, 5)] == [2, 2, 2, 2]  # at least 2, at most the setting
+    assert [chain_length(n, 1) for n in (2, 5)] == [1, 1] and chain_length(5, 0) == 0
+    assert default_tokens(True) == DEFAULT_TOKENS_INT8 < default_tokens(False) == DEFAULT_TOKENS
 
 
 def test_chain_tree_and_its_caps():
@@ -188,9 +193,13 @@ def test_replay_walks_answers_under_a_rule():
     rule = replay.Rule("test", replay.table((2, 8)), 8)
     tokens, forwards, ms = replay.replay_answer(rec, rule, 4, 10, 6, 128)
     assert (tokens, forwards) == (10, 5) and ms > 0
-    # its "shipped" rule is the engine's chain, room cap included
-    shipped = replay.Rule("shipped", replay.shipped, MAX_NGRAM)
-    for ctx in ([1, 2, 3, 9, 9, 6, 1, 2, 3], [5, 1, 2, 7, 6, 3, 4, 1, 2], [4] * 40, list(range(30)) * 2):
-        for room in (1, 5, 13, 40):
-            assert shipped.chain(ctx, room) == lookup_chain(ctx, min(DEFAULT_TOKENS, room))
-    assert replay.verify_ms(1) == replay.VERIFY_MS and replay.verify_ms(20) > replay.verify_ms(12) + 6
+    # its "shipped" rules are the engine's chain at a setting, room cap included
+    for setting in (DEFAULT_TOKENS, DEFAULT_TOKENS_INT8):
+        shipped = replay.Rule("shipped", replay.shipped_at(setting), MAX_NGRAM)
+        for ctx in ([1, 2, 3, 9, 9, 6, 1, 2, 3], [5, 1, 2, 7, 6, 3, 4, 1, 2], [4] * 40, list(range(30)) * 2):
+            for room in (1, 5, 13, 40):
+                assert shipped.chain(ctx, room) == lookup_chain(ctx, min(setting, room))
+    # the cost model: the w4a8 default charges every row; bf16-amx rows are nearly free up to its knee
+    assert replay.verify_ms(1) == replay.VERIFY_MS and replay.verify_ms(20) == replay.verify_ms(12) + 8 * replay.ROW_MS
+    v, row, knee, past = replay.COSTS["bf16-amx"][:4]
+    assert knee == 12 and past > 2 * row

@@ -117,3 +117,24 @@ def test_ab_script_compares_trees_and_checks_identity(capsys, tmp_path):
     with pytest.raises(SystemExit):
         ab.main([str(prompts), "--tree", "3-8-12", "--threads", "1"])
     assert "--tree '3-8-12': expected DEPTH,TOP_K,TOTAL_TOKENS" in capsys.readouterr().err
+    # plain decoding as a contender, a lookup length in the tree, the figures as JSON
+    out_json = tmp_path / "ab.json"
+    rc = ab.main([str(prompts), "--tree", "2,2,3,0", "--plain", "--exclude", str(skip), "--max-new-tokens", "12",
+                  "--threads", "1", "--out", str(out_json)])
+    res = json.loads(out_json.read_text())
+    assert rc == 0 and res["identical"] == 1 and res["prompts"] == 1 and res["temperature"] == 0.0
+    c = res["contenders"]
+    assert set(c) == {"shipped", "tree 2,2,3,0", "plain"} and c["plain"]["tau"] == 1.0
+    assert c["plain"]["speedup_vs_plain"] == pytest.approx(1.0) and c["shipped"]["speedup_vs_plain"] > 0
+    assert len(c["shipped"]["accept_at_least"]) == ab.DEPTHS and set(c["shipped"]["tau_per_category"]) == {"coding"}
+    assert "x plain)" in capsys.readouterr().out
+    # sampled: the same seed gives every contender the same answers run after run; they are not compared
+    runs = []
+    for i in range(2):
+        out_json = tmp_path / f"ab_t{i}.json"
+        rc = ab.main([str(prompts), "--temperature", "0.9", "--seed", "3", "--plain", "--exclude", str(skip),
+                      "--max-new-tokens", "12", "--threads", "1", "--out", str(out_json)])
+        runs.append(json.loads(out_json.read_text()))
+        assert rc == 0 and runs[-1]["identical"] is None and runs[-1]["temperature"] == 0.9
+    assert "answers differ between contenders by design" in capsys.readouterr().out
+    assert {k: v["tau"] for k, v in runs[0]["contenders"].items()} == {k: v["tau"] for k, v in runs[1]["contenders"].items()}

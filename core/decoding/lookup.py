@@ -24,14 +24,18 @@ from core.config import TreeConfig
 from core.decoding.tree import DraftTree
 
 # The chain follows the latest earlier occurrence of the longest suffix that occurred before
-# (2 to MAX_NGRAM tokens), and its length grows with that match: `max_tokens` after 4 or more
-# tokens, a third after 3, a quarter after 2. A 2-token match is followed by fewer right tokens
-# than a longer one, but a short chain of it still pays; chains past 24 tokens only help long
-# loops (scripts/lookup_replay.py replays recorded answers under each rule).
+# (2 to MAX_NGRAM tokens), and its length grows with that match: `max_tokens` after 5 or more
+# tokens, 60% of it after 4, 40% after 3, 30% after 2 (at least 2 tokens). A short match is
+# followed by fewer right tokens than a long one (on 150 self-written prompts: the first copied
+# token is right 49% of the time after a 2-token match, 66% after 3, 76% after 4, 88% after 5+),
+# and every row costs verification time: on the 4-bit x 8-bit step a row costs 0.4-0.5 ms against
+# a 3.4-3.8 ms one-token forward, so the w4a8 trees use 10 tokens (docs/context-lookup.md,
+# 2026-12-04); where rows are nearly free (bf16 tiles), 24.
 MIN_NGRAM = 2
 MAX_NGRAM = 8
-# The chain length core.autotune puts in the trees it chooses.
+# The chain length core.autotune puts in the trees it chooses without measuring it (`default_tokens`).
 DEFAULT_TOKENS = 24
+DEFAULT_TOKENS_INT8 = 10  # where the step multiplies 8-bit activations: every row costs integer work
 # The head's tree on steps that verify a chain (TreeConfig.lookup_total_tokens), as autotune
 # sets it: on a CPU a target forward costs about the same for 1 to 12 rows and about 0.85 ms
 # (4% of a one-row forward) for each row past that, so with a chain of up to 24 rows the head's
@@ -49,11 +53,19 @@ def chain_tree(tree: TreeConfig) -> TreeConfig:
     return replace(tree, lookup_total_tokens=min(tree.total_tokens, CHAIN_TREE_TOKENS))
 
 
+def default_tokens(int8_activations: bool) -> int:
+    """The chain length for a target whose step does (or does not) multiply 8-bit activations."""
+    return DEFAULT_TOKENS_INT8 if int8_activations else DEFAULT_TOKENS
+
+
 def chain_length(match: int, max_tokens: int) -> int:
-    """Tokens to copy after a `match`-token suffix match."""
-    if match >= 4:
+    """Tokens to copy after a `match`-token suffix match (at most max_tokens)."""
+    if match < 2 or max_tokens < 1:
+        return 0
+    if match >= 5:
         return max_tokens
-    return max_tokens // 3 if match == 3 else max_tokens // 4 if match == 2 else 0
+    tenths = 6 if match == 4 else 4 if match == 3 else 3
+    return min(max_tokens, max(2, (tenths * max_tokens + 5) // 10))
 
 
 def longest_repeat(context: Sequence[int], max_ngram: int = MAX_NGRAM) -> tuple[int, int]:
