@@ -25,18 +25,28 @@ class LongChat:
     prompt_tokens: int
     pause_at: int | None
     notes: tuple[str, ...]
+    hot: float | None = None  # the sampling temperature that paused speculation (TreeConfig.plain_from_temperature)
 
     def pause_reason(self, reached: int) -> str:
         """Why plain steps ran in a speculative answer whose context reached `reached` tokens."""
+        if self.hot is not None:
+            return (f"sampling at temperature {self.hot:g}, where plain decoding is faster here "
+                    "(hot sampling accepts few drafted tokens)")
         if self.pause_at is not None and reached >= self.pause_at:
             return (f"the chat reached {self.pause_at:,} tokens, from which plain decoding is faster here "
                     "(every draft-tree row reads the whole chat)")
         return "the answer neared the end of the context window, where no draft tree fits"
 
 
-def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool) -> LongChat:
+def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: float = 0.0) -> LongChat:
     pause_at = next((c for c, d, _ in tree.long_context if d == 0), None)
     notes = []
+    if speculative and not tree.speculates_hot(temperature):
+        notes.append(f"Speculation paused for this answer: sampling at temperature {temperature:g}, plain decoding "
+                     f"is faster on this machine (measured from {tree.plain_from_temperature:g} on: hot sampling "
+                     f"accepts few drafted tokens). The answer follows the same distribution; below temperature "
+                     f"{tree.plain_from_temperature:g} speculation runs again.")
+        return LongChat(prompt_tokens, pause_at, tuple(notes), hot=temperature)
     if speculative and not tree.speculates_at(prompt_tokens):
         notes.append(f"Speculation paused for this answer: the chat holds {prompt_tokens:,} tokens, and from "
                      f"{pause_at:,} on plain decoding is faster on this machine (every draft-tree row reads the "

@@ -280,6 +280,8 @@ class ModelManager:
             shape += "; in long chats " + ", ".join(
                 f"plain decoding from {c:,} tokens" if d == 0 else f"{n} nodes from {c:,} tokens" if d >= t.depth
                 else f"depth {d} and {n} nodes from {c:,} tokens" for c, d, n in t.long_context)
+        if t.plain_from_temperature:  # TreeConfig.speculates_hot: measured slower than plain this hot
+            shape += f"; plain decoding when sampling at temperature {t.plain_from_temperature:g} or above"
         return f"{shape} · {origin}" if origin else shape
 
 

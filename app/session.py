@@ -268,7 +268,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
                 msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
-                long_chat = plan(cfg.tree, n_tokens, cfg.speculative)
+                long_chat = plan(cfg.tree, n_tokens, cfg.speculative, cfg.sampling.temperature)
                 notices.extend(long_chat.notes)
                 yield from self._answer(engine, msgs, cfg, seconds, before, turns, settings.highlight, ticket,
                                         notices, restore, long_chat)

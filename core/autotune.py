@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from core.decoding import cache as kv
 from core.clock import median_time
-from core.config import WEIGHTS, WEIGHTS_HELP, GenerationConfig, TreeConfig
+from core.config import WEIGHTS, WEIGHTS_HELP, GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding.engine import Engine
 from core.decoding.forward import forward_tree, prefill
 from core.decoding.head import HeadCache
@@ -40,6 +40,7 @@ from core.decoding.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped
                             tuned_path, tuned_tree)  # (re-exported)
 
 LOOKUP_CHOICES = (0, 6, 10, 16, 24)  # chain lengths autotune compares end to end (--lookup auto)
+HOT_TEMPERATURES = (0.7, 1.0)  # sampled speed, speculative vs plain, measured at these (hot_sampling)
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
     "Write a short poem about autumn leaves.",
@@ -195,6 +196,34 @@ def confirm(engine: Engine, trees: list[TreeConfig], prompts=CALIBRATION_PROMPTS
     return max(trees, key=lambda t: rates[t]), rates
 
 
+def hot_sampling(engine: Engine, tree: TreeConfig, temperatures=HOT_TEMPERATURES, prompts=CALIBRATION_PROMPTS,
+                 max_new_tokens: int = 128, reps: int = 2) -> tuple[float, dict[str, dict[str, float]]]:
+    """TreeConfig.plain_from_temperature for `tree`, measured: at each temperature the calibration
+    prompts are sampled with the tree and plain, interleaved, the same seed for both modes; the
+    first temperature at which plain decoding is faster in tokens/s, else 0 (speculate at every
+    temperature). Hot sampling accepts fewer drafted tokens, and on a CPU whose verified rows are
+    not free (8-bit activations) the tree then costs more than it saves. -> (that temperature,
+    {temperature: {"eagle": tok/s, "plain": tok/s}})."""
+    tree = replace(tree, plain_from_temperature=0.0)
+    rates: dict[str, dict[str, float]] = {}
+    with tqdm(total=len(temperatures) * reps * len(prompts) * 2, desc="sampled, eagle vs plain", leave=False) as bar:
+        for t in temperatures:
+            totals = {True: [0, 0.0], False: [0, 0.0]}
+            for rep in range(reps):
+                for i, prompt in enumerate(prompts):
+                    for spec in ((True, False) if (rep + i) % 2 == 0 else (False, True)):
+                        cfg = GenerationConfig(max_new_tokens=max_new_tokens, speculative=spec, tree=tree,
+                                               sampling=SamplingConfig(temperature=t), seed=1000 * rep + i)
+                        events = list(engine.generate(prompt, cfg))
+                        totals[spec][0] += events[-1].total_tokens
+                        totals[spec][1] += events[-1].elapsed_s
+                        bar.update()
+            rates[f"{t:g}"] = {"eagle": totals[True][0] / max(totals[True][1], 1e-9),
+                               "plain": totals[False][0] / max(totals[False][1], 1e-9)}
+    plain_from = next((t for t in temperatures if rates[f"{t:g}"]["plain"] >= rates[f"{t:g}"]["eagle"]), 0.0)
+    return float(plain_from), rates
+
+
 def long_context_caps(profile: Profile, tree: TreeConfig, max_context: int,
                       depths=DEPTHS, sizes=SIZES) -> tuple[tuple[int, int, int], ...]:
     """TreeConfig.long_context for `tree`: at each of LONG_CONTEXTS up to max_context, the tree
@@ -341,7 +370,7 @@ def cached_tree(engine: Engine) -> TreeConfig | None:
 
 
 def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: int | None = None,
-                confirm_top: int = 0) -> TreeConfig:
+                confirm_top: int = 0, hot: bool = True) -> TreeConfig:
     """Measure (or reuse) the cost and acceptance profile and return the fastest tree, with
     `lookup` context-lookup tokens (core.decoding.lookup; the head's tree is chosen without them).
     confirm_top > 1: the model's choice and the best-predicted trees of the next sizes, that
@@ -349,7 +378,9 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
     lookup None (with confirm_top > 1): the chain length is measured too: the chosen tree with
     each of LOOKUP_CHOICES answers end to end and the fastest wins (a chain's rows cost what
     the machine's GEMM makes them cost: nearly nothing up to 16 rows on AMX tiles, ~10% of a
-    one-row call each with 8-bit activations on AVX-512)."""
+    one-row call each with 8-bit activations on AVX-512).
+    hot (with confirm_top > 1): sampled answers measure from which temperature plain decoding is
+    faster (`hot_sampling`, the tree's plain_from_temperature)."""
     if not engine.has_head:
         raise ValueError("choosing a tree needs a draft head")
     if not refresh and (tree := cached_tree(engine)) is not None:
@@ -380,12 +411,17 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
             best, rates = confirm(engine, chains)
             lookup = best.lookup
             by_lookup = {str(t.lookup): r for t, r in rates.items()}
-    tree = chain_tree(replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context)))
+    plain_from, by_temperature = 0.0, {}
+    if hot and confirm_top > 1:
+        plain_from, by_temperature = hot_sampling(engine, chain_tree(replace(tree, lookup=lookup)))
+    tree = chain_tree(replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context),
+                              plain_from_temperature=plain_from))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
                               "other_s": other, "attend_s_per_row_and_context_token": attend,
                               "numerics": engine.numerics.describe(),
                               "end_to_end_tokens_per_s": confirmed,
                               "end_to_end_tokens_per_s_by_lookup": by_lookup,
+                              "sampled_tokens_per_s_by_temperature": by_temperature,
                               "expected_tokens": {f"{d},{n}": expected_tokens(steps, d, n)
                                                   for d in DEPTHS for n in SIZES}})
     engine.tree_choice = tuned_tree(engine) or engine.tree_choice

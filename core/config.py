@@ -33,7 +33,7 @@ def add_runtime_args(p, dtype_help: str = "") -> None:
     p.add_argument("--load-in-4bit", action="store_true")
 
 
-TREE_ARGS = ("depth", "top_k", "total_tokens", "lookup")  # the tree settings a command line may give
+TREE_ARGS = ("depth", "top_k", "total_tokens", "lookup", "plain_from_temperature")  # what a command line may set
 
 
 def add_tree_args(p) -> None:
@@ -45,9 +45,12 @@ def add_tree_args(p) -> None:
                    "tree's)")
     p.add_argument("--lookup", type=int, default=None, help="tokens copied from earlier text into the tree "
                    "when it repeats (0 = off; default: the tuned tree's)")
+    p.add_argument("--plain-from-temperature", type=float, default=None, metavar="T",
+                   help="sampling at temperature T or hotter decodes plain, where autotune measured plain decoding "
+                        "faster (0 = speculate at every temperature; default: the tuned tree's)")
 
 
-def tree_changes(a) -> dict[str, int]:
+def tree_changes(a) -> dict[str, int | float]:
     """The tree settings given on the command line, for TreeConfig.override; checked here, so a
     bad value is refused before the model loads (ConfigError)."""
     changes = {k: getattr(a, k) for k in TREE_ARGS if getattr(a, k) is not None}
@@ -89,6 +92,10 @@ class TreeConfig:
     that depth and that many tokens (`at`); (min_context, 0, 0) means plain decoding from
     there on (`speculates_at`). Every tree row attends to the whole context, so a row's cost
     grows with it; core.autotune measures by how much and fits these caps.
+    plain_from_temperature: sampled answers at this temperature or hotter decode plain (0 = never).
+    The hotter the sampling, the less often a drafted token is accepted; where the rows and the
+    drafting then cost more than they save, plain decoding is faster and follows the same
+    distribution. core.autotune measures both modes at a few temperatures and sets it.
     """
 
     depth: int = 6
@@ -98,6 +105,7 @@ class TreeConfig:
     lookup: int = 0
     lookup_total_tokens: int = 0
     long_context: tuple[tuple[int, int, int], ...] = ()
+    plain_from_temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.long_context, tuple) or any(not isinstance(c, tuple) for c in self.long_context):
@@ -125,6 +133,10 @@ class TreeConfig:
                                                               2 <= self.lookup_total_tokens <= 512),
                f"tree lookup_total_tokens must be 0 (= total_tokens) or an integer in 2..512, "
                f"got {self.lookup_total_tokens!r}")
+        _check(isinstance(self.plain_from_temperature, (int, float)) and not isinstance(self.plain_from_temperature, bool)
+               and 0 <= self.plain_from_temperature <= 100,
+               f"tree plain_from_temperature must be a number in 0..100 (0 = speculate at every temperature), "
+               f"got {self.plain_from_temperature!r}")
         if self.static_paths is not None:
             paths = set(self.static_paths)
             _check(len(paths) > 0, "static tree needs at least one path")
@@ -137,6 +149,10 @@ class TreeConfig:
     @property
     def is_static(self) -> bool:
         return self.static_paths is not None
+
+    def speculates_hot(self, temperature: float) -> bool:
+        """False where sampling at `temperature` decodes plain (`plain_from_temperature`); greedy always speculates."""
+        return not (self.plain_from_temperature and temperature >= self.plain_from_temperature)
 
     def speculates_at(self, context: int) -> bool:
         """False once the context reaches a plain-decoding cap ([min_context, 0, 0])."""
@@ -153,7 +169,8 @@ class TreeConfig:
             return self
         return TreeConfig(depth=min(self.depth, depth), top_k=self.top_k,
                           total_tokens=min(self.total_tokens, total), lookup=self.lookup,
-                          lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0)
+                          lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0,
+                          plain_from_temperature=self.plain_from_temperature)
 
     SHAPE = ("depth", "top_k", "total_tokens", "static_paths")  # what lookup_total_tokens was tuned for
 

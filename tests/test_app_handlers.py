@@ -447,6 +447,20 @@ def test_a_long_chat_says_which_mode_ran_and_why(bigram, monkeypatch):
     assert "from 20 tokens the draft tree is capped at depth 2 and 4 nodes" in notice and stats["ran"] == "speculative"
 
 
+def test_hot_sampling_decodes_plain_where_the_tree_says_so_and_the_app_says_why(bigram):
+    engine = Engine(*bigram)
+    engine.tree_choice = TreeChoice(TreeConfig(depth=3, top_k=2, total_tokens=6, plain_from_temperature=0.9), "test")
+    h = handlers_for(engine)
+    _, _, stats, _, notice = answer(h, "w5 w6", [], GREEDY._replace(temperature=1.2, max_new=8))
+    assert notice.startswith("Speculation paused for this answer: sampling at temperature 1.2, plain decoding is "
+                             "faster on this machine (measured from 0.9 on")
+    assert stats["ran"] == ("plain, speculation paused: sampling at temperature 1.2, where plain decoding is faster "
+                            "here (hot sampling accepts few drafted tokens)")
+    _, _, stats, _, notice = answer(h, "w5 w6", [], GREEDY._replace(temperature=0.5, max_new=8))
+    assert notice == "" and stats["ran"] == "speculative", "cooler sampling speculates"
+    assert "plain decoding when sampling at temperature 0.9 or above" in h.manager.tree_markdown()
+
+
 def test_a_long_prefill_is_shown_while_it_runs_and_a_new_chat_is_suggested(bigram, monkeypatch):
     import app.longchat
 

@@ -99,9 +99,12 @@ def test_end_to_end_check_picks_the_fastest_candidate(tmp_path, monkeypatch):
     best, rates = autotune.confirm(engine, trees, prompts=("a b c", "d e"), max_new_tokens=6, reps=1)
     assert set(rates) == set(trees) and all(r > 0 for r in rates.values())
     assert best == max(trees, key=rates.get)
-    seen = []
+    seen, hot_seen = [], []
     monkeypatch.setattr(autotune, "confirm", lambda eng, ts: (seen.append(ts) or ts[-1], {t: 1.0 + i for i, t in enumerate(ts)}))
+    monkeypatch.setattr(autotune, "hot_sampling", lambda eng, t: (hot_seen.append(t) or 1.0, {"1": {"eagle": 1.0, "plain": 2.0}}))
     tree = choose_tree(engine, top_k=2, refresh=True, confirm_top=3)
+    assert tree.plain_from_temperature == 1.0 and hot_seen[0].lookup == tree.lookup  # measured with the chosen chain
+    assert (hot_seen[0].depth, hot_seen[0].total_tokens) == (tree.depth, tree.total_tokens)
     assert len(seen[0]) == 3 and len({t.total_tokens for t in seen[0]}) == 3  # three sizes
     assert (tree.depth, tree.total_tokens) == (seen[0][-1].depth, seen[0][-1].total_tokens)
     report = json.loads(autotune.tuned_path(engine).read_text())
@@ -111,9 +114,35 @@ def test_end_to_end_check_picks_the_fastest_candidate(tmp_path, monkeypatch):
     assert {(t.depth, t.total_tokens) for t in seen[1]} == {(tree.depth, tree.total_tokens)}
     assert tree.lookup == autotune.LOOKUP_CHOICES[-1]  # the fake confirm rates the last one fastest
     assert list(report["end_to_end_tokens_per_s_by_lookup"]) == [str(n) for n in autotune.LOOKUP_CHOICES]
+    assert report["sampled_tokens_per_s_by_temperature"] == {"1": {"eagle": 1.0, "plain": 2.0}}
     seen.clear()
     tree = choose_tree(engine, top_k=2, refresh=True, confirm_top=3, lookup=8)  # a length given: not measured
     assert len(seen) == 1 and tree.lookup == 8
+
+
+def test_hot_sampling_measures_both_modes_and_finds_where_plain_wins(monkeypatch):
+    """hot_sampling: both modes sample every prompt at each temperature with the same seeds; the
+    first temperature where plain is faster is returned (0 when the tree wins everywhere)."""
+    from core import autotune
+
+    target = tiny_target()
+    engine = Engine(target, random_head(target))
+    seen = []
+    real = engine.generate
+
+    def spy(prompt, cfg, *a, **k):
+        seen.append((cfg.speculative, cfg.sampling.temperature, cfg.seed, cfg.tree.plain_from_temperature))
+        return real(prompt, cfg, *a, **k)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=4, plain_from_temperature=0.5)
+    plain_from, rates = autotune.hot_sampling(engine, tree, temperatures=(0.6, 1.1), prompts=("a b", "c d e"),
+                                              max_new_tokens=6, reps=1)
+    assert set(rates) == {"0.6", "1.1"} and all(r["eagle"] > 0 and r["plain"] > 0 for r in rates.values())
+    assert plain_from == next((t for t in (0.6, 1.1) if rates[f"{t:g}"]["plain"] >= rates[f"{t:g}"]["eagle"]), 0.0)
+    assert len(seen) == 8 and all(p == 0.0 for *_, p in seen), "the tree's own pause is off while measuring"
+    for t in (0.6, 1.1):  # each prompt in both modes with one seed
+        assert sorted((s, seed) for s, temp, seed, _ in seen if temp == t) == [(False, 0), (False, 1), (True, 0), (True, 1)]
 
 
 def test_shipped_tree_beside_head(tmp_path):

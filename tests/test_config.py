@@ -52,3 +52,16 @@ def test_command_line_tree_settings():
     assert tree_changes(p.parse_args([])) == {}
     with pytest.raises(ConfigError, match="tree total_tokens"):
         tree_changes(p.parse_args(["--total-tokens", "1"]))
+    assert tree_changes(p.parse_args(["--plain-from-temperature", "0.9"])) == {"plain_from_temperature": 0.9}
+    with pytest.raises(ConfigError, match=r"tree plain_from_temperature must be a number in 0..100 \(0 = speculate"):
+        tree_changes(p.parse_args(["--plain-from-temperature", "-1"]))
+
+
+def test_plain_from_temperature_pauses_hot_sampling_only():
+    t = TreeConfig(depth=3, top_k=4, total_tokens=8, plain_from_temperature=0.9, long_context=((100, 2, 4),))
+    assert t.speculates_hot(0.0) and t.speculates_hot(0.89) and not t.speculates_hot(0.9) and not t.speculates_hot(1.5)
+    assert TreeConfig().speculates_hot(5.0), "0: speculate at every temperature"
+    assert t.at(200).plain_from_temperature == 0.9, "a long-chat cap keeps it"
+    assert t.override(depth=2).plain_from_temperature == 0.9 and t.override(plain_from_temperature=0).speculates_hot(2)
+    with pytest.raises(ConfigError, match="plain_from_temperature"):
+        TreeConfig(plain_from_temperature=True)

@@ -229,6 +229,19 @@ def test_sampling_is_reproducible_with_seed(engine):
     assert run(engine, PROMPTS[0], cfg)[0] == run(engine, PROMPTS[0], cfg)[0]
 
 
+def test_hot_sampling_decodes_plain_where_the_tree_says_so(engine):
+    """plain_from_temperature: at or above it a speculative answer runs plain steps, drawing exactly
+    what plain sampling draws with the same seed; below it (and greedy) it speculates."""
+    tree = TreeConfig(depth=3, top_k=2, total_tokens=6, plain_from_temperature=0.9)
+    hot = SamplingConfig(temperature=1.0)
+    spec, events = run(engine, PROMPTS[0], GenerationConfig(max_new_tokens=20, tree=tree, sampling=hot, seed=3))
+    plain, _ = run(engine, PROMPTS[0], GenerationConfig(max_new_tokens=20, speculative=False, sampling=hot, seed=3))
+    assert spec == plain and all(ev.tree_size == 0 for ev in events) and events[-1].target_forwards == len(spec)
+    for cool in (SamplingConfig(temperature=0.5), SamplingConfig()):
+        _, events = run(engine, PROMPTS[0], GenerationConfig(max_new_tokens=20, tree=tree, sampling=cool, seed=3))
+        assert any(ev.tree_size > 0 for ev in events), f"speculates at temperature {cool.temperature}"
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(depth=0), "depth"), (dict(top_k=0), "top_k"), (dict(total_tokens=1), "total_tokens"),
 ])

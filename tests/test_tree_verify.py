@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from core.config import SamplingConfig
 from core.decoding.tree import ancestor_mask, tree_from_parents
-from core.decoding.verify import Verification, target_probs, verify_greedy, verify_sampled
+from core.decoding.verify import Verification, sample, target_probs, verify_greedy, verify_sampled
 
 #        0 (root, token 10)
 #       / \
@@ -164,6 +164,27 @@ def _chi2_pvalue(counts: collections.Counter, n: int) -> float:
     exact = _exact_two_token_distribution()
     keys = sorted(exact)
     return chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys])
+
+
+def test_sample_draws_in_proportion_to_the_mass_and_never_a_zero():
+    """verify.sample (inverse CDF): unnormalised mass, zeros never drawn, a seed repeats its draws."""
+    mass = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 4.0, 1.5])  # total 10
+    g = torch.Generator().manual_seed(7)
+    n = 20000
+    draws = [sample(mass, g) for _ in range(n)]
+    counts = collections.Counter(draws)
+    assert set(counts) <= {1, 3, 4, 6, 7}
+    keys = [1, 3, 4, 6, 7]
+    assert chi2_pvalue([counts[k] for k in keys], [n * float(mass[k]) / 10 for k in keys]) > 1e-3
+    g2 = torch.Generator().manual_seed(7)
+    assert [sample(mass, g2) for _ in range(200)] == draws[:200]
+    # a single token with mass, at either end of the vocabulary; a realistic vocabulary size
+    for one in (0, 7):
+        assert {sample(torch.eye(8)[one], g) for _ in range(50)} == {one}
+    big = torch.zeros(49152)
+    big[[5, 49151]] = torch.tensor([0.25, 0.75])
+    counts = collections.Counter(sample(big, g) for _ in range(4000))
+    assert set(counts) == {5, 49151} and 0.70 < counts[49151] / 4000 < 0.80
 
 
 def test_sampled_verification_matches_target_distribution():
