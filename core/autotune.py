@@ -40,7 +40,7 @@ from core.decoding.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped
                             tuned_path, tuned_tree)  # (re-exported)
 
 LOOKUP_CHOICES = (0, 6, 10, 16, 24)  # chain lengths autotune compares end to end (--lookup auto)
-HOT_TEMPERATURES = (0.7, 1.0)  # sampled speed, speculative vs plain, measured at these (hot_sampling)
+HOT_TEMPERATURES = (0.7, 1.0, 1.3)  # sampled speed, speculative vs plain, measured at these (hot_sampling)
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold.",
     "Write a short poem about autumn leaves.",

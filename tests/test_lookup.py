@@ -11,7 +11,7 @@ from core.decoding.engine import Engine
 from core.kernels.invariant import make_invariant
 from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, chain_length,
                                   chain_tree, default_tokens, graft, lookup_chain)
-from core.decoding.tree import tree_from_parents
+from core.decoding.tree import DraftTree, tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
 
@@ -33,6 +33,19 @@ def test_chain_literals():
     assert lookup_chain([4, 4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
     assert lookup_chain([1, 2, 3, 4, 5, 1, 2, 3, 4, 5], 7) == [1, 2, 3, 4, 5, 1, 2]
     assert lookup_chain([1, 2, 3, 4], 5) == [] and lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 0) == []
+
+
+def test_a_chain_beside_sampled_drafts_gets_its_own_root_child():
+    """Beside draws from the head (tree.draws) the chain never shares a drawn child: sharing would
+    leave the other draws conditioned on the chain's token not being drawn."""
+    q = torch.full((10,), 0.1)
+    tree = DraftTree(tokens=torch.tensor([9, 4, 7]), parents=torch.tensor([-1, 0, 0]), depths=torch.tensor([0, 1, 1]),
+                     proposal=q, draws=(1, 2, 1))
+    g = graft(tree, [4, 5])
+    assert g.tokens.tolist() == [9, 4, 7, 4, 5] and g.parents.tolist() == [-1, 0, 0, 0, 3]
+    assert g.draws == (1, 2, 1) and g.proposal is q
+    greedy = graft(DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths), [4, 5])
+    assert greedy.tokens.tolist() == [9, 4, 7, 5] and greedy.parents.tolist() == [-1, 0, 0, 1]  # shared
 
 
 def test_chain_length_follows_the_match():

@@ -7,7 +7,9 @@ import torch
 from scipy.stats import chisquare
 
 from core.config import SamplingConfig
-from core.decoding.tree import ancestor_mask, tree_from_parents
+from core.decoding.draw import draw
+from core.decoding.lookup import graft
+from core.decoding.tree import DraftTree, ancestor_mask, tree_from_parents
 from core.decoding.verify import Verification, sample, target_probs, verify_greedy, verify_sampled
 
 #        0 (root, token 10)
@@ -211,6 +213,104 @@ def _wrong_rule(tree, probs, generator):
             return Verification(path=tuple(path), tokens=tuple(out))
         path.append(node)
         out.append(int(tree.tokens[node]))
+
+
+Q_DRAFT = torch.tensor([0.10, 0.15, 0.40, 0.05, 0.25, 0.05])  # the head's distribution: unlike P_ROOT
+
+
+def _drawn_tree(gen: torch.Generator, n_draws: int, chain: bool) -> DraftTree:
+    """The root's children drawn from Q_DRAFT (as tree.draft_sampled does), optionally with a
+    lookup-style point-mass chain 1 -> 0 grafted on (lookup.graft)."""
+    drawn = draw(Q_DRAFT, n_draws, gen).tolist()
+    children = list(dict.fromkeys(drawn))
+    tree = DraftTree(tokens=torch.tensor([5] + children), parents=torch.tensor([-1] + [0] * len(children)),
+                     depths=torch.tensor([0] + [1] * len(children)), proposal=Q_DRAFT.clone(),
+                     draws=tuple(1 + children.index(t) for t in drawn))
+    return graft(tree, [1, 0]) if chain else tree
+
+
+def _node_probs(tree: DraftTree) -> torch.Tensor:
+    uniform = torch.full((V,), 1.0 / V)
+    rows = [P_ROOT if d == 0 else P_CHILD.get(int(t), uniform) if d == 1 else uniform
+            for t, d in zip(tree.tokens.tolist(), tree.depths.tolist())]
+    return torch.stack(rows)
+
+
+def _drawn_pairs(verify, n: int, n_draws: int, chain: bool, seed: int = 0) -> collections.Counter:
+    gen = torch.Generator().manual_seed(seed)
+    counts = collections.Counter()
+    for _ in range(n):
+        tree = _drawn_tree(gen, n_draws, chain)
+        toks = verify(tree, _node_probs(tree), gen).tokens
+        if len(toks) == 1:
+            toks = (toks[0], sample(P_CHILD.get(toks[0], torch.full((V,), 1.0 / V)), gen))
+        counts[toks[:2]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("n_draws,chain", [(1, False), (3, False), (2, True)])
+def test_drafts_drawn_from_the_head_keep_the_target_distribution(n_draws, chain):
+    """Sampled drafts: children drawn i.i.d. from q, accepted with min(1, r/q), the residual moved
+    to max(r - q, 0) on rejection; repeated draws share a node; a point-mass chain beside them."""
+    n = 12000
+    exact = _exact_two_token_distribution()
+    counts = _drawn_pairs(verify_sampled, n, n_draws, chain)
+    keys = sorted(exact)
+    assert chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys]) > 1e-3
+
+
+def _point_mass_rule(tree, probs, generator):
+    """Drawn children taken as point masses (accepted with r(x) / mass): exact too, since the draws
+    do not depend on the target, but it accepts less."""
+    return verify_sampled(DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths), probs, generator)
+
+
+def test_drawn_distribution_test_catches_a_wrong_rule(monkeypatch):
+    """Plausible bugs: a rejected draw that leaves the residual as it was; a chain that shares a
+    drawn child (the draws left over are then conditioned on the chain's token not being drawn)."""
+    import core.decoding.verify as verify_mod
+
+    def no_residual_update(residual, draws, tokens, q, generator):
+        for child in draws:
+            x = tokens[child]
+            mass = float(residual.sum())
+            if float(torch.rand((), generator=generator)) * float(q[x]) * mass < float(residual[x]):
+                return child
+        return None
+
+    n = 12000
+    exact = _exact_two_token_distribution()
+    keys = sorted(exact)
+    with monkeypatch.context() as m:
+        m.setattr(verify_mod, "_drawn", no_residual_update)
+        counts = _drawn_pairs(verify_sampled, n, 3, False)
+    assert chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys]) < 1e-6
+    real_graft = graft
+    def sharing_graft(tree, chain):  # as for greedy trees: the chain follows a drawn child of its token
+        plain = real_graft(DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths), chain)
+        return DraftTree(tokens=plain.tokens, parents=plain.parents, depths=plain.depths, proposal=tree.proposal,
+                         draws=tree.draws)
+    with monkeypatch.context() as m:
+        m.setitem(globals(), "graft", sharing_graft)
+        counts = _drawn_pairs(verify_sampled, n, 2, True)
+    assert chi2_pvalue([counts[k] for k in keys], [exact[k] for k in keys]) < 1e-6
+
+
+def test_draws_accept_more_often_than_the_same_children_as_point_masses():
+    """Why draws: with q close to p, a drawn child is accepted with probability 1 - TV(p, q) per
+    draw; the same children as point masses only with p(x)."""
+    gen = torch.Generator().manual_seed(1)
+    probs_close = torch.tensor([0.05, 0.30, 0.25, 0.20, 0.15, 0.05])
+    accepted = {"drawn": 0, "point": 0}
+    for _ in range(3000):
+        drawn = draw(probs_close, 1, gen).tolist()
+        tree = DraftTree(tokens=torch.tensor([5] + drawn), parents=torch.tensor([-1, 0]), depths=torch.tensor([0, 1]),
+                         proposal=probs_close.clone(), draws=(1,))
+        probs = torch.stack([probs_close, probs_close])
+        accepted["drawn"] += verify_sampled(tree, probs, gen).accepted
+        accepted["point"] += _point_mass_rule(tree, probs, gen).accepted
+    assert accepted["drawn"] == 3000, "q == p: every draw is accepted"
+    assert 0.15 * 3000 < accepted["point"] < 0.30 * 3000  # sum of p(x)^2 = 0.22
 
 
 def test_distribution_test_catches_wrong_acceptance_rule():

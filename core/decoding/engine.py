@@ -36,7 +36,7 @@ from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
-from core.decoding.tree import catch_up, draft
+from core.decoding.tree import catch_up, draft, draft_sampled
 from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
 from core.decoding.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
 
@@ -169,6 +169,13 @@ class Engine:
         return _stream(self, ids, config, on_step)
 
 
+def draws_from_head(tree: TreeConfig, sampling) -> bool:
+    """Whether a sampled step draws its draft from the head's distribution (core.decoding.tree.draft_sampled)
+    rather than taking the head's top-k as point masses: for depth-1 dynamic trees, where the draws
+    are the whole draft (deeper trees keep EAGLE-2's top-k expansion)."""
+    return not sampling.greedy and tree.depth == 1 and not tree.is_static
+
+
 def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step) -> Iterator[StepEvent]:
     threads.refit()  # no-op unless the launcher turned the thread governor on
     threads.apply()
@@ -267,14 +274,18 @@ class _Run:
         committed = kv.cache_length(self.cache)
         shape = self.cfg.tree.at(committed)  # smaller trees for long contexts (TreeConfig.long_context)
         chain = lookup_chain(self.context, self.lookup_room(committed)) if shape.lookup else []
-        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden,
-                     shape.with_chain() if chain else shape)
+        shape = shape.with_chain() if chain else shape
+        s = self.cfg.sampling
+        if draws_from_head(shape, s):
+            tree = draft_sampled(self.e.drafter, self.token, self.root_hidden, shape.total_tokens - 1, s.temperature,
+                                 self.e.target.model.config.vocab_size, self.gen)
+        else:
+            tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape)
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()
         features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
         t2 = self.now()
-        s = self.cfg.sampling
         result: Verification = (verify_greedy(tree, logits) if s.greedy
                                 else verify_sampled(tree, target_probs(logits, s), self.gen))
         if self.on_step is not None:

@@ -25,6 +25,7 @@ import torch
 
 from core.kernels import native
 from core.config import SamplingConfig
+from core.decoding.draw import draw
 from core.decoding.tree import DraftTree
 
 
@@ -103,43 +104,73 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verification:
 
 
 def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Verification:
-    """tree of n nodes, probs (n, V) from `target_probs` -> accepted path + bonus, exact in law."""
+    """tree of n nodes, probs (n, V) from `target_probs` -> accepted path + bonus, exact in law.
+
+    At each node its children are proposals for the next token, tried in turn against what is
+    left of the target's distribution there (the residual): a point-mass child (the head's
+    top-k, a lookup chain) is accepted with probability residual(x) / mass and zeroed when
+    rejected; the root's children drawn from the head's distribution q (`tree.draws`, sampled
+    drafts) are tried after them, in draw order, each accepted with probability
+    min(1, r(x) / q(x)) for the normalised residual r, which becomes max(r - q, 0) after a
+    rejection. Every step draws the next token from exactly the residual it started from, so
+    the output has the target's distribution. If every child is rejected the bonus is drawn
+    from what is left."""
     assert probs.shape[0] == tree.size
     children: list[list[int]] = [[] for _ in range(tree.size)]
+    drawn = set(tree.draws)
     for i, p in enumerate(tree.parents.tolist()[1:], start=1):
-        children[p].append(i)  # tree order = the head's order of preference
+        if not (p == 0 and i in drawn):
+            children[p].append(i)  # tree order = the head's order of preference
     tokens = tree.tokens.tolist()
     node, path, out = 0, [0], []
     while True:
         residual = probs[node].clone()  # (V,) unnormalised mass still available
-        for child in children[node]:
-            x = tokens[child]
-            mass = float(residual.sum())
-            # point-mass proposal x: accept with probability p(x) / (mass left)
-            if mass > 0 and float(torch.rand((), generator=generator, device=residual.device)) * mass < float(residual[x]):
-                node = child
-                break
-            residual[x] = 0.0  # rejected: the next token is drawn from p restricted to the rest
-        else:
-            bonus = sample(residual, generator)
-            return Verification(path=tuple(path), tokens=tuple(out + [bonus]))
+        nxt = _point_masses(residual, children[node], tokens, generator)
+        if nxt is None and node == 0 and tree.draws:
+            nxt = _drawn(residual, tree.draws, tokens, tree.proposal, generator)
+        if nxt is None:
+            return Verification(path=tuple(path), tokens=tuple(out + [sample(residual, generator)]))
+        node = nxt
         path.append(node)
         out.append(tokens[node])
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a (V,) unnormalised distribution: plain sampling and verification's bonus.
+def _uniform(residual: torch.Tensor, generator: torch.Generator) -> float:
+    return float(torch.rand((), generator=generator, device=residual.device))
 
-    Inverse CDF in float64: the first token whose cumulative mass exceeds u * total, u uniform
-    in [0, 1), so a token of mass 0 is never drawn and every other is drawn with probability
-    mass / total. torch.multinomial did the same job in 0.83 ms for 49,152 ids on 2 cores (a
-    quarter of a 4-bit decoding step); this takes about 0.06 ms.
-    """
-    cdf = probs.to(torch.float64).cumsum(0)  # (V,)
-    total = cdf[-1]
-    assert float(total) > 0, "sampling needs some probability mass"
-    u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
-    i = int(torch.searchsorted(cdf, u * total, right=True))
-    if i >= cdf.shape[0]:  # u * total rounded up to the total: the last token with mass
-        i = int(torch.nonzero(probs > 0)[-1])
-    return i
+
+def _point_masses(residual: torch.Tensor, candidates: list[int], tokens: list[int],
+                  generator: torch.Generator) -> int | None:
+    """Try point-mass proposals in order; the accepted node, or None (residual zeroed at each rejected token)."""
+    for child in candidates:
+        x = tokens[child]
+        mass = float(residual.sum())
+        # point-mass proposal x: accept with probability p(x) / (mass left)
+        if mass > 0 and _uniform(residual, generator) * mass < float(residual[x]):
+            return child
+        residual[x] = 0.0  # rejected: the next token is drawn from p restricted to the rest
+    return None
+
+
+def _drawn(residual: torch.Tensor, draws: tuple[int, ...], tokens: list[int], q: torch.Tensor,
+           generator: torch.Generator) -> int | None:
+    """Try the draws from q in order; the accepted node, or None (residual moved to max(r - q, 0) per rejection)."""
+    for child in draws:
+        x = tokens[child]
+        mass = float(residual.sum())
+        if mass <= 0:
+            return None
+        # accept with probability min(1, (residual(x) / mass) / q(x)); q(x) > 0 since x was drawn from q
+        if _uniform(residual, generator) * float(q[x]) * mass < float(residual[x]):
+            return child
+        left = (residual / mass - q).clamp(min=0)  # (V,)
+        if float(left.sum()) <= 0:  # r == q up to rounding: a rejection had probability ~0; keep r
+            continue
+        residual.copy_(left)
+    return None
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a (V,) unnormalised distribution: plain sampling and verification's bonus
+    (core.decoding.draw: inverse CDF, a token of mass 0 never drawn)."""
+    return int(draw(probs, 1, generator)[0])
