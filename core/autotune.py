@@ -478,7 +478,11 @@ def main(argv=None) -> None:
     if report.get("end_to_end_tokens_per_s_by_lookup"):
         print("end to end, tokens/s by lookup tokens:",
               {k: round(v, 1) for k, v in report["end_to_end_tokens_per_s_by_lookup"].items()})
+    if report.get("sampled_tokens_per_s_by_temperature"):
+        print("sampled, tokens/s by temperature:", {t: {m: round(v, 1) for m, v in r.items()}
+                                                    for t, r in report["sampled_tokens_per_s_by_temperature"].items()})
     print(f"chosen: depth={tree.depth} top_k={tree.top_k} total_tokens={tree.total_tokens} lookup={tree.lookup} "
+          f"plain_from_temperature={tree.plain_from_temperature:g} "
           f"(predicted {report['predicted_tokens_per_s']:.1f} tokens/s for the head's tree alone)")
     plain = 1.0 / (report["verify_s"]["1"] + report["other_s"])
     print(f"plain decoding: predicted {plain:.1f} tokens/s"
