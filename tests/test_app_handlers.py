@@ -499,6 +499,18 @@ def test_the_panel_counts_head_tree_nodes_and_copied_text_apart(bigram):
             f"{stats['copied_accepted']} tokens accepted") in stats_md
 
 
+def test_the_panel_counts_copied_text_beside_drafts_drawn_from_the_head(bigram):
+    """Sampled with a depth-1 tree the head's children are drawn (tree.draft_sampled); the panel
+    still tells them from the copied chain."""
+    engine = Engine(*bigram)
+    engine.tree_choice = TreeChoice(TreeConfig(depth=1, top_k=2, total_tokens=3, lookup=8), "test")
+    h = handlers_for(engine)
+    settings = GREEDY._replace(temperature=0.3, depth=1, top_k=2, tree_size=3, max_new=60)
+    _, _, stats, _, _ = answer(h, "w5 w9", [], settings)
+    assert stats["copied_steps"] > 0 and stats["copied_accepted"] > 0, "the bigram model repeats itself"
+    assert 2 <= stats["head_nodes"] <= 3, "two draws: one or two distinct children beside the root"
+
+
 def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_when_nothing_is_kept(bigram):
     """A fresh browser has nothing kept: the load must not write back the page's first values over a
     slider the visitor moved meanwhile (the browser test set 60 new tokens, then saw 512 come back);

@@ -293,7 +293,8 @@ def draft_sampled(drafter: DraftModel, root_token: int, root_hidden: torch.Tenso
     (core.decoding.verify.verify_sampled), which accepts with probability 1 - TV(p, q) per draw
     where the head's top guesses as point masses are accepted with p(x): at temperature 1.0 on
     natural prompts 0.51 against 0.32 for two draws (docs/sampling.md).
-    root_hidden: (H,) the head output predicting the root's children."""
+    root_hidden: (H,) the head output predicting the root's children. Scores: log q of each
+    child (finite, so the nodes a lookup chain appends, at -inf, stay told apart)."""
     q_draft = (drafter.log_probs(root_hidden[None])[0] / temperature).softmax(-1)  # (Vd,) fp32
     drawn = drafter.to_target_ids(draw(q_draft, n_draws, generator)).tolist()  # (n_draws,) target ids
     children = list(dict.fromkeys(drawn))  # distinct, in the order first drawn
@@ -301,9 +302,10 @@ def draft_sampled(drafter: DraftModel, root_token: int, root_hidden: torch.Tenso
     ids = torch.arange(q_draft.shape[0], device=q_draft.device)
     q[drafter.to_target_ids(ids)] = q_draft
     m, device = len(children), root_hidden.device
+    scores = torch.cat([torch.zeros(1, device=q.device), q[torch.tensor(children, device=q.device)].log()])  # (1 + m,)
     return DraftTree(tokens=torch.tensor([root_token] + children, device=device),
                      parents=torch.tensor([-1] + [0] * m, device=device),
-                     depths=torch.tensor([0] + [1] * m, device=device),
+                     depths=torch.tensor([0] + [1] * m, device=device), scores=scores,
                      proposal=q, draws=tuple(1 + children.index(t) for t in drawn))
 
 
