@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 SHORT_SPIN = "10000"          # GOMP_SPINCOUNT on a quiet machine
@@ -207,3 +208,25 @@ def set_threads(threads: int | None) -> int:
         raise ValueError(f"threads must be >= 1, got {threads}")
     torch.set_num_threads(n)
     return n
+
+
+@contextmanager
+def one_torch_thread():
+    """torch's CPU kernels on one thread inside the block (the count is restored after it).
+
+    For computations whose bits must not depend on the process: on the Intel AMX VM, 30% of
+    processes got a cos from the first parallel call of torch's vectorised cos after the model
+    had loaded that was wrong by up to 1.5e-4 on the main thread's half of the elements (the
+    other half, and every later call, exact). The bf16 rotary table built from it differed by one
+    unit in a third of the positions, and that process's answers differed from every other
+    process's from a few tokens on (plain and speculative alike, so no speculative check could
+    see it). Computed on one thread it never did (48 processes), and a first call on one thread
+    keeps the later parallel calls exact (core.kernels.step.warm_math)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
 """The real embedded model: SmolLM2-135M-Instruct from the PyPI wheel, fp32, on CPU."""
 
+import json
 import subprocess
 import sys
 import time
@@ -138,3 +139,21 @@ def test_ab_script_compares_trees_and_checks_identity(capsys, tmp_path):
         assert rc == 0 and runs[-1]["identical"] is None and runs[-1]["temperature"] == 0.9
     assert "answers differ between contenders by design" in capsys.readouterr().out
     assert {k: v["tau"] for k, v in runs[0]["contenders"].items()} == {k: v["tau"] for k, v in runs[1]["contenders"].items()}
+
+
+@pytest.mark.slow
+def test_rotary_tables_are_the_same_bits_in_every_process():
+    """On the Intel AMX VM the first parallel cos of 30% of processes was off by up to 1.5e-4,
+    so the native step's bf16 rotary table, and every answer, depended on the process (plain
+    and speculative alike). Fresh processes, as the app starts: each table equals its module's
+    values, and every process builds the same bits."""
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "tests.rotary_child"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert "target" in runs[0] and "head" in runs[0], runs[0]
+    for run in runs:
+        for name, table in run.items():
+            assert table["same_as_module"], (name, run)
+    assert runs[0] == runs[1]

@@ -321,3 +321,26 @@ def test_silu_mul_is_row_invariant_over_rows_and_threads_and_matches_torchs_form
         torch.set_num_threads(before)
     ref = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
     assert (alone.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()  # torch's formula, ~1 ulp
+
+
+def test_rotary_tables_are_computed_on_one_thread(monkeypatch):
+    """The native step's rotary table comes from one thread (core.threads.one_torch_thread: a
+    parallel first cos was process-dependent), and the caller's thread count comes back."""
+    model = wide_llama()
+    make_invariant(model)
+    seen = []
+    rotary = model.model.rotary_emb
+    original = type(rotary).forward
+
+    def spy(self, x, positions):
+        seen.append(torch.get_num_threads())
+        return original(self, x, positions)
+
+    monkeypatch.setattr(type(rotary), "forward", spy)
+    torch.set_num_threads(2)
+    step = NativeStep(model)
+    assert seen == [1] and torch.get_num_threads() == 2
+    assert step._cos.shape == (4096, 64)
+    emb = model.get_input_embeddings().weight
+    cos, sin = original(rotary, emb[:0], torch.arange(4096)[None])
+    assert torch.equal(step._cos, cos[0]) and torch.equal(step._sin, sin[0])

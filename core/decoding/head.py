@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.kernels import native
+from core.threads import one_torch_thread
 
 CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "config.json", "model.safetensors", "pytorch_model.bin"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # optional extra: target ids the head drafts over
@@ -371,7 +372,8 @@ class RotaryTable(nn.Module):
         need = int(positions.max()) + 1
         if self._table is None or self._table[0].shape[0] < need:
             size = max(need, 256, 2 * (0 if self._table is None else self._table[0].shape[0]))
-            cos, sin = self.rotary(x.new_empty(0, dtype=torch.float32), torch.arange(size, device=x.device)[None])
+            with one_torch_thread():  # bits that must not depend on the process (core.threads)
+                cos, sin = self.rotary(x.new_empty(0, dtype=torch.float32), torch.arange(size, device=x.device)[None])
             self._table = cos[0], sin[0]
         cos, sin = self._table
         return cos[positions].to(x.dtype), sin[positions].to(x.dtype)

@@ -18,7 +18,7 @@ from core.config import ATTENTIONS, EngineError
 from core.models import LoadedModel, load_target
 from core.decoding.probe import ProbeResult, probe
 from core.kernels.quant import QuantWeightError
-from core.kernels.step import WEIGHTS, NativeStep, StepError, load_step
+from core.kernels.step import WEIGHTS, NativeStep, StepError, load_step, warm_math
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
     auto = dtype == "auto" and attention == "auto"
     dtype, attention = _auto_numerics(device, load_in_4bit, dtype, attention)
     target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
+    warm_math()  # the first vectorised cos / sin on one thread (core.threads.one_torch_thread)
     set_numerics(target, attention)
     try:
         step, step_text = load_step(target, weights)

@@ -22,7 +22,7 @@ import torch
 
 from core.kernels import native, quant
 from core.decoding.head import EagleHead, HeadCache, KeyLayout
-from core.kernels.step import _PROJ, StepError, _Layer, _Model
+from core.kernels.step import _PROJ, StepError, _Layer, _Model, rotary_table
 
 NATIVE_HEAD_ENV = "EAGLE_CHAT_NATIVE_HEAD"  # "0" turns the native head off (the Python head drafts)
 _TABLE = 4096  # rotary table rows at start (grown by doubling)
@@ -104,9 +104,7 @@ class NativeHead:
 
     def _tables(self, size: int) -> None:
         """cos / sin (size, head_dim) bf16: the head's rotary table (the values its Python path uses)."""
-        probe = self.head.fc.weight.new_empty(0)
-        cos, sin = self.head.rotary(probe, torch.arange(size)[None])  # (1, size, hd) bf16
-        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        self._cos, self._sin = rotary_table(self.head.rotary, self.head.fc.weight.new_empty(0), size)
         self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: KeyLayout,

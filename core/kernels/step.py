@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from core.kernels import native
+from core.threads import one_torch_thread
 from core.decoding.cache import BufferedLayer
 from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
 from core.kernels.quant import X8
@@ -100,6 +101,23 @@ class StepInfo:
                         # per token)", "Q4_1 blocks from SmolLM2-...gguf (123 MB per token)", "bf16 (269 MB per token)"
     weight_bytes: int   # bytes the step's GEMMs stream per forward
     activations: str = "bf16"  # what the GEMMs multiply the weights by: "bf16", or "int8" (w4a8)
+
+
+def rotary_table(rotary, probe: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary embedding module's cos / sin for positions [0, size) -> two (size, head_dim)
+    tensors in probe's dtype, computed on one thread (core.threads.one_torch_thread says why:
+    a process-dependent table made answers differ between runs of the same command)."""
+    with one_torch_thread(), torch.inference_mode():
+        cos, sin = rotary(probe, torch.arange(size)[None])  # (1, size, hd)
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def warm_math() -> None:
+    """The process's first calls of torch's vectorised math, on one thread (core.threads.one_torch_thread)."""
+    with one_torch_thread(), torch.inference_mode():
+        x = torch.linspace(0.0, 1.0, 64)
+        for f in (torch.cos, torch.sin, torch.exp, torch.rsqrt, torch.sigmoid):
+            f(x)
 
 
 class NativeStep:
@@ -179,9 +197,8 @@ class NativeStep:
     def _tables(self, size: int) -> None:
         """cos / sin (size, head_dim) from the model's own rotary embedding (its bf16 values)."""
         emb = self.hf.get_input_embeddings().weight
-        with torch.inference_mode():
-            cos, sin = self.hf.model.rotary_emb(emb[:0], torch.arange(size)[None])  # (1, size, hd)
-        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = rotary_table(self.hf.model.rotary_emb, emb[:0], size)
+        self._cos, self._sin = cos, sin
         self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
 
     def _bind_cache(self, cache, need: int) -> None:
