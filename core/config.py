@@ -237,3 +237,8 @@ class GenerationConfig:
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                "stop strings must be non-empty strings")
+
+    @property
+    def paused_hot(self) -> bool:
+        """Speculation asked for, but the tree decodes plain at this sampling temperature (TreeConfig.speculates_hot)."""
+        return self.speculative and not self.tree.speculates_hot(self.sampling.temperature)

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from core.config import ConfigError, TreeConfig, add_tree_args, tree_changes
+from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig, add_tree_args, tree_changes
 
 # the shape of the shipped tree: a smaller head tree beside a lookup chain, plain decoding deep in long chats
 DEFAULT = TreeConfig(depth=3, top_k=8, total_tokens=10, lookup=24, lookup_total_tokens=6,
@@ -65,3 +65,6 @@ def test_plain_from_temperature_pauses_hot_sampling_only():
     assert t.override(depth=2).plain_from_temperature == 0.9 and t.override(plain_from_temperature=0).speculates_hot(2)
     with pytest.raises(ConfigError, match="plain_from_temperature"):
         TreeConfig(plain_from_temperature=True)
+    hot = GenerationConfig(tree=t, sampling=SamplingConfig(temperature=1.0))
+    assert hot.paused_hot and not GenerationConfig(tree=t, sampling=SamplingConfig(temperature=0.5)).paused_hot
+    assert not GenerationConfig(tree=t, sampling=SamplingConfig(temperature=1.0), speculative=False).paused_hot

@@ -194,7 +194,7 @@ class _Run:
     """State of one answer: caches, counters, the text stream and the stop rules."""
 
     def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None):
-        if config.speculative and not config.tree.speculates_hot(config.sampling.temperature):
+        if config.paused_hot:
             config = replace(config, speculative=False)  # measured: plain decoding is faster this hot
         self.e, self.cfg, self.on_step = engine, config, on_step
         self.model, self.device = engine.forwarder, engine.target.device

@@ -197,8 +197,7 @@ class NativeStep:
     def _tables(self, size: int) -> None:
         """cos / sin (size, head_dim) from the model's own rotary embedding (its bf16 values)."""
         emb = self.hf.get_input_embeddings().weight
-        cos, sin = rotary_table(self.hf.model.rotary_emb, emb[:0], size)
-        self._cos, self._sin = cos, sin
+        self._cos, self._sin = rotary_table(self.hf.model.rotary_emb, emb[:0], size)
         self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
 
     def _bind_cache(self, cache, need: int) -> None:
