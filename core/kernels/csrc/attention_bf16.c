@@ -17,18 +17,26 @@
 // Cache slot of row i's j-th key: the context, then its ancestors and itself.
 static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
 
-// p @ V for tn heads x cn value vectors (16 lanes each, tn * cn <= 16) over keys 0 .. count-1:
-// o[t * cn + c] += e_t[j] * v_j[c0 + c] in key order (s: tn rows of e, `cap` apart). Always
-// inlined, so the calls with constant shapes below get their accumulators in registers.
+// p @ V for tn heads x cn value vectors (16 lanes each, tn * cn <= 16, cn even) over keys
+// 0 .. count-1: o[t * cn + c] += e_t[j] * v_j[...] in key order (s: tn rows of e, `cap` apart).
+// Each 32 values of a value row become two fp32 vectors in one instruction each: c = 2p holds
+// the even elements of values 32p .. 32p + 31 (c0 included), c = 2p + 1 the odd ones (pv_out
+// puts them back in order). Always inlined, so the calls with constant shapes below get their
+// accumulators in registers.
 static inline __attribute__((always_inline)) void pv(int tn, int cn, __m512 *o, const float *s, int64_t cap,
                                                      const uint16_t *vh, int64_t kv_pos, int c0, int64_t count,
                                                      int64_t L, const int64_t *anc_row) {
+    const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000);
     __m512 acc[16];
     for (int a = 0; a < tn * cn; a++) acc[a] = o[a];
     for (int64_t j = 0; j < count; j++) {
         const uint16_t *vr = vh + key_slot(j, L, anc_row) * kv_pos + 16 * c0;
         __m512 vv[16];
-        for (int c = 0; c < cn; c++) vv[c] = bf16x16_to_ps(vr + 16 * c);
+        for (int c = 0; c < cn; c += 2) {  // exact: a bf16 is the top half of its fp32
+            __m512i z = _mm512_loadu_si512(vr + 16 * c);
+            vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(z, 16));
+            vv[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(z, odd));
+        }
         for (int t = 0; t < tn; t++) {
             __m512 e = _mm512_set1_ps(s[t * cap + j]);
             for (int c = 0; c < cn; c++) acc[t * cn + c] = _mm512_fmadd_ps(e, vv[c], acc[t * cn + c]);
@@ -37,11 +45,22 @@ static inline __attribute__((always_inline)) void pv(int tn, int cn, __m512 *o, 
     for (int a = 0; a < tn * cn; a++) o[a] = acc[a];
 }
 
+// pv's even / odd accumulators of 32 values -> the 32 values in order, bf16, at dst.
+static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    __m512 a = _mm512_mul_ps(even, iv), b = _mm512_mul_ps(odd, iv);
+    _mm256_storeu_si256((__m256i *)dst, to_bf16x16(_mm512_permutex2var_ps(a, lo, b)));
+    _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16x16(_mm512_permutex2var_ps(a, hi, b)));
+}
+
 // q (n, nh, hd) with strides (qs_row, qs_head); k, v (kvh, T, hd) with strides (kv_head, kv_pos);
 // anc (n, anc_stride) int64 cache-slot offsets past L; na (n,) counts; out (n, nh, hd) contiguous.
 // One task per (row, kv head): its g query heads share each key and value row, so a value row
 // is converted to fp32 once for all of them (GQA), while every (row, head) still takes its own
-// fixed sequence of operations (the same bits as one head at a time).
+// fixed sequence of operations (the same bits as one head at a time). Where that leaves fewer
+// tasks than twice the team (a plain step's one row: 3 kv heads on 2 threads, one of them idle a
+// third of the time), one task per (row, head) instead: the same bits, spread evenly.
 //
 // One team's share of the (row, kv head) units; call from every thread of a parallel region (or
 // alone). s: this thread's g * cap floats, cap >= L + max(na) + 16; inv: its g floats.
@@ -50,15 +69,16 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
                     float *inv) {
     int g = nh / kvh, chunks = hd / 32, ov = hd / 16;
-    int gb = g < 16 ? g : 16, cc = 16 / gb < ov ? 16 / gb : ov;  // heads x value vectors per p @ V pass, <= 16
+    int hg = n * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
+    int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass, <= 16
     {
 #pragma omp for schedule(static)
-        for (int unit = 0; unit < n * kvh; unit++) {
-            int i = unit / kvh, kh_i = unit % kvh;
+        for (int unit = 0; unit < n * (nh / hg); unit++) {
+            int i = unit / (nh / hg), h0 = unit % (nh / hg) * hg, kh_i = h0 / g;
             int64_t count = L + na[i];
             const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
-            for (int t = 0; t < g; t++) {
-                int h = kh_i * g + t;
+            for (int t = 0; t < hg; t++) {
+                int h = h0 + t;
                 float *st = s + t * cap;
                 const uint16_t *qv = q + i * qs_row + h * qs_head;
                 __m512bh qc[8];
@@ -91,8 +111,8 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 inv[t] = 1.0f / hsum16(dsum);
             }
             // out = sum_j e_j v_j, key order, fp32: up to 16 accumulators (heads x value vectors) a pass
-            for (int t0 = 0; t0 < g; t0 += gb) {
-                int tn = g - t0 < gb ? g - t0 : gb;
+            for (int t0 = 0; t0 < hg; t0 += gb) {
+                int tn = hg - t0 < gb ? hg - t0 : gb;
                 for (int c0 = 0; c0 < ov; c0 += cc) {
                     int cn = ov - c0 < cc ? ov - c0 : cc;
                     __m512 o[16];
@@ -110,10 +130,9 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     else if (tn == 1 && cn == 16) pv(1, 16, o, e0, cap, vh, kv_pos, c0, count, L, ar);
                     else pv(tn, cn, o, e0, cap, vh, kv_pos, c0, count, L, ar);  // the same sums, not unrolled
                     for (int t = 0; t < tn; t++) {
-                        uint16_t *dst = out + ((int64_t)i * nh + kh_i * g + t0 + t) * hd + 16 * c0;
+                        uint16_t *dst = out + ((int64_t)i * nh + h0 + t0 + t) * hd + 16 * c0;
                         __m512 iv = _mm512_set1_ps(inv[t0 + t]);
-                        for (int c = 0; c < cn; c++)
-                            _mm256_storeu_si256((__m256i *)(dst + 16 * c), to_bf16x16(_mm512_mul_ps(o[t * cn + c], iv)));
+                        for (int c = 0; c < cn; c += 2) pv_out(o[t * cn + c], o[t * cn + c + 1], iv, dst + 16 * c);
                     }
                 }
             }
