@@ -142,6 +142,28 @@ def test_ab_script_compares_trees_and_checks_identity(capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_forward_cost_script_times_every_row_count_at_every_context(capsys):
+    """scripts/forward_cost.py: one line per context, one positive time per row count; a context
+    past the model's window is refused by name."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "forward_cost.py"
+    spec = importlib.util.spec_from_file_location("forward_cost_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--contexts", "16,40", "--rows", "1,3", "--reps", "1", "--threads", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:3] == ["context", "1", "3"] and len(lines) == 3
+    for line, ctx in zip(lines[1:], (16, 40)):
+        fields = line.split()
+        assert int(fields[0]) == ctx and len(fields) == 3 and all(float(f) > 0 for f in fields[1:])
+    with pytest.raises(SystemExit):
+        script.main(["--contexts", "9000", "--rows", "1", "--threads", "1"])
+    assert "context + rows must stay under the model's 8192 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_rotary_tables_are_the_same_bits_in_every_process():
     """On the Intel AMX VM the first parallel cos of 30% of processes was off by up to 1.5e-4,
     so the native step's bf16 rotary table, and every answer, depended on the process (plain
