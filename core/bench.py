@@ -16,7 +16,10 @@ Prompts are MT-bench style: later turns are asked after the mode's OWN answer to
 earlier ones. Each mode gets one warm-up generation, then the modes are interleaved per
 prompt (order rotated from prompt to prompt) so machine noise hits all of them alike.
 --prefill-tokens 1000,4000 also times the first token of long prompts (median of
-PREFILL_REPS, interleaved): ours against llama.cpp's prompt processing.
+PREFILL_REPS, interleaved): ours against llama.cpp's prompt processing; with
+--long-decode-tokens N also the decode speed of the next N tokens after those prompts (a long
+chat's replies: attention then reads thousands of cached keys per token), eagle with the
+tree's long-context caps as the app serves it, and whether its answers equal plain's.
 
 Words used in the results: `tokens` generated tokens; `seconds` wall time of the
 generation calls (prefill included, prompt templating excluded); `first_token_s` mean time
@@ -375,38 +378,79 @@ def prefill_prompt(engine: Engine, tokens: int) -> list[int]:
     return ids
 
 
-def _our_first_token(engine: Engine, ids: list[int], speculative: bool, tree: TreeConfig) -> float:
-    """Seconds until the engine's first event (eagle: after its head's catch-up on the prompt too)."""
-    stream = engine.generate(ids, GenerationConfig(max_new_tokens=2, speculative=speculative, tree=tree))
+@dataclass(frozen=True)
+class LongAnswer:
+    """One answer to a long prompt: seconds to its first token, then `decode` tokens/s over the
+    tokens after the first (None when it wrote only one), and its token ids."""
+
+    first_token_s: float
+    decode: float | None
+    tokens: tuple[int, ...]
+
+
+def _our_long_answer(engine: Engine, ids: list[int], speculative: bool, tree: TreeConfig,
+                     new_tokens: int) -> LongAnswer:
+    """The engine's first event (eagle: after its head's catch-up on the prompt too), then up to
+    `new_tokens` - 1 more tokens, greedy."""
+    stream = engine.generate(ids, GenerationConfig(max_new_tokens=max(new_tokens, 2), speculative=speculative,
+                                                   tree=tree))
     start = time.perf_counter()
-    next(stream)
-    seconds = time.perf_counter() - start
-    stream.close()
-    return seconds
+    first = next(stream)
+    first_s = time.perf_counter() - start
+    tokens = list(first.token_ids)
+    if new_tokens <= 1:
+        stream.close()
+        return LongAnswer(first_s, None, tuple(tokens))
+    for ev in stream:
+        tokens += ev.token_ids
+    seconds = time.perf_counter() - start - first_s
+    after = len(tokens) - len(first.token_ids)
+    return LongAnswer(first_s, after / seconds if after and seconds > 0 else None, tuple(tokens))
+
+
+def _llama_long_answer(llama: LlamaServer, ids: list[int], new_tokens: int) -> LongAnswer:
+    c = llama.complete(ids, max(new_tokens, 1))
+    # predicted_ms spans predicted_n - 1 decoding steps (core.llamacpp), as our tokens after the first
+    decode = (c.predicted_n - 1) / (c.predicted_ms / 1e3) if new_tokens > 1 and c.predicted_ms > 0 else None
+    return LongAnswer(c.prompt_ms / 1e3, decode, c.tokens)
 
 
 def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str], settings: BenchSettings,
-                    llama: LlamaServer | None = None, reps: int = PREFILL_REPS) -> dict:
+                    llama: LlamaServer | None = None, reps: int = PREFILL_REPS, decode_tokens: int = 0) -> dict:
     """Time to first token for prompts of about `lengths` tokens: plain (and eagle, where it is among
-    `modes`) against llama.cpp's prompt processing (prompt_ms), interleaved, median of `reps`."""
-    timers = {"plain": lambda ids: _our_first_token(engine, ids, False, settings.tree)}
+    `modes`) against llama.cpp's prompt processing (prompt_ms), interleaved, median of `reps`.
+    With `decode_tokens` > 1 each answer goes on to that many tokens (greedy), and the rows also
+    give the decode speed after the first token (median) and whether eagle's answers equal plain's."""
+    new = decode_tokens if decode_tokens > 1 else 1
+    answer = {"plain": lambda ids: _our_long_answer(engine, ids, False, settings.tree, new)}
     if "eagle" in modes and engine.has_head:
-        timers["eagle"] = lambda ids: _our_first_token(engine, ids, True, settings.tree)
+        answer["eagle"] = lambda ids: _our_long_answer(engine, ids, True, settings.tree, new)
     if llama is not None:
-        timers[LLAMA_CPP] = lambda ids: llama.complete(ids, 1).prompt_ms / 1e3
+        answer[LLAMA_CPP] = lambda ids: _llama_long_answer(llama, ids, new)
     rows = []
     for n in lengths:
         ids = prefill_prompt(engine, n)
         if settings.warmup and not rows:
-            for timer in timers.values():
-                timer(ids)
-        times = {m: [] for m in timers}
+            for fn in answer.values():
+                fn(ids)
+        runs = {m: [] for m in answer}
         for r in range(reps):
-            for m in mode_order(list(timers), r):
-                times[m].append(timers[m](ids))
-        rows.append({"asked_tokens": n, "prompt_tokens": len(ids),
-                     "first_token_s": {m: statistics.median(t) for m, t in times.items()},
-                     "runs_s": times})
+            for m in mode_order(list(answer), r):
+                runs[m].append(answer[m](ids))
+        row = {"asked_tokens": n, "prompt_tokens": len(ids),
+               "first_token_s": {m: statistics.median(a.first_token_s for a in got) for m, got in runs.items()},
+               "runs_s": {m: [a.first_token_s for a in got] for m, got in runs.items()}}
+        if new > 1:
+            row["decode_tokens"] = new
+            row["decode_tokens_per_s"] = {m: statistics.median(a.decode for a in got if a.decode)
+                                          for m, got in runs.items() if any(a.decode for a in got)}
+            if "eagle" in runs:
+                tree = settings.tree.at(len(ids))
+                capped = not settings.tree.speculates_at(len(ids))
+                row["eagle_tree_there"] = ("plain decoding (long-context cap)" if capped
+                                           else f"depth {tree.depth}, {tree.total_tokens} tokens")
+                row["eagle_identical"] = all(a.tokens == b.tokens for a, b in zip(runs["eagle"], runs["plain"]))
+        rows.append(row)
     return {"reps": reps, "statistic": "median", "rows": rows}
 
 
@@ -522,11 +566,24 @@ def format_table(result: dict) -> str:
                  + (f"; draft head weights: {result['draft_weights']}" if result.get("draft_weights") else ""))
     if "thread_policy" in result:
         lines.append(f"threads: {result['threads']} ({result['thread_policy']})")
+    lines += _prefill_lines(result)
+    return "\n".join(lines)
+
+
+def _prefill_lines(result: dict) -> list[str]:
+    """The long prompts' rows: time to first token, and the decode after it where measured."""
+    lines = []
     for row in result.get("prefill", {}).get("rows", []):
         times = ", ".join(f"{m} {s:.3f} s" for m, s in row["first_token_s"].items())
         lines.append(f"time to first token, {row['prompt_tokens']:,} prompt tokens (median of "
                      f"{result['prefill']['reps']}): {times}")
-    return "\n".join(lines)
+        if row.get("decode_tokens_per_s"):
+            speeds = ", ".join(f"{m} {v:.1f} tok/s" for m, v in row["decode_tokens_per_s"].items())
+            same = "" if "eagle_identical" not in row else \
+                (f"; eagle's tree there: {row['eagle_tree_there']}, its answers "
+                 f"{'identical to' if row['eagle_identical'] else 'DIFFER from'} plain's")
+            lines.append(f"  then {row['decode_tokens']} tokens: {speeds}{same}")
+    return lines
 
 
 def _llama_cpp_lines(result: dict) -> list[str]:
@@ -634,6 +691,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "embedded model's]; e.g. a BF16 copy made with llama-quantize")
     p.add_argument("--prefill-tokens", metavar="N,N", help="also time the first token of prompts of about N tokens "
                    "(e.g. 1000,4000): ours, and llama.cpp's prompt processing where a build is given")
+    p.add_argument("--long-decode-tokens", type=int, default=0, metavar="N",
+                   help="with --prefill-tokens: each long prompt's answer goes on to N tokens (greedy), and the "
+                   "decode speed after its first token is reported too (a long chat's replies)")
     return p.parse_args(argv)
 
 
@@ -730,6 +790,9 @@ def main(argv=None) -> int:
     try:
         modes = parse_modes(a.modes or list(DEFAULT_MODES) + ([LLAMA_CPP] if llama_cpp_dir(a) else []))
         lengths = parse_lengths(a.prefill_tokens)
+        if a.long_decode_tokens < 0 or (a.long_decode_tokens and not lengths):
+            raise BenchError(f"--long-decode-tokens {a.long_decode_tokens}: give a number of tokens >= 0, with "
+                             f"--prefill-tokens naming the prompt lengths (e.g. --prefill-tokens 1000,4000)")
         llama_exe = llama_cpp_choice(a, modes, lengths)
         prompts = load_prompts(a.prompts or BUILTIN_PROMPTS)
         if a.limit is not None:
@@ -751,7 +814,8 @@ def main(argv=None) -> int:
         with start_llama_cpp(a, llama_exe, engine) as llama:
             result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True, llama=llama)
             if lengths:
-                result["prefill"] = measure_prefill(engine, lengths, modes, settings, llama)
+                result["prefill"] = measure_prefill(engine, lengths, modes, settings, llama,
+                                                    decode_tokens=a.long_decode_tokens)
     except (BenchError, ConfigError, EngineError, ModelLoadError, HeadLoadError, LlamaCppError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

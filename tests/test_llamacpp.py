@@ -6,6 +6,7 @@ import json
 import stat
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -177,6 +178,32 @@ def test_time_to_first_token_beside_llama_cpps_prompt_processing(fake_build):
     assert len(sent) == 1 + 2 * 2 and all(b["n_predict"] == 1 for b in sent)  # one warm-up, at the first length
 
 
+def test_decode_after_long_prompts_beside_llama_cpp_with_eagle_checked_against_plain(fake_build):
+    """--long-decode-tokens: each long prompt's answer goes on, the rows give decode tok/s after
+    the first token for every mode (llama.cpp's from its own timings) and whether eagle's
+    answers equal plain's; the printed table says both."""
+    folder, log = fake_build
+    target = tiny_target()
+    engine = Engine(target, random_head(target))
+    settings = BenchSettings(tree=TreeConfig(2, 2, 4), warmup=False)
+    with LlamaServer(find_server(folder), "x.gguf", 1, engine.max_context) as server:
+        out = measure_prefill(engine, [60, 120], ["plain", "eagle"], settings, server, reps=2, decode_tokens=6)
+    for row in out["rows"]:
+        assert row["decode_tokens"] == 6 and set(row["decode_tokens_per_s"]) == {"plain", "eagle", "llama.cpp"}
+        assert row["decode_tokens_per_s"]["llama.cpp"] == pytest.approx(1e3 / STEP_MS)
+        assert all(v > 0 for v in row["decode_tokens_per_s"].values())
+        assert row["eagle_identical"] is True and row["eagle_tree_there"] == "depth 2, 4 tokens"
+    assert all(b["n_predict"] == 6 for b in requests(log))
+    table = "\n".join(bench._prefill_lines({"prefill": out}))
+    assert "then 6 tokens: plain " in table and "eagle's tree there: depth 2, 4 tokens, its answers identical to " \
+        "plain's" in table
+    # a long-context cap makes eagle decode plainly there: the row says so
+    capped = replace(settings, tree=TreeConfig(2, 2, 4, long_context=((100, 0, 0),)))
+    rows = measure_prefill(engine, [60, 120], ["plain", "eagle"], capped, None, reps=1, decode_tokens=4)["rows"]
+    assert [r["eagle_tree_there"] for r in rows] == ["depth 2, 4 tokens", "plain decoding (long-context cap)"]
+    assert all(r["eagle_identical"] for r in rows)
+
+
 def test_cli_runs_llama_cpp_from_the_environment_and_reports_prefill(fake_build, tmp_path, monkeypatch):
     folder, log = fake_build
     target = tiny_target()
@@ -218,6 +245,7 @@ def test_default_modes_add_llama_cpp_only_with_a_build(fake_build, monkeypatch):
     ([], "empty", "holds no executable llama-server"),
     (["--llama-cpp", "BIN", "--gguf", "/nonexistent.gguf"], None, "--gguf /nonexistent.gguf is not a file"),
     (["--prefill-tokens", "1000,lots"], None, "--prefill-tokens wants prompt lengths like 1000,4000"),
+    (["--long-decode-tokens", "64"], None, "--long-decode-tokens 64: give a number of tokens >= 0, with --prefill-tokens"),
     (["--llama-cpp", "BIN", "--llama-cpp-args=--alias 'open"], None, "--llama-cpp-args \"--alias 'open\": No closing"),
 ])
 def test_cli_refuses_a_bad_llama_cpp_setup_before_loading_a_model(args, env, message, fake_build, tmp_path,
