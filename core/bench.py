@@ -456,6 +456,26 @@ def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str]
 
 # ---------------------------------------------------------------------------- results
 
+FEATURES = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")  # what the kernels use
+
+
+def machine() -> dict:
+    """Which machine the figures come from: the CPU's name, cores, the instruction sets our kernels
+    and llama.cpp's use, and the memory."""
+    from core.decoding.probe import _cpu_name
+    from core.kernels.native import _cpu_flags
+
+    flags = _cpu_flags()
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        memory = round(kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        memory = None
+    return {"cpu": _cpu_name() or "unknown", "cores": os.cpu_count(),
+            "features": [f for f in FEATURES if f in flags], "memory_gib": memory}
+
+
 def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Sequence[Prompt],
             load: tuple[float, float]) -> dict:
     import transformers
@@ -475,6 +495,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
                      "warmup": s.warmup, "prompts": len(prompts), "turns": sum(len(p.turns) for p in prompts),
                      "order": "modes interleaved per prompt, rotated"},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": machine(),
         "load_average_1min": {"start": round(load[0], 2), "end": round(load[1], 2)},
     }
 
@@ -562,6 +583,10 @@ def format_table(result: dict) -> str:
                      f" (draft share {split['draft_s'] / eagle['seconds']:.0%}); tree {result['settings']['tree']}; "
                      f"accepted lengths {eagle['accepted_length_histogram']}")
     lines += _llama_cpp_lines(result)
+    if "machine" in result:
+        m = result["machine"]
+        lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {' '.join(m['features']) or 'no AVX-512'}"
+                     + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""))
     lines.append(f"numerics: {result.get('numerics', '?')}"
                  + (f"; draft head weights: {result['draft_weights']}" if result.get("draft_weights") else ""))
     if "thread_policy" in result:

@@ -148,6 +148,14 @@ def test_llama_cpp_runs_interleaved_with_our_modes_on_our_token_ids(fake_build, 
     assert argv[argv.index("-t") + 1] == argv[argv.index("-tb") + 1] == "1"
     assert argv[argv.index("-c") + 1] == str(engine.max_context) and argv[argv.index("-m") + 1] == "/models/x.gguf"
     assert "decode tok/s over llama.cpp's: plain" in bench.format_table(r)
+    # the results say which machine they come from, with the instruction sets the kernels use
+    with open("/proc/cpuinfo") as f:
+        cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        f.seek(0)
+        flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    assert r["machine"]["cpu"] == cpu and r["machine"]["cores"] >= 1 and r["machine"]["memory_gib"] > 0
+    assert r["machine"]["features"] == [x for x in bench.FEATURES if x in flags]
+    assert f"machine: {cpu}, " in bench.format_table(r)
 
 
 def test_our_modes_time_their_first_token_apart_from_decoding():
