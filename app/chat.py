@@ -131,6 +131,10 @@ class AnswerView:
         if self.long_chat is not None:
             reached = self.prompt_tokens + sum(r["tokens"] for r in self.rows if r["step"] < plain[0])
             why = f": {self.long_chat.pause_reason(reached)}"
+            if self.long_chat.adaptive:  # plain and speculative steps may alternate
+                if len(plain) == len(steps):
+                    return f"plain: {self.long_chat.all_plain_reason}"
+                return f"speculative on {len(steps) - len(plain)} of {len(steps)} steps, plain on the others{why}"
         if len(plain) == len(steps):
             return f"plain, speculation paused{why}"
         return f"speculative, plain from step {plain[0]}{why}"

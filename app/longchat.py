@@ -26,9 +26,17 @@ class LongChat:
     pause_at: int | None
     notes: tuple[str, ...]
     hot: float | None = None  # the sampling temperature that paused speculation (TreeConfig.plain_from_temperature)
+    adaptive: bool = False    # greedy, GenerationConfig.adaptive: measured speed chooses each step's mode
+
+    @property
+    def all_plain_reason(self) -> str:
+        """Why an adaptive answer ran no speculative step."""
+        return ADAPTIVE_PLAIN
 
     def pause_reason(self, reached: int) -> str:
         """Why plain steps ran in a speculative answer whose context reached `reached` tokens."""
+        if self.adaptive:
+            return MEASURED
         if self.hot is not None:
             return (f"sampling at temperature {self.hot:g}, where plain decoding is faster here "
                     "(hot sampling accepts few drafted tokens)")
@@ -38,9 +46,17 @@ class LongChat:
         return "the answer neared the end of the context window, where no draft tree fits"
 
 
-def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: float = 0.0) -> LongChat:
+def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: float = 0.0,
+         adaptive: bool = False) -> LongChat:
     pause_at = next((c for c, d, _ in tree.long_context if d == 0), None)
     notes = []
+    if speculative and adaptive and temperature == 0:
+        if not tree.speculates_at(prompt_tokens):
+            notes.append(f"Long chat ({prompt_tokens:,} tokens): from {pause_at:,} tokens plain decoding is usually "
+                         "faster on this machine (every draft-tree row reads the whole chat), so this answer starts "
+                         "plain and speculates only while it measures faster, as it often does when the answer "
+                         "quotes or edits what the chat holds. The answer is the same either way.")
+        return LongChat(prompt_tokens, pause_at, tuple(notes), adaptive=True)
     if speculative and not tree.speculates_hot(temperature):
         notes.append(f"Speculation paused for this answer: sampling at temperature {temperature:g}, plain decoding "
                      f"is faster on this machine (measured from {tree.plain_from_temperature:g} on: hot sampling "
@@ -57,6 +73,10 @@ def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: f
                      f"depth {capped.depth} and {capped.total_tokens} nodes (every tree row reads the whole chat, "
                      "so big trees cost more than they save).")
     return LongChat(prompt_tokens, pause_at, tuple(notes))
+
+
+MEASURED = "plain decoding measured faster for those steps (speculation follows the measured speed)"
+ADAPTIVE_PLAIN = "a chat this long starts plain here, and speculation did not measure faster in this answer"
 
 
 def new_chat_hint(prompt_tokens: int, first_token_s: float | None) -> str:

@@ -51,9 +51,12 @@ def chart(view: AnswerView, y_max: int) -> gr.BarPlot:
 
 
 class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
-    def __init__(self, manager: ModelManager, access: Access):
+    def __init__(self, manager: ModelManager, access: Access, adaptive: bool = True):
         self.manager = manager
         self.access = access
+        # greedy chat answers speculate where it measures faster (GenerationConfig.adaptive);
+        # Side by side races the two modes as they are
+        self.adaptive = adaptive
         self.tickets = Tickets()
         self._sends = itertools.count(1)  # the gates' counter: each request it lets go is a new value
 
@@ -255,6 +258,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 raise UserError(problem)
             notices: list[str] = []
             cfg, seconds = self._settings(settings, request, notices)
+            cfg = replace(cfg, adaptive=self.adaptive)
             backend = self.manager.backend
             if backend is not None:  # the server queues its own requests: no local lane to hold
                 yield from self._remote_answer(backend, engine_messages(turns, system), cfg, seconds, before,
@@ -268,7 +272,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
                 msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
-                long_chat = plan(cfg.tree, n_tokens, cfg.speculative, cfg.sampling.temperature)
+                long_chat = plan(cfg.tree, n_tokens, cfg.speculative, cfg.sampling.temperature, cfg.adaptive)
                 notices.extend(long_chat.notes)
                 yield from self._answer(engine, msgs, cfg, seconds, before, turns, settings.highlight, ticket,
                                         notices, restore, long_chat)

@@ -95,6 +95,7 @@ class BenchSettings:
     tree_source: str = "manual"  # "manual", "auto", or why auto fell back to defaults
     lookup_tokens: int = 10      # hf-lookup: prompt_lookup_num_tokens
     warmup: bool = True
+    adaptive: bool = False       # eagle modes, greedy: GenerationConfig.adaptive (the app's default)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
@@ -176,7 +177,7 @@ def parse_modes(modes: str | Sequence[str]) -> list[str]:
 def _engine_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
                      speculative: bool) -> Generation:
     config = GenerationConfig(max_new_tokens=s.max_new_tokens, speculative=speculative, tree=s.tree,
-                              sampling=s.sampling, seed=seed)
+                              sampling=s.sampling, seed=seed, adaptive=s.adaptive and speculative)
     tokens, lengths, split = [], [], [0.0, 0.0, 0.0]
     forwards, first = 0, None
     start = time.perf_counter()
@@ -389,11 +390,11 @@ class LongAnswer:
 
 
 def _our_long_answer(engine: Engine, ids: list[int], speculative: bool, tree: TreeConfig,
-                     new_tokens: int) -> LongAnswer:
+                     new_tokens: int, adaptive: bool = False) -> LongAnswer:
     """The engine's first event (eagle: after its head's catch-up on the prompt too), then up to
     `new_tokens` - 1 more tokens, greedy."""
     stream = engine.generate(ids, GenerationConfig(max_new_tokens=max(new_tokens, 2), speculative=speculative,
-                                                   tree=tree))
+                                                   tree=tree, adaptive=adaptive and speculative))
     start = time.perf_counter()
     first = next(stream)
     first_s = time.perf_counter() - start
@@ -424,7 +425,7 @@ def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str]
     new = decode_tokens if decode_tokens > 1 else 1
     answer = {"plain": lambda ids: _our_long_answer(engine, ids, False, settings.tree, new)}
     if "eagle" in modes and engine.has_head:
-        answer["eagle"] = lambda ids: _our_long_answer(engine, ids, True, settings.tree, new)
+        answer["eagle"] = lambda ids: _our_long_answer(engine, ids, True, settings.tree, new, settings.adaptive)
     if llama is not None:
         answer[LLAMA_CPP] = lambda ids: _llama_long_answer(llama, ids, new)
     rows = []
@@ -447,8 +448,10 @@ def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str]
             if "eagle" in runs:
                 tree = settings.tree.at(len(ids))
                 capped = not settings.tree.speculates_at(len(ids))
-                row["eagle_tree_there"] = ("plain decoding (long-context cap)" if capped
-                                           else f"depth {tree.depth}, {tree.total_tokens} tokens")
+                row["eagle_tree_there"] = (f"depth {tree.depth}, {tree.total_tokens} tokens" if not capped
+                                           else "starts plain (long-context cap), speculates where measured faster"
+                                           if settings.adaptive and settings.sampling.greedy
+                                           else "plain decoding (long-context cap)")
                 row["eagle_identical"] = all(a.tokens == b.tokens for a, b in zip(runs["eagle"], runs["plain"]))
         rows.append(row)
     return {"reps": reps, "statistic": "median", "rows": rows}
@@ -492,7 +495,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
         "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
                      "top_p": s.sampling.top_p, "top_k": s.sampling.top_k, "seed": s.seed,
                      "tree": asdict(s.tree), "tree_source": s.tree_source, "lookup_tokens": s.lookup_tokens,
-                     "warmup": s.warmup, "prompts": len(prompts), "turns": sum(len(p.turns) for p in prompts),
+                     "warmup": s.warmup, "adaptive": s.adaptive, "prompts": len(prompts), "turns": sum(len(p.turns) for p in prompts),
                      "order": "modes interleaved per prompt, rotated"},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "machine": machine(),
@@ -716,6 +719,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "embedded model's]; e.g. a BF16 copy made with llama-quantize")
     p.add_argument("--prefill-tokens", metavar="N,N", help="also time the first token of prompts of about N tokens "
                    "(e.g. 1000,4000): ours, and llama.cpp's prompt processing where a build is given")
+    p.add_argument("--adaptive", action="store_true", help="eagle modes, greedy: each step runs the mode measured "
+                   "faster in the answer (the app's default; GenerationConfig.adaptive)")
     p.add_argument("--long-decode-tokens", type=int, default=0, metavar="N",
                    help="with --prefill-tokens: each long prompt's answer goes on to N tokens (greedy), and the "
                    "decode speed after its first token is reported too (a long chat's replies)")
@@ -827,7 +832,7 @@ def main(argv=None) -> int:
         sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
         manual, given = _tree_choice(a)
         settings = BenchSettings(max_new_tokens=a.max_new_tokens, sampling=sampling, seed=a.seed,
-                                 lookup_tokens=a.lookup_tokens, warmup=not a.no_warmup)
+                                 lookup_tokens=a.lookup_tokens, warmup=not a.no_warmup, adaptive=a.adaptive)
         if a.threads is not None:
             if a.threads < 1:
                 raise BenchError(f"--threads must be >= 1, got {a.threads}")

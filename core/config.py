@@ -231,10 +231,15 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    # greedy speculation follows measured speed: each step runs the mode measured faster in this
+    # answer, probing the other now and then; the tree's long-context caps only choose the start
+    # (core.decoding.adaptive). Off: the caps decide alone (what tests that count steps rely on).
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                "stop strings must be non-empty strings")
 

@@ -29,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("prompt", nargs="?", help="the user message; '-' reads it from standard input")
     p.add_argument("--prompt-file", type=Path, help="read the user message from this file")
     p.add_argument("--plain", action="store_true", help="plain decoding, no speculation")
+    p.add_argument("--adaptive", action="store_true", help="greedy: each step runs the mode measured faster in "
+                   "this answer (speculative or plain, probing the other now and then; the app's default), where "
+                   "otherwise the tree's long-context caps decide alone")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -66,7 +69,7 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
         raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     given = tree_changes(a)
     config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
-                              sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p))
+                              sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p), adaptive=a.adaptive)
     return prompt, given, config
 
 

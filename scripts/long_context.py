@@ -1,18 +1,23 @@
 """Speculation in a long chat (docs/long-context.md): plain against eagle at several context lengths.
 
-    python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2]
+    python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2] [--task summary|edit]
 
 Each prompt asks for a summary of the first N tokens of a fixed document (`core.autotune.long_prompt`:
 the Python language reference topics that ship with the interpreter), which the answer may quote
 from, as long chats do. For each length it answers with plain decoding, with the shipped tree (its
 long_context caps applied: `tree.at(context)`, plain decoding past a plain cap) and with the same
-tree without caps, interleaved and repeated, and prints tokens/s and tau after the prefill.
+tree without caps and adaptively (GenerationConfig.adaptive: the mode measured faster, the app's
+default), interleaved and repeated, and prints tokens/s and tau after the prefill. `--task edit`
+asks instead for work on a text the prompt holds, as long chats often do: a module of this
+repository rewritten with one name changed, and a part of README.md summarised (the answers copy
+from the chat, so context lookup accepts long runs).
 Greedy output is checked to be the same in every mode. Run it on an otherwise idle machine.
 """
 
 import argparse
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from core import threads  # noqa: I001
 
@@ -39,23 +44,39 @@ def answer(engine: Engine, messages, config: GenerationConfig) -> tuple[float, i
     return time.perf_counter() - start, n, steps, out
 
 
+def edit_prompt(engine: Engine, tokens: int) -> list[dict]:
+    """About `tokens` tokens of this repository's text with a request to rework it: a module with
+    a name changed (even lengths' ordinal), else README.md summarised."""
+    root = Path(__file__).resolve().parent.parent
+    code = tokens // 1000 % 2 == 1
+    text = (root / ("core/decoding/verify.py" if code else "README.md")).read_text()
+    ids = engine.target.tokenizer(text)["input_ids"][:tokens]
+    part = engine.target.tokenizer.decode(ids)
+    ask = ("Rewrite this module exactly, but rename the function `target_probs` to `target_distribution` "
+           "everywhere." if code else "Summarise this text in five bullet points, quoting its key sentences.")
+    fence = "```python\n" if code else ""
+    return [{"role": "user", "content": f"{fence}{part}{chr(10) + '```' if code else ''}\n\n{ask}"}]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="1024,2048,2800,4096", help="document tokens (the chat template adds about 45)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--task", choices=("summary", "edit"), default="summary")
     a = p.parse_args()
     threads.set_threads(a.threads)
     engine = Engine.load()
     tree = engine.default_tree
     modes = {"plain": GenerationConfig(max_new_tokens=a.tokens, speculative=False),
              "eagle (caps)": GenerationConfig(max_new_tokens=a.tokens, tree=tree),
-             "eagle (no caps)": GenerationConfig(max_new_tokens=a.tokens, tree=replace(tree, long_context=()))}
+             "eagle (no caps)": GenerationConfig(max_new_tokens=a.tokens, tree=replace(tree, long_context=())),
+             "eagle (adaptive)": GenerationConfig(max_new_tokens=a.tokens, tree=tree, adaptive=True)}
     print(f"tree: {tree}")
     with torch.inference_mode():
         for length in (int(c) for c in a.contexts.split(",")):
-            messages = long_prompt(engine, length)
+            messages = long_prompt(engine, length) if a.task == "summary" else edit_prompt(engine, length)
             context = engine.count_tokens(messages)
             totals = {m: [0.0, 0, 0] for m in modes}
             outputs = set()

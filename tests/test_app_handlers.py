@@ -433,6 +433,17 @@ def test_a_long_chat_says_which_mode_ran_and_why(bigram, monkeypatch):
     words = " ".join(f"w{i}" for i in range(10, 40))  # with the system prompt and template: about 36 tokens
     engine.tree_choice = TreeChoice(TreeConfig(depth=3, top_k=2, total_tokens=6, long_context=((30, 0, 0),)), "test")
     h = handlers_for(engine)
+    # measured speed chooses (the app's default): a chat past the plain cap starts plain and says so;
+    # 8 tokens are 7 steps, fewer than the schedule's first probe (core.decoding.adaptive)
+    _, _, stats, _, notice = answer(h, words, [], GREEDY._replace(max_new=8))
+    assert notice.startswith("Long chat (35 tokens): from 30 tokens plain decoding is usually faster on this machine")
+    assert "starts plain and speculates only while it measures faster" in notice
+    assert stats["ran"] == ("plain: a chat this long starts plain here, and speculation did not measure faster in "
+                            "this answer")
+    assert answer(h, words, [], GREEDY._replace(temperature=0.5, max_new=8))[4].startswith(
+        "Speculation paused for this answer: the chat holds "), "sampling: the caps decide alone"
+    # the caps alone (GenerationConfig.adaptive off)
+    h.adaptive = False
     _, _, stats, _, notice = answer(h, words, [], GREEDY._replace(max_new=8))
     assert notice.startswith("Speculation paused for this answer: the chat holds ") and "from 30 on plain" in notice
     assert stats["ran"] == ("plain, speculation paused: the chat reached 30 tokens, from which plain decoding is "

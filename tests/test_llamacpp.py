@@ -210,6 +210,10 @@ def test_decode_after_long_prompts_beside_llama_cpp_with_eagle_checked_against_p
     rows = measure_prefill(engine, [60, 120], ["plain", "eagle"], capped, None, reps=1, decode_tokens=4)["rows"]
     assert [r["eagle_tree_there"] for r in rows] == ["depth 2, 4 tokens", "plain decoding (long-context cap)"]
     assert all(r["eagle_identical"] for r in rows)
+    adaptive = replace(capped, adaptive=True)  # --adaptive: past the cap it starts plain, answers unchanged
+    rows = measure_prefill(engine, [120], ["plain", "eagle"], adaptive, None, reps=1, decode_tokens=12)["rows"]
+    assert rows[0]["eagle_tree_there"] == "starts plain (long-context cap), speculates where measured faster"
+    assert rows[0]["eagle_identical"]
 
 
 def test_cli_runs_llama_cpp_from_the_environment_and_reports_prefill(fake_build, tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from core.decoding import cache as kv
+from core.decoding import adaptive, cache as kv
 from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig
@@ -169,6 +169,13 @@ class Engine:
         return _stream(self, ids, config, on_step)
 
 
+POLICY = adaptive.Policy()  # GenerationConfig.adaptive's probing schedule
+# An adaptive answer to a prompt past the tree's plain cap: the head catches up on the prompt's
+# last HEAD_WINDOW tokens when a probe first speculates (its rotary positions are relative, and
+# context lookup copies from the whole chat), not on all of it
+HEAD_WINDOW = 256
+
+
 def draws_from_head(tree: TreeConfig, sampling) -> bool:
     """Whether a sampled step draws its draft from the head's distribution (core.decoding.tree.draft_sampled)
     rather than taking the head's top-k as point masses: for depth-1 dynamic trees, where the draws
@@ -213,6 +220,12 @@ class _Run:
         self.n_out = self.forwards = 0
         self.token, self.root_hidden = None, None
         self._draft_carry = 0.0  # head catch-up time, reported with the next step's draft
+        # GenerationConfig.adaptive (greedy): the measured speeds (core.decoding.adaptive), the
+        # (tokens, features) the head has not caught up on (the prompt past a plain cap, plain
+        # steps), and the seconds this step spent catching up on them (a switch's cost, not the mode's)
+        self.speeds: adaptive.Speeds | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._switch_s = 0.0
         self.start = self.now()
 
     def now(self) -> float:
@@ -230,11 +243,17 @@ class _Run:
         self.forwards += 1
         t1 = self.now()
         event = self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
-        if self.cfg.speculative and not self.cfg.tree.speculates_at(len(self.ids)):
+        capped = not self.cfg.tree.speculates_at(len(self.ids))
+        follow = torch.cat([self.ids[1:], torch.tensor([self.token], device=self.device)])  # (T,) the next tokens
+        if self.cfg.speculative and self.cfg.adaptive and self.cfg.sampling.greedy:
+            self.speeds = adaptive.start(not capped, POLICY)
+            if capped:  # the head catches up on the prompt when a probe first speculates, if one does
+                self.pending.append((follow, features))
+                return event
+        elif self.cfg.speculative and capped:
             self.cfg = replace(self.cfg, speculative=False)  # a plain cap: no head catch-up on a long prompt
         if self.cfg.speculative and not event.finished:
-            self.root_hidden = self.catch_up(torch.cat([self.ids[1:], torch.tensor([self.token], device=self.device)]),
-                                             features)
+            self.root_hidden = self.catch_up(follow, features)
         return event
 
     def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -244,11 +263,22 @@ class _Run:
         return hidden
 
     def next_step(self) -> StepEvent:
+        if self.speeds is not None:
+            return self.adaptive_step()
         if self.cfg.speculative and self.fits_tree() and self.cfg.tree.speculates_at(kv.cache_length(self.cache)):
             return self.spec_step()
         event = self.plain_step()
         if self.cfg.speculative and not event.finished:  # near the context end, or a plain cap: stay plain
             self.cfg = replace(self.cfg, speculative=False)
+        return event
+
+    def adaptive_step(self) -> StepEvent:
+        """The mode the measured speeds choose (plain near the context's end), then its time recorded."""
+        speculate = self.speeds.speculative and self.fits_tree()
+        t0, self._switch_s = self.now(), 0.0
+        event = self.spec_step() if speculate else self.plain_step()
+        seconds = self.now() - t0 - self._switch_s
+        self.speeds = adaptive.record(self.speeds, POLICY, speculate, len(event.token_ids), seconds)
         return event
 
     def fits_tree(self) -> bool:
@@ -263,13 +293,24 @@ class _Run:
     def plain_step(self) -> StepEvent:
         t0 = self.now()
         committed = kv.cache_length(self.cache)
-        _, logits = plain_forward(self.model, self.token, self.cache, committed)
+        features, logits = plain_forward(self.model, self.token, self.cache, committed,
+                                         self.layers if self.speeds is not None else None)
         t1 = self.now()
         self.token = self.choose(logits)
+        if self.speeds is not None:  # for the head, should a later step speculate
+            self.pending.append((torch.tensor([self.token], device=self.device), features))
         self.forwards += 1
         return self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
 
     def spec_step(self) -> StepEvent:
+        if self.pending:  # an adaptive answer's first speculative step after plain ones
+            t = self.now()
+            tokens, features = (torch.cat(x) for x in zip(*self.pending))  # (n,), (n, F)
+            self.pending = []
+            if self.head_cache.length == 0:  # a long prompt: the head reads its end (103 ms for 4,000 tokens)
+                tokens, features = tokens[-HEAD_WINDOW:], features[-HEAD_WINDOW:]
+            self.root_hidden = self.catch_up(tokens, features)
+            self._switch_s = self.now() - t
         t0 = self.now()
         committed = kv.cache_length(self.cache)
         shape = self.cfg.tree.at(committed)  # smaller trees for long contexts (TreeConfig.long_context)

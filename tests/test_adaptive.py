@@ -1,0 +1,131 @@
+"""Greedy speculation that follows measured speed (core.decoding.adaptive, GenerationConfig.adaptive):
+the schedule on its own, then the engine on a fake clock that makes one mode slower: the answer
+moves to the faster mode and its tokens are plain decoding's whichever mode wrote them."""
+
+import pytest
+
+import core.decoding.engine as engine_mod
+from core.config import ConfigError, GenerationConfig, TreeConfig
+from core.decoding import adaptive
+from core.decoding.adaptive import Policy, record, start
+from core.decoding.engine import Engine
+from tests.tiny import oracle_head, tiny_target
+
+POLICY = Policy(first_probe=4, probe_steps=3, max_gap=16, decay=0.8, margin=0.05, give_up=0.5)
+
+
+def steps(s, modes_and_rates):
+    """Record one step per (speculative?, tokens per second) of the mode that runs; -> the modes run, in order."""
+    ran = []
+    for rate_spec, rate_plain in modes_and_rates:
+        mode = s.speculative
+        ran.append(mode)
+        tokens = 2 if mode else 1
+        s = record(s, POLICY, mode, tokens, tokens / (rate_spec if mode else rate_plain))
+    return ran, s
+
+
+def test_a_faster_plain_mode_takes_over_after_one_probe_and_is_probed_less_often():
+    ran, s = steps(start(True, POLICY), [(100.0, 200.0)] * 40)
+    assert ran[:4] == [True] * 4 and ran[4:7] == [False] * 3, "4 speculative steps, then a 3-step probe of plain"
+    assert all(m is False for m in ran[7:11]), "plain measured faster: it stays"
+    assert s.rate(True) == pytest.approx(100.0) and s.rate(False) == pytest.approx(200.0)
+    probes = [i for i in range(1, 40) if ran[i] and not ran[i - 1]]  # speculation probed again
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:])), "confirmed probes come less often"
+
+
+def test_speculation_keeps_its_place_and_a_hopeless_probe_ends_after_two_steps():
+    ran, s = steps(start(True, POLICY), [(300.0, 100.0)] * 12)
+    assert ran[:4] == [True] * 4 and ran[4:6] == [False, False] and ran[6] is True, \
+        "plain at a third of the speed: its probe ends after 2 of 3 steps"
+    ran, _ = steps(start(True, POLICY), [(100.0, 104.0)] * 12)
+    assert ran[7:] == [True] * 5, "plain only 4% faster: inside the 5% margin, speculation stays"
+
+
+def test_a_chat_past_the_plain_cap_starts_plain_and_probes_speculation():
+    ran, s = steps(start(False, POLICY), [(300.0, 100.0)] * 12)
+    assert ran[:4] == [False] * 4 and all(ran[4:11]), "speculation measured faster: it takes over"
+    assert adaptive.Speeds(True).rate(True) is None, "a mode that never ran has no figure"
+
+
+def test_the_setting_is_a_boolean():
+    with pytest.raises(ConfigError, match="adaptive must be True or False, got 'yes'"):
+        GenerationConfig(adaptive="yes")
+
+
+class FakeClock:
+    """core.decoding.engine's clock, advanced only by the target's forwards: `tree_s` per
+    speculative verification, `plain_s` per plain step."""
+
+    def __init__(self, monkeypatch, tree_s: float, plain_s: float):
+        self.t = 0.0
+        forward_tree, plain_forward = engine_mod.forward_tree, engine_mod.plain_forward
+
+        def timed(fn, cost):
+            def call(*a, **k):
+                self.t += cost
+                return fn(*a, **k)
+            return call
+        monkeypatch.setattr(engine_mod, "now", lambda device=None: self.t)
+        monkeypatch.setattr(engine_mod, "forward_tree", timed(forward_tree, tree_s))
+        monkeypatch.setattr(engine_mod, "plain_forward", timed(plain_forward, plain_s))
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    target = tiny_target(mix=0.0, seed=4)  # the oracle head drafts it exactly: 4 drafts + bonus a step
+    return Engine(target, oracle_head(target))
+
+
+def answer(engine, prompt, config):
+    tokens, events = [], []
+    for ev in engine.generate(prompt, config):
+        tokens += ev.token_ids
+        events.append(ev)
+    return tokens, events
+
+
+@pytest.mark.parametrize("tree_s, plain_s, mostly", [(0.001, 0.001, "speculative"), (0.050, 0.001, "plain")])
+def test_the_engine_moves_to_the_mode_the_clock_says_is_faster_with_plains_tokens(bigram, monkeypatch, tree_s,
+                                                                                 plain_s, mostly):
+    monkeypatch.setattr(engine_mod, "POLICY", POLICY)
+    plain, _ = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, speculative=False))
+    FakeClock(monkeypatch, tree_s, plain_s)
+    tree = TreeConfig(4, 1, 5)
+    tokens, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree, adaptive=True))
+    assert tokens == plain, "the same tokens whichever mode wrote them"
+    spec = [ev.tree_size > 0 for ev in events[1:]]
+    if mostly == "speculative":  # 5 tokens a step at one forward's cost: plain's probes end early
+        assert sum(spec) > 0.7 * len(spec) and not all(spec), "plain was probed, speculation kept"
+    else:  # a verification costs 50 plain steps: after the first probe, plain decoding runs
+        assert spec[:4] == [True] * 4 and sum(spec[4:]) < 0.3 * len(spec[4:])
+    # the same answer, the caps alone: speculation throughout
+    fixed, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree))
+    assert fixed == plain and all(ev.tree_size > 0 for ev in events[1:])
+
+
+def test_a_prompt_past_the_plain_cap_starts_plain_and_the_head_catches_up_when_probed(bigram, monkeypatch):
+    """Past a plain cap the head has not read the prompt; the first speculative probe catches it up
+    (on the prompt's end, engine.HEAD_WINDOW tokens) together with the plain steps before it."""
+    monkeypatch.setattr(engine_mod, "POLICY", POLICY)
+    monkeypatch.setattr(engine_mod, "HEAD_WINDOW", 3)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    plain, _ = answer(bigram, prompt, GenerationConfig(max_new_tokens=60, speculative=False))
+    FakeClock(monkeypatch, 0.001, 0.004)  # a verified tree costs a quarter of a plain step: speculation wins
+    tree = TreeConfig(4, 1, 5, long_context=((4, 0, 0),))
+    tokens, events = answer(bigram, prompt, GenerationConfig(max_new_tokens=60, tree=tree, adaptive=True))
+    assert tokens == plain
+    spec = [ev.tree_size > 0 for ev in events[1:]]
+    assert spec[:4] == [False] * 4 and spec[4] is True, "plain first (the cap), then a probe of speculation"
+    assert sum(ev.accepted_length for ev in events[5:8]) >= 3 * 4, "the caught-up head drafts what the target says"
+    assert sum(spec[4:]) > 0.7 * len(spec[4:]), "and speculation keeps the answer"
+
+
+def test_the_cli_and_the_benchmark_turn_it_on_by_flag():
+    from core.bench import parse_args as bench_args
+    from core.generate import check_args, parse_args
+
+    assert check_args(parse_args(["hi", "--adaptive"]))[2].adaptive is True
+    assert check_args(parse_args(["hi"]))[2].adaptive is False
+    assert bench_args(["--adaptive"]).adaptive is True and bench_args([]).adaptive is False
