@@ -278,7 +278,8 @@ class ModelManager:
                 shape += f" (then {beside} nodes)"
         if t.long_context:  # TreeConfig.at: every tree row attends to the whole chat
             shape += "; in long chats " + ", ".join(
-                f"plain decoding from {c:,} tokens" if d == 0 else f"{n} nodes from {c:,} tokens" if d >= t.depth
+                f"plain decoding from {c:,} tokens (greedy chat answers speculate there while it measures faster)"
+                if d == 0 else f"{n} nodes from {c:,} tokens" if d >= t.depth
                 else f"depth {d} and {n} nodes from {c:,} tokens" for c, d, n in t.long_context)
         if t.plain_from_temperature:  # TreeConfig.speculates_hot: measured slower than plain this hot
             shape += f"; plain decoding when sampling at temperature {t.plain_from_temperature:g} or above"
