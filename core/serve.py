@@ -94,6 +94,7 @@ class ServeConfig:
     default_max_tokens: int = 512   # a chat request without max_tokens
     max_queue: int = 8              # answers that may wait behind the running one
     tree: tuple[tuple[str, int], ...] = ()  # (setting, value) over the engine's default tree (--depth, ...)
+    adaptive: bool = False  # greedy requests: GenerationConfig.adaptive (`serve --adaptive`)
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -230,7 +231,7 @@ def parse(body, engine: Engine, model_id: str, chat: bool, limits: ServeConfig =
         default = limits.default_max_tokens if chat else 16  # 16: OpenAI's default for completions
         config = GenerationConfig(max_new_tokens=max_tokens or min(default, room),
                                   speculative=engine.has_head, tree=limits.tree_over(engine.default_tree),
-                                  sampling=sampling,
+                                  sampling=sampling, adaptive=limits.adaptive,
                                   stop_strings=_stops(body.get("stop")), seed=seed)
     except ConfigError as e:
         raise ApiError(400, str(e)) from e
@@ -554,6 +555,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; any but a loopback one "
                    "(127.0.0.1, ::1, localhost) needs --api-key")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--adaptive", action="store_true", help="greedy requests: each step runs the mode measured faster "
+                   "in the answer (speculative or plain; the app's default), where otherwise the tree's long-context "
+                   "caps decide alone")
     p.add_argument("--api-key", default=None, metavar="KEY", help="clients must send 'Authorization: Bearer "
                    f"KEY' [default: ${API_KEY_ENV}, which keeps the key out of the process list]")
     d = ServeConfig()
@@ -577,7 +581,7 @@ def check_args(a: argparse.Namespace) -> ServeConfig:
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
     limits = ServeConfig(api_key=key, max_body_bytes=a.max_body_bytes, max_prompt_tokens=a.max_prompt_tokens,
                          default_max_tokens=a.default_max_tokens, max_queue=a.max_queue,
-                         tree=tuple(tree_changes(a).items()))
+                         tree=tuple(tree_changes(a).items()), adaptive=a.adaptive)
     if key is None and not is_loopback(a.host):
         raise ConfigError(f"--host {a.host} is not a loopback address, so anyone who can reach this machine "
                           f"could use the API: give --api-key KEY (or set {API_KEY_ENV}; clients then send "

@@ -129,3 +129,14 @@ def test_the_cli_and_the_benchmark_turn_it_on_by_flag():
     assert check_args(parse_args(["hi", "--adaptive"]))[2].adaptive is True
     assert check_args(parse_args(["hi"]))[2].adaptive is False
     assert bench_args(["--adaptive"]).adaptive is True and bench_args([]).adaptive is False
+    from core.serve import check_args as serve_check, parse_args as serve_args
+
+    assert serve_check(serve_args(["--adaptive"])).adaptive is True and serve_check(serve_args([])).adaptive is False
+
+
+def test_the_api_server_passes_it_to_every_request(bigram):
+    from core.serve import ServeConfig, parse
+
+    body = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 4, "temperature": 0}
+    assert parse(body, bigram, "tiny", True, ServeConfig(adaptive=True)).config.adaptive is True
+    assert parse(body, bigram, "tiny", True).config.adaptive is False
