@@ -75,7 +75,7 @@ def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: f
     return LongChat(prompt_tokens, pause_at, tuple(notes))
 
 
-MEASURED = "plain decoding measured faster for those steps (speculation follows the measured speed)"
+MEASURED = "each step ran the mode measured faster in this answer, the other probed now and then"
 ADAPTIVE_PLAIN = "a chat this long starts plain here, and speculation did not measure faster in this answer"
 
 

@@ -454,7 +454,7 @@ def test_a_long_message_is_refused_with_the_numbers_and_a_long_chat_says_why_spe
     assert "from 40 tokens plain decoding is usually faster on this machine" in notice
     assert "starts plain and speculates only while it measures faster" in notice
     assert re.search(r"plain: a chat this long starts plain here|speculative on \d+ of \d+ steps, plain on the "
-                     r"others: plain decoding measured faster", stats), stats
+                     r"others: each step ran the mode measured faster", stats), stats
 
 
 def test_the_header_is_one_plain_line_with_the_details_collapsed(page):

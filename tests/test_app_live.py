@@ -74,7 +74,14 @@ def test_chat_streams_with_per_step_stats(client):
     assert "Paris" in answer
     assert stats["mode"] == "speculative" and stats["steps"] == len(stats["per_step"]) >= 2
     assert sum(r["tokens"] for r in stats["per_step"]) == stats["tokens"]
-    assert all(0 < r["tree_size"] <= 4 for r in stats["per_step"][1:]), "every step after prefill verifies a tree"
+    # every step after prefill verifies a tree, but where plain decoding measured faster (the chat's
+    # adaptive speculation probes it now and then), and the stats line says how many did
+    after = stats["per_step"][1:]
+    spec = [r for r in after if r["tree_size"] > 0]
+    assert spec and all(r["tree_size"] <= 4 for r in spec) and all(r["tokens"] == 1 for r in after if r not in spec)
+    assert stats["ran"] == ("speculative" if len(spec) == len(after) else
+                            f"speculative on {len(spec)} of {len(after)} steps, plain on the others: each step ran the "
+                            "mode measured faster in this answer, the other probed now and then")
     assert stats["tau"] >= 1.0 and stats["tokens_per_s"] > 0 and stats["draft_share"] > 0
     # chart: the draft and target part of each of the latest steps (plus a zero bar for a legend
     # entry whose kind scrolled out of view)
