@@ -44,8 +44,11 @@ def slow(engine, step_s: float):
     return engine
 
 
-def handlers_for(engine) -> Handlers:
-    return Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=engine), Access())
+def handlers_for(engine, adaptive: bool = False) -> Handlers:
+    """Handlers on `engine`; `adaptive` off (the app's default is on: Handlers.adaptive) so that an
+    answer's steps do not depend on timing, except in the tests of that."""
+    return Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=engine), Access(),
+                    adaptive=adaptive)
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +339,8 @@ def test_the_tuned_tree_keeps_its_chain_size_and_a_hand_set_tree_its_own(bigram)
 
 
 def limited_handlers(bigram, **caps) -> Handlers:
-    return Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=Engine(*bigram)), Access(**caps))
+    return Handlers(ModelManager(loader=None, choice=ModelChoice("tiny", None), engine=Engine(*bigram)), Access(**caps),
+                    adaptive=False)  # steps that do not depend on timing
 
 
 def test_a_visitors_prompt_is_capped_in_tokens_so_the_prefill_fits_the_time(bigram):
@@ -432,7 +436,7 @@ def test_a_long_chat_says_which_mode_ran_and_why(bigram, monkeypatch):
     engine = Engine(*bigram)
     words = " ".join(f"w{i}" for i in range(10, 40))  # with the system prompt and template: about 36 tokens
     engine.tree_choice = TreeChoice(TreeConfig(depth=3, top_k=2, total_tokens=6, long_context=((30, 0, 0),)), "test")
-    h = handlers_for(engine)
+    h = handlers_for(engine, adaptive=True)
     # measured speed chooses (the app's default): a chat past the plain cap starts plain and says so;
     # 8 tokens are 7 steps, fewer than the schedule's first probe (core.decoding.adaptive)
     _, _, stats, _, notice = answer(h, words, [], GREEDY._replace(max_new=8))

@@ -43,7 +43,8 @@ def server(tmp_path_factory):
 
 def local_handlers() -> Handlers:
     target = tiny_target(mix=0.0, max_pos=96)
-    return Handlers(ModelManager(None, ModelChoice("tiny", None), Engine(target, oracle_head(target))), Access())
+    return Handlers(ModelManager(None, ModelChoice("tiny", None), Engine(target, oracle_head(target))), Access(),
+                    adaptive=False)  # steps that do not depend on timing
 
 
 def answer(h: Handlers, message, history, settings=GREEDY):
