@@ -114,10 +114,19 @@ def test_a_second_client_calling_other_endpoints_does_not_break_a_streaming_answ
     assert [ids_of(j.result()) for j in jobs] == expected, "every answer completes, equal to its solo answer"
 
 
-def test_eight_sessions_at_once_get_their_solo_answers_and_see_their_place_in_the_queue(served):
+def test_eight_sessions_at_once_get_their_solo_answers_and_see_their_place_in_the_queue(served, monkeypatch):
     expected = [solo(served, p) for p in PROMPTS]
     assert len({tuple(e) for e in expected}) == len(PROMPTS), "different prompts, different answers"
     plain_expected = solo(served, "w40 w41", spec=False)
+    engine = served.manager.engine
+    generate = engine.generate
+
+    def paced(*args, **kwargs):  # a step takes 5 ms at least: the queue stays long enough to be seen
+        for event in generate(*args, **kwargs):  # (answers of the tiny model take ~0.07 s; some 8 could
+            time.sleep(0.005)                    # finish between two looks at the queue)
+            yield event
+
+    monkeypatch.setattr(engine, "generate", paced)
     jobs = [client(served).submit(*chat_args(p), api_name="/chat") for p in PROMPTS]
     other = client(served)
     side = other.submit("w40 w41", SYSTEM, 0.0, 1.0, FAST["max_new"], FAST["depth"], FAST["top_k"],
