@@ -49,6 +49,20 @@ def test_a_chat_past_the_plain_cap_starts_plain_and_probes_speculation():
     assert adaptive.Speeds(True).rate(True) is None, "a mode that never ran has no figure"
 
 
+def test_a_repeat_in_the_context_probes_speculation_at_once_unless_it_just_failed():
+    s = start(False, POLICY)
+    assert adaptive.probe_now(s, POLICY) == s, "within 2 steps of the start (no probe yet)"
+    _, s = steps(s, [(300.0, 100.0)] * 2)
+    probed = adaptive.probe_now(s, POLICY)
+    assert probed.speculative and probed.probing == POLICY.probe_steps
+    ran, s = steps(probed, [(30.0, 100.0)] * 2)  # speculation far slower there: the probe ends after 2 steps
+    assert ran == [True, True] and s.speculative is False and s.steps == 0 and s.gap == 2 * POLICY.first_probe
+    _, s = steps(s, [(30.0, 100.0)] * 2)
+    assert adaptive.probe_now(s, POLICY) == s, "it just measured under give_up: no probe before half the gap"
+    _, s = steps(s, [(30.0, 100.0)] * (s.gap // 2 - 2))
+    assert adaptive.probe_now(s, POLICY).speculative, "half the gap later a repeat may probe again"
+
+
 def test_the_setting_is_a_boolean():
     with pytest.raises(ConfigError, match="adaptive must be True or False, got 'yes'"):
         GenerationConfig(adaptive="yes")

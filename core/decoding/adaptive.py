@@ -76,3 +76,17 @@ def record(s: Speeds, policy: Policy, ran_speculative: bool, tokens: int, second
     if s.steps + 1 >= s.gap:  # probe the other mode
         return replace(s, speculative=not s.speculative, probing=policy.probe_steps, steps=0)
     return replace(s, steps=s.steps + 1)
+
+
+def probe_now(s: Speeds, policy: Policy) -> Speeds:
+    """Probe speculation from this step on, out of schedule: the caller saw the context repeat
+    (context lookup has a long chain to verify: an answer that copies from the chat). Unchanged
+    while speculation runs or a probe does, within 2 steps of the last probe's end, and, where
+    speculation last measured under `policy.give_up` of plain, before half the gap to the next
+    scheduled probe has passed (repeats that speculation did not turn into speed)."""
+    if s.speculative or s.probing or s.steps < 2:
+        return s
+    spec, plain = s.rate(True), s.rate(False)
+    if spec is not None and plain is not None and spec < policy.give_up * plain and 2 * s.steps < s.gap:
+        return s
+    return replace(s, speculative=True, probing=policy.probe_steps, steps=0)

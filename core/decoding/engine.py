@@ -174,6 +174,7 @@ POLICY = adaptive.Policy()  # GenerationConfig.adaptive's probing schedule
 # last HEAD_WINDOW tokens when a probe first speculates (its rotary positions are relative, and
 # context lookup copies from the whole chat), not on all of it
 HEAD_WINDOW = 256
+COPY_PROBE = 6  # a lookup chain this long (a repeat of 4+ tokens, core.decoding.lookup.chain_length) probes speculation
 
 
 def draws_from_head(tree: TreeConfig, sampling) -> bool:
@@ -273,7 +274,13 @@ class _Run:
         return event
 
     def adaptive_step(self) -> StepEvent:
-        """The mode the measured speeds choose (plain near the context's end), then its time recorded."""
+        """The mode the measured speeds choose (plain near the context's end), then its time recorded.
+        A plain stretch probes speculation at once where the context repeats (a lookup chain of
+        COPY_PROBE tokens or more: the answer copies from the chat, where speculation pays most)."""
+        if not self.speeds.speculative and self.cfg.tree.lookup and self.fits_tree():
+            chain = lookup_chain(self.context, self.lookup_room(kv.cache_length(self.cache)))
+            if len(chain) >= COPY_PROBE:
+                self.speeds = adaptive.probe_now(self.speeds, POLICY)
         speculate = self.speeds.speculative and self.fits_tree()
         t0, self._switch_s = self.now(), 0.0
         event = self.spec_step() if speculate else self.plain_step()
