@@ -9,6 +9,7 @@ from core.config import ConfigError, GenerationConfig, TreeConfig
 from core.decoding import adaptive
 from core.decoding.adaptive import Policy, record, start
 from core.decoding.engine import Engine
+from tests.test_engine import run as answer  # (tokens, events) of one answer
 from tests.tiny import oracle_head, tiny_target
 
 POLICY = Policy(first_probe=4, probe_steps=3, max_gap=16, decay=0.8, margin=0.05, give_up=0.5)
@@ -90,14 +91,6 @@ class FakeClock:
 def bigram():
     target = tiny_target(mix=0.0, seed=4)  # the oracle head drafts it exactly: 4 drafts + bonus a step
     return Engine(target, oracle_head(target))
-
-
-def answer(engine, prompt, config):
-    tokens, events = [], []
-    for ev in engine.generate(prompt, config):
-        tokens += ev.token_ids
-        events.append(ev)
-    return tokens, events
 
 
 @pytest.mark.parametrize("tree_s, plain_s, mostly", [(0.001, 0.001, "speculative"), (0.050, 0.001, "plain")])
