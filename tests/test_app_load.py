@@ -55,6 +55,15 @@ def ids_of(outputs) -> list[int]:
     return [int(i) for i in re.findall(r'title="id (\d+)', outputs[5].split("tok-view", 1)[1])]
 
 
+def paced(generate, seconds: float):
+    """`engine.generate` with every step taking at least `seconds` longer."""
+    def slowed(*args, **kwargs):
+        for event in generate(*args, **kwargs):
+            time.sleep(seconds)
+            yield event
+    return slowed
+
+
 class Blocker:
     """A long answer from another session that holds the lane (each step slowed to 50 ms) until
     `release()`, which presses Stop in its session."""
@@ -62,13 +71,7 @@ class Blocker:
     def __init__(self, served, monkeypatch):
         engine = served.manager.engine
         generate = engine.generate
-
-        def slow(*args, **kwargs):
-            for event in generate(*args, **kwargs):
-                time.sleep(0.05)
-                yield event
-
-        monkeypatch.setattr(engine, "generate", slow)
+        monkeypatch.setattr(engine, "generate", paced(generate, 0.05))
         self.owner = client(served)
         self.job = self.owner.submit(*chat_args("w5 w6", spec=False, max_new=400), api_name="/chat")
         wait_until(lambda: len(self.job.outputs()) >= 2)
@@ -118,15 +121,10 @@ def test_eight_sessions_at_once_get_their_solo_answers_and_see_their_place_in_th
     expected = [solo(served, p) for p in PROMPTS]
     assert len({tuple(e) for e in expected}) == len(PROMPTS), "different prompts, different answers"
     plain_expected = solo(served, "w40 w41", spec=False)
+    # a step takes 5 ms at least: the queue stays long enough to be seen (answers of the tiny model
+    # take ~0.07 s; some 8 could finish between two looks at the queue)
     engine = served.manager.engine
-    generate = engine.generate
-
-    def paced(*args, **kwargs):  # a step takes 5 ms at least: the queue stays long enough to be seen
-        for event in generate(*args, **kwargs):  # (answers of the tiny model take ~0.07 s; some 8 could
-            time.sleep(0.005)                    # finish between two looks at the queue)
-            yield event
-
-    monkeypatch.setattr(engine, "generate", paced)
+    monkeypatch.setattr(engine, "generate", paced(engine.generate, 0.005))
     jobs = [client(served).submit(*chat_args(p), api_name="/chat") for p in PROMPTS]
     other = client(served)
     side = other.submit("w40 w41", SYSTEM, 0.0, 1.0, FAST["max_new"], FAST["depth"], FAST["top_k"],
