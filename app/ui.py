@@ -142,7 +142,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                           **props["depth"])
                         tree_note = gr.Markdown(tree_limit(tree.depth, tree.total_tokens), elem_id="tree-limit")
                         tree_origin = gr.Markdown(manager.tree_markdown(), elem_id="tree-origin")
-                        with gr.Accordion("Advanced speculation", open=False):
+                        with gr.Accordion("Advanced speculation", open=False) as advanced_box:
                             top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k",
                                               **props["top_k"])
                             tree_size = gr.Slider(2, 96, tree.total_tokens, step=1, label="Tree size (nodes verified)",
@@ -154,7 +154,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                         highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts",
                                                 elem_id="highlight", **props["highlight"])
                         tokens = gr.HTML(elem_id="tokens")
-                        with gr.Accordion("Sampling", open=False, elem_id="sampling"):
+                        with gr.Accordion("Sampling", open=False, elem_id="sampling") as sampling_box:
                             temperature = gr.Slider(0, 2, gen.sampling.temperature, step=0.05,
                                                     label="Temperature (0 = greedy)", elem_id="temperature")
                             top_p = gr.Slider(0.05, 1, gen.sampling.top_p, step=0.05, label="Top-p", elem_id="top-p")
@@ -217,6 +217,10 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         keep = dict(fn=h.settings_save, inputs=[system] + settings, outputs=kept_settings, queue=False,
                     api_visibility="private", js=in_range_js([system] + settings))
         gr.on([c.input for c in [system] + settings], **keep)
+        for box, inside in ((advanced_box, [top_k, tree_size]), (sampling_box, [temperature, top_p, max_new])):
+            names = tuple(ChatSettings.names()[settings.index(c)] for c in inside)
+            box.expand(h.settings_reopen(names), [kept_settings] + settings, inside, queue=False,
+                       api_visibility="private", show_progress="hidden")
         compare_go.change(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
                           [plain_out, spec_out, summary, compare_json], api_name="compare",
                           validator=h.check_compare, trigger_mode="once", **lane)

@@ -341,9 +341,7 @@ def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch
     wait_for_chat(page, shown)
     # The saved settings arrive after the chat (their own browser-state event). Opened as they
     # arrived, the Sampling accordion once showed the default max new tokens for good (CI, 1 run in
-    # about 8; not traced into Gradio); opened after them it shows them (checked 3 s later: 2 of 2),
-    # so the test gives them time before it opens the accordion, as a visitor reading the chat does
-    page.wait_for_timeout(1_500)
+    # about 8); opening it now re-applies the kept settings (settings_reopen), so it opens at once
     page.locator("#sampling").get_by_text("Sampling").first.click()
     wait_for_kept_settings(page)
     page.locator("#manage-chats").get_by_text("Manage chats").first.click()
