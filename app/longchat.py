@@ -26,7 +26,7 @@ class LongChat:
     pause_at: int | None
     notes: tuple[str, ...]
     hot: float | None = None  # the sampling temperature that paused speculation (TreeConfig.plain_from_temperature)
-    adaptive: bool = False    # greedy, GenerationConfig.adaptive: measured speed chooses each step's mode
+    adaptive: bool = False    # GenerationConfig.adaptive: measured speed chooses each step's mode
 
     @property
     def all_plain_reason(self) -> str:
@@ -50,7 +50,7 @@ def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: f
          adaptive: bool = False) -> LongChat:
     pause_at = next((c for c, d, _ in tree.long_context if d == 0), None)
     notes = []
-    if speculative and adaptive and temperature == 0:
+    if speculative and adaptive and tree.speculates_hot(temperature):
         if not tree.speculates_at(prompt_tokens):
             notes.append(f"Long chat ({prompt_tokens:,} tokens): from {pause_at:,} tokens plain decoding is usually "
                          "faster on this machine (every draft-tree row reads the whole chat), so this answer starts "

@@ -10,6 +10,7 @@ line; only a real fault (a bug) logs its traceback.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -54,7 +55,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
     def __init__(self, manager: ModelManager, access: Access, adaptive: bool = True):
         self.manager = manager
         self.access = access
-        # greedy chat answers speculate where it measures faster (GenerationConfig.adaptive);
+        # chat answers speculate where it measures faster (GenerationConfig.adaptive);
         # Side by side races the two modes as they are
         self.adaptive = adaptive
         self.tickets = Tickets()
@@ -386,6 +387,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
     def _race(engine, msgs, spec_cfg, seconds, ticket: Ticket, notices: list[str]):
         plain, spec = AnswerView("plain"), AnswerView("speculative")
         greedy = spec_cfg.sampling.greedy
+        if spec_cfg.seed is None:  # one seed for both: sampled answers must agree too
+            spec_cfg = replace(spec_cfg, seed=secrets.randbits(62))
         deadline = time.monotonic() + seconds if seconds else None
         gens = engine.generate(msgs, replace(spec_cfg, speculative=False)), engine.generate(msgs, spec_cfg)
         try:

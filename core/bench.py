@@ -95,7 +95,7 @@ class BenchSettings:
     tree_source: str = "manual"  # "manual", "auto", or why auto fell back to defaults
     lookup_tokens: int = 10      # hf-lookup: prompt_lookup_num_tokens
     warmup: bool = True
-    adaptive: bool = False       # eagle modes, greedy: GenerationConfig.adaptive (the app's default)
+    adaptive: bool = False       # eagle modes: GenerationConfig.adaptive (the app's default)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
@@ -450,7 +450,7 @@ def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str]
                 capped = not settings.tree.speculates_at(len(ids))
                 row["eagle_tree_there"] = (f"depth {tree.depth}, {tree.total_tokens} tokens" if not capped
                                            else "starts plain (long-context cap), speculates where measured faster"
-                                           if settings.adaptive and settings.sampling.greedy
+                                           if settings.adaptive
                                            else "plain decoding (long-context cap)")
                 row["eagle_identical"] = all(a.tokens == b.tokens for a, b in zip(runs["eagle"], runs["plain"]))
         rows.append(row)
@@ -719,7 +719,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "embedded model's]; e.g. a BF16 copy made with llama-quantize")
     p.add_argument("--prefill-tokens", metavar="N,N", help="also time the first token of prompts of about N tokens "
                    "(e.g. 1000,4000): ours, and llama.cpp's prompt processing where a build is given")
-    p.add_argument("--adaptive", action="store_true", help="eagle modes, greedy: each step runs the mode measured "
+    p.add_argument("--adaptive", action="store_true", help="eagle modes: each step runs the mode measured "
                    "faster in the answer (the app's default; GenerationConfig.adaptive)")
     p.add_argument("--long-decode-tokens", type=int, default=0, metavar="N",
                    help="with --prefill-tokens: each long prompt's answer goes on to N tokens (greedy), and the "

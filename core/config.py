@@ -231,7 +231,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
-    # greedy speculation follows measured speed: each step runs the mode measured faster in this
+    # speculation follows measured speed: each step runs the mode measured faster in this
     # answer, probing the other now and then; the tree's long-context caps only choose the start
     # (core.decoding.adaptive). Off: the caps decide alone (what tests that count steps rely on).
     adaptive: bool = False

@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("prompt", nargs="?", help="the user message; '-' reads it from standard input")
     p.add_argument("--prompt-file", type=Path, help="read the user message from this file")
     p.add_argument("--plain", action="store_true", help="plain decoding, no speculation")
-    p.add_argument("--adaptive", action="store_true", help="greedy: each step runs the mode measured faster in "
+    p.add_argument("--adaptive", action="store_true", help="each step runs the mode measured faster in "
                    "this answer (speculative or plain, probing the other now and then; the app's default), where "
                    "otherwise the tree's long-context caps decide alone")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -94,7 +94,7 @@ class ServeConfig:
     default_max_tokens: int = 512   # a chat request without max_tokens
     max_queue: int = 8              # answers that may wait behind the running one
     tree: tuple[tuple[str, int], ...] = ()  # (setting, value) over the engine's default tree (--depth, ...)
-    adaptive: bool = False  # greedy requests: GenerationConfig.adaptive (`serve --adaptive`)
+    adaptive: bool = False  # GenerationConfig.adaptive (`serve --adaptive`)
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -555,7 +555,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; any but a loopback one "
                    "(127.0.0.1, ::1, localhost) needs --api-key")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--adaptive", action="store_true", help="greedy requests: each step runs the mode measured faster "
+    p.add_argument("--adaptive", action="store_true", help="each step runs the mode measured faster "
                    "in the answer (speculative or plain; the app's default), where otherwise the tree's long-context "
                    "caps decide alone")
     p.add_argument("--api-key", default=None, metavar="KEY", help="clients must send 'Authorization: Bearer "

@@ -5,7 +5,7 @@ moves to the faster mode and its tokens are plain decoding's whichever mode wrot
 import pytest
 
 import core.decoding.engine as engine_mod
-from core.config import ConfigError, GenerationConfig, TreeConfig
+from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding import adaptive
 from core.decoding.adaptive import Policy, record, start
 from core.decoding.engine import Engine
@@ -93,14 +93,17 @@ def bigram():
     return Engine(target, oracle_head(target))
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8)], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("tree_s, plain_s, mostly", [(0.001, 0.001, "speculative"), (0.050, 0.001, "plain")])
 def test_the_engine_moves_to_the_mode_the_clock_says_is_faster_with_plains_tokens(bigram, monkeypatch, tree_s,
-                                                                                 plain_s, mostly):
+                                                                                 plain_s, mostly, sampling):
+    """Sampled answers too: a sampled token depends on the seed and its position, not on the mode."""
     monkeypatch.setattr(engine_mod, "POLICY", POLICY)
-    plain, _ = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, speculative=False))
+    plain, _ = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, speculative=False, sampling=sampling, seed=3))
     FakeClock(monkeypatch, tree_s, plain_s)
     tree = TreeConfig(4, 1, 5)
-    tokens, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree, adaptive=True))
+    tokens, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree, adaptive=True,
+                                                             sampling=sampling, seed=3))
     assert tokens == plain, "the same tokens whichever mode wrote them"
     spec = [ev.tree_size > 0 for ev in events[1:]]
     if mostly == "speculative":  # 5 tokens a step at one forward's cost: plain's probes end early
@@ -108,7 +111,7 @@ def test_the_engine_moves_to_the_mode_the_clock_says_is_faster_with_plains_token
     else:  # a verification costs 50 plain steps: after the first probe, plain decoding runs
         assert spec[:4] == [True] * 4 and sum(spec[4:]) < 0.3 * len(spec[4:])
     # the same answer, the caps alone: speculation throughout
-    fixed, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree))
+    fixed, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree, sampling=sampling, seed=3))
     assert fixed == plain and all(ev.tree_size > 0 for ev in events[1:])
 
 

@@ -182,6 +182,11 @@ def test_side_by_side_on_tiny_models(bigram):
     plain_md, spec_md, summary, data = outs[-1]
     assert data["identical"] is True and data["speculative"]["tau"] > 1.5 and data["plain"]["tau"] == 1.0
     assert "Speed-up" in summary
+    # sampled: both columns draw with one seed, so they agree token for token as well
+    for _ in range(3):
+        plain_md, spec_md, summary, data = list(h.compare("w5 w9", SYSTEM, 0.9, 1.0, 24, 3, 2, 6, request=None))[-1]
+        assert data["identical"] is True and "(sampled, one seed for both) ✓" in summary
+        assert data["speculative"]["target_forwards"] < data["plain"]["target_forwards"]
 
 
 def test_download_that_cannot_fit_is_refused_at_once(monkeypatch):
@@ -444,8 +449,8 @@ def test_a_long_chat_says_which_mode_ran_and_why(bigram, monkeypatch):
     assert "starts plain and speculates only while it measures faster" in notice
     assert stats["ran"] == ("plain: a chat this long starts plain here, and speculation did not measure faster in "
                             "this answer")
-    assert answer(h, words, [], GREEDY._replace(temperature=0.5, max_new=8))[4].startswith(
-        "Speculation paused for this answer: the chat holds "), "sampling: the caps decide alone"
+    assert "starts plain and speculates only while it measures faster" in answer(
+        h, words, [], GREEDY._replace(temperature=0.5, max_new=8))[4], "sampled answers too (one seed, one answer)"
     # the caps alone (GenerationConfig.adaptive off)
     h.adaptive = False
     _, _, stats, _, notice = answer(h, words, [], GREEDY._replace(max_new=8))
@@ -515,15 +520,25 @@ def test_the_panel_counts_head_tree_nodes_and_copied_text_apart(bigram):
 
 
 def test_the_panel_counts_copied_text_beside_drafts_drawn_from_the_head(bigram):
-    """Sampled with a depth-1 tree the head's children are drawn (tree.draft_sampled); the panel
-    still tells them from the copied chain."""
+    """Sampled with a depth-1 tree (the head drafts on the sampler's noise, core.decoding.gumbel) the
+    panel still tells the head's children from the copied chain."""
     engine = Engine(*bigram)
     engine.tree_choice = TreeChoice(TreeConfig(depth=1, top_k=2, total_tokens=3, lookup=8), "test")
     h = handlers_for(engine)
     settings = GREEDY._replace(temperature=0.3, depth=1, top_k=2, tree_size=3, max_new=60)
     _, _, stats, _, _ = answer(h, "w5 w9", [], settings)
     assert stats["copied_steps"] > 0 and stats["copied_accepted"] > 0, "the bigram model repeats itself"
-    assert 2 <= stats["head_nodes"] <= 3, "two draws: one or two distinct children beside the root"
+    assert 2 <= stats["head_nodes"] <= 3, "the head's children beside the root"
+
+
+def test_an_opened_accordion_shows_its_controls_as_kept(bigram):
+    """settings_reopen (an accordion's expand event): the kept values of the controls inside it,
+    each checked; nothing kept, nothing changed."""
+    values = tuple(ChatSettings(max_new=256).__dict__.values())
+    reopen = handlers_for(Engine(*bigram)).settings_reopen(("temperature", "top_p", "max_new"))
+    assert reopen({"max_new": 60, "temperature": 0.3, "top_p": "x"}, *values) == (0.3, ChatSettings().top_p, 60)
+    assert all(isinstance(u, type(gr.skip())) for u in reopen(None, *values))
+    assert handlers_for(Engine(*bigram)).settings_reopen(("tree_size",))({"tree_size": 12}, *values) == (12,)
 
 
 def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_when_nothing_is_kept(bigram):

@@ -60,12 +60,13 @@ def test_highlight_is_escaped_and_separate_from_the_markdown_answer():
     assert "```" in spec_answer().text, "the chat keeps the raw markdown, fences intact"
 
 
-def test_compare_summary_flags_identity_only_for_greedy():
+def test_compare_summary_flags_identity_greedy_and_sampled():
     a, b = spec_answer(), spec_answer()
-    assert "identical" in compare_markdown(a, b, greedy=True)
+    assert "**identical** token for token ✓" in compare_markdown(a, b, greedy=True)
+    assert "**identical** token for token (sampled, one seed for both) ✓" in compare_markdown(a, b, greedy=False)
     b.pieces[-1] = (15, "!", BONUS)  # the same text from another token: not identical
     assert b.text == a.text and "different" in compare_markdown(a, b, greedy=True)
-    assert "not compared" in compare_markdown(a, b, greedy=False)
+    assert "**different** (sampled, one seed for both) ✗" in compare_markdown(a, b, greedy=False)
 
 
 def test_messages_are_flattened_and_trimmed_oldest_first():

@@ -13,7 +13,7 @@ from core.decoding.engine import Engine, EngineError, _Run
 from core.decoding.forward import forward_tree
 from core.kernels.invariant import make_invariant
 from core.decoding.tree import tree_from_parents
-from tests.test_tree_verify import _wrong_rule, chi2_pvalue
+from tests.test_tree_verify import _one_noise_for_every_depth, chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
 
 PROMPTS = [[5, 9, 17, 33, 40], [7], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71], [12, 4, 88, 23]]
@@ -182,8 +182,8 @@ def test_text_deltas_and_token_texts_align(engine, target):
 def test_speculative_sampling_matches_target_distribution(monkeypatch, numerics, shape):
     """End to end, tiny vocabulary: tokens 2 and 3 of the answer (drafted and verified by
     the tree) follow the target's exact distribution; a wrong rule is caught. Also in the
-    CPU default numerics (bf16 with the batch-invariant kernels), and with a depth-1 tree, whose
-    draft is drawn from the head (tree.draft_sampled) beside a context-lookup chain."""
+    CPU default numerics (bf16 with the batch-invariant kernels), and with a depth-1 tree beside a
+    context-lookup chain. The wrong rule: every node reads the noise of one position."""
     # an oracle-like head proposes the likely tokens first, where a wrong rule matters most
     dtype = torch.float64 if numerics == "float64" else torch.bfloat16
     target = tiny_target(vocab=8, lm_std=0.15, seed=5, mix=0.3, dtype=dtype)
@@ -222,7 +222,7 @@ def test_speculative_sampling_matches_target_distribution(monkeypatch, numerics,
     assert chi2_pvalue([good[k] for k in keys], [exact[k] for k in keys]) > 1e-3
     if numerics != "float64" or shape[0] == 1:
         return  # that a wrong rule is caught is shown once, in float64
-    monkeypatch.setattr(engine_mod, "verify_sampled", _wrong_rule)
+    monkeypatch.setattr(engine_mod, "verify_sampled", _one_noise_for_every_depth)
     bad = sample_counts(n, 0)
     assert chi2_pvalue([bad[k] for k in keys], [exact[k] for k in keys]) < 1e-4
 
@@ -230,6 +230,25 @@ def test_speculative_sampling_matches_target_distribution(monkeypatch, numerics,
 def test_sampling_is_reproducible_with_seed(engine):
     cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0.8, top_p=0.9), seed=7)
     assert run(engine, PROMPTS[0], cfg)[0] == run(engine, PROMPTS[0], cfg)[0]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_p=0.9),
+                                      SamplingConfig(temperature=1.3, top_k=20)])
+def test_sampled_speculation_writes_plain_samplings_tokens_with_the_same_seed(engine, sampling):
+    """A sampled token is a function of the seed and its position (core.decoding.gumbel): every
+    tree, static or dynamic, with or without context lookup, writes exactly what plain sampling
+    writes with the same seed, and accepts drafted tokens doing so."""
+    trees = [TreeConfig(depth=1, top_k=4, total_tokens=2), TreeConfig(depth=3, top_k=4, total_tokens=8, lookup=6),
+             TreeConfig(depth=5, top_k=2, total_tokens=12), TreeConfig(static_paths=((0,), (1,), (0, 0), (0, 0, 0)))]
+    accepted = 0
+    for i, prompt in enumerate(PROMPTS[:3]):
+        plain, _ = run(engine, prompt, GenerationConfig(max_new_tokens=40, speculative=False, sampling=sampling, seed=i))
+        for tree in trees:
+            cfg = GenerationConfig(max_new_tokens=40, tree=tree, sampling=sampling, seed=i)
+            out, events = run(engine, prompt, cfg)
+            assert out == plain, (prompt, tree)
+            accepted += sum(ev.draft_tokens for ev in events)
+    assert accepted > 0
 
 
 def test_hot_sampling_decodes_plain_where_the_tree_says_so(engine):

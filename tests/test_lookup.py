@@ -35,17 +35,12 @@ def test_chain_literals():
     assert lookup_chain([1, 2, 3, 4], 5) == [] and lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 0) == []
 
 
-def test_a_chain_beside_sampled_drafts_gets_its_own_root_child():
-    """Beside draws from the head (tree.draws) the chain never shares a drawn child: sharing would
-    leave the other draws conditioned on the chain's token not being drawn."""
-    q = torch.full((10,), 0.1)
-    tree = DraftTree(tokens=torch.tensor([9, 4, 7]), parents=torch.tensor([-1, 0, 0]), depths=torch.tensor([0, 1, 1]),
-                     proposal=q, draws=(1, 2, 1))
+def test_a_chain_follows_the_child_the_tree_already_holds():
+    """Siblings stay distinct: the chain's first token is the tree's node 1, so it goes on from there."""
+    tree = DraftTree(tokens=torch.tensor([9, 4, 7]), parents=torch.tensor([-1, 0, 0]), depths=torch.tensor([0, 1, 1]))
     g = graft(tree, [4, 5])
-    assert g.tokens.tolist() == [9, 4, 7, 4, 5] and g.parents.tolist() == [-1, 0, 0, 0, 3]
-    assert g.draws == (1, 2, 1) and g.proposal is q
-    greedy = graft(DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths), [4, 5])
-    assert greedy.tokens.tolist() == [9, 4, 7, 5] and greedy.parents.tolist() == [-1, 0, 0, 1]  # shared
+    assert g.tokens.tolist() == [9, 4, 7, 5] and g.parents.tolist() == [-1, 0, 0, 1] and g.depths.tolist() == [0, 1, 1, 2]
+    assert graft(tree, [7]) is tree  # nothing to add
 
 
 def test_chain_length_follows_the_match():

@@ -1,4 +1,4 @@
-"""When a greedy answer speculates: by the speed it measures, with the tuned caps as the start.
+"""When an answer speculates: by the speed it measures, with the tuned caps as the start.
 
 How much a step accepts depends on the text far more than on the chat's length. Deep in a chat
 that the answer quotes or edits (code to change, text to summarise) the head and context lookup
@@ -10,9 +10,9 @@ measured speed (tokens per second over its recent steps, older steps weighing le
 faster one, and now and then runs a few steps of the other to keep that figure current; while the
 probes confirm the choice they come less often.
 
-Greedy only: its tokens are the same whichever mode writes them (by construction, core.decoding.engine),
-so the choice changes only the time. A sampled answer's random stream would depend on the
-timings, and its seed would no longer reproduce it.
+Its tokens are the same whichever mode writes them (by construction, core.decoding.engine: a greedy
+token is the argmax, a sampled one a function of the seed and its position, core.decoding.gumbel),
+so the choice changes only the time, and a seed reproduces a sampled answer whatever the timings.
 
 State passes as arguments: `record` returns the next `Speeds`, the policy's settings are a
 frozen `Policy`.

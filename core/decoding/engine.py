@@ -11,7 +11,8 @@ Plain mode is the same loop with no draft: each step verifies just the root.
 
 Numerics: with the batch-invariant kernels (core.kernels.invariant, bf16 on CPU) a tree row computes
 bit for bit what a plain step computes, so greedy output equals plain decoding by
-construction; `Engine.numerics` says which numerics run and what the probe found (core.decoding.numerics).
+construction, and sampled output equals plain sampling with the same seed (its draws are a
+function of the seed and the position: core.decoding.gumbel); `Engine.numerics` says which numerics run and what the probe found (core.decoding.numerics).
 The drafter is any core.decoding.drafter.DraftModel: the loop asks nothing else of it.
 """
 
@@ -36,9 +37,10 @@ from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
-from core.decoding.tree import catch_up, draft, draft_sampled
+from core.decoding.gumbel import DraftNoise, sample_at
+from core.decoding.tree import catch_up, draft
 from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
-from core.decoding.verify import Verification, greedy_tokens, sample, target_probs, verify_greedy, verify_sampled
+from core.decoding.verify import Verification, greedy_tokens, verify_greedy, verify_sampled
 
 
 @dataclass(frozen=True)
@@ -177,13 +179,6 @@ HEAD_WINDOW = 256
 COPY_PROBE = 6  # a lookup chain this long (a repeat of 4+ tokens, core.decoding.lookup.chain_length) probes speculation
 
 
-def draws_from_head(tree: TreeConfig, sampling) -> bool:
-    """Whether a sampled step draws its draft from the head's distribution (core.decoding.tree.draft_sampled)
-    rather than taking the head's top-k as point masses: for depth-1 dynamic trees, where the draws
-    are the whole draft (deeper trees keep EAGLE-2's top-k expansion)."""
-    return not sampling.greedy and tree.depth == 1 and not tree.is_static
-
-
 def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step) -> Iterator[StepEvent]:
     threads.refit()  # no-op unless the launcher turned the thread governor on
     threads.apply()
@@ -212,8 +207,8 @@ class _Run:
         self.cache = kv.new_cache(self.model)
         self.head_cache = (HeadCache(engine.head.config, engine.target.dtype, self.device)
                            if config.speculative else None)
-        seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        # sampled tokens are a function of the seed and their position (core.decoding.gumbel)
+        self.seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.budget = min(config.max_new_tokens, engine.max_context - len(ids))
         self.budget_reason = "length" if config.max_new_tokens <= engine.max_context - len(ids) else "context"
         self.text = TextStream(engine.target.tokenizer, config.stop_strings)
@@ -221,7 +216,7 @@ class _Run:
         self.n_out = self.forwards = 0
         self.token, self.root_hidden = None, None
         self._draft_carry = 0.0  # head catch-up time, reported with the next step's draft
-        # GenerationConfig.adaptive (greedy): the measured speeds (core.decoding.adaptive), the
+        # GenerationConfig.adaptive: the measured speeds (core.decoding.adaptive), the
         # (tokens, features) the head has not caught up on (the prompt past a plain cap, plain
         # steps), and the seconds this step spent catching up on them (a switch's cost, not the mode's)
         self.speeds: adaptive.Speeds | None = None
@@ -232,21 +227,21 @@ class _Run:
     def now(self) -> float:
         return now(self.device)
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """Plain decoding's choice from (V,) logits."""
+    def choose(self, logits: torch.Tensor, position: int) -> int:
+        """Plain decoding's choice from (V,) logits for the token at `position`."""
         s = self.cfg.sampling
-        return int(greedy_tokens(logits)) if s.greedy else sample(target_probs(logits[None], s)[0], self.gen)
+        return int(greedy_tokens(logits)) if s.greedy else sample_at(logits[None], [position], s, self.seed)[0]
 
     def first_step(self) -> StepEvent:
         t0 = self.now()
         features, logits = prefill(self.model, self.ids, self.cache, self.layers)
-        self.token = self.choose(logits)
+        self.token = self.choose(logits, len(self.ids))
         self.forwards += 1
         t1 = self.now()
         event = self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
         capped = not self.cfg.tree.speculates_at(len(self.ids))
         follow = torch.cat([self.ids[1:], torch.tensor([self.token], device=self.device)])  # (T,) the next tokens
-        if self.cfg.speculative and self.cfg.adaptive and self.cfg.sampling.greedy:
+        if self.cfg.speculative and self.cfg.adaptive:
             self.speeds = adaptive.start(not capped, POLICY)
             if capped:  # the head catches up on the prompt when a probe first speculates, if one does
                 self.pending.append((follow, features))
@@ -303,7 +298,7 @@ class _Run:
         features, logits = plain_forward(self.model, self.token, self.cache, committed,
                                          self.layers if self.speeds is not None else None)
         t1 = self.now()
-        self.token = self.choose(logits)
+        self.token = self.choose(logits, committed + 1)
         if self.speeds is not None:  # for the head, should a later step speculate
             self.pending.append((torch.tensor([self.token], device=self.device), features))
         self.forwards += 1
@@ -324,18 +319,15 @@ class _Run:
         chain = lookup_chain(self.context, self.lookup_room(committed)) if shape.lookup else []
         shape = shape.with_chain() if chain else shape
         s = self.cfg.sampling
-        if draws_from_head(shape, s):
-            tree = draft_sampled(self.e.drafter, self.token, self.root_hidden, shape.total_tokens - 1, s.temperature,
-                                 self.e.target.model.config.vocab_size, self.gen)
-        else:
-            tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape)
+        noise = None if s.greedy else DraftNoise(s.temperature, self.seed, committed + 1)
+        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape, noise)
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()
         features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
         t2 = self.now()
         result: Verification = (verify_greedy(tree, logits) if s.greedy
-                                else verify_sampled(tree, target_probs(logits, s), self.gen))
+                                else verify_sampled(tree, logits, s, self.seed, committed))
         if self.on_step is not None:
             self.on_step(tree, result)
         path = torch.tensor(result.path, device=self.device)

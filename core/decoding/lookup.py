@@ -9,8 +9,8 @@ can accept in one step.
 
 The chain is verified with the head's tree in the same target forward: it hangs under the
 root, shares the nodes the tree already holds and appends the rest. Verification does not
-care where a proposal came from (greedy: argmax match; sampling: each child is a point-mass
-proposal that depends only on the context), so the output stays exactly plain decoding's.
+care where a proposal came from (a child is accepted iff it is the target's own choice, greedy
+or sampled: core.decoding.verify), so the output stays exactly plain decoding's.
 """
 
 from __future__ import annotations
@@ -117,17 +117,12 @@ def copy_after(ctx: list[int], end: int, max_tokens: int) -> list[int]:
 def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     """`tree` with `chain` as a path under the root: where the tree already holds the chain's
     next token as a child the path follows it, the rest is appended (topological order kept,
-    siblings stay distinct, except beside sampled drafts: see below). Appended nodes score -inf:
-    no draft probability backs them."""
+    siblings stay distinct). Appended nodes score -inf: no draft probability backs them."""
     tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     n0 = len(tokens)
     node = 0
     for tok in chain:
-        # sampled drafts (tree.draws): the chain gets a root child of its own even where a draw
-        # holds its token, so the draws stay independent draws from the head's distribution
-        # (verification tries the chain as a point mass first, then the draws: verify.verify_sampled)
-        shared = not (node == 0 and tree.draws)
-        child = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == tok), None) if shared else None
+        child = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == tok), None)
         if child is None:
             tokens.append(int(tok))
             parents.append(node)
@@ -142,4 +137,4 @@ def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
         extra = torch.full((len(tokens) - n0,), float("-inf"), dtype=tree.scores.dtype, device=device)
         scores = torch.cat([tree.scores, extra])
     return DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
-                     depths=torch.tensor(depths, device=device), scores=scores, proposal=tree.proposal, draws=tree.draws)
+                     depths=torch.tensor(depths, device=device), scores=scores)

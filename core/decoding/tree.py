@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from core.kernels import native
 from core.config import TreeConfig
-from core.decoding.draw import draw
 from core.decoding.drafter import DraftModel
+from core.decoding.gumbel import DraftNoise
 from core.decoding.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask
 
 if TYPE_CHECKING:
@@ -35,15 +35,10 @@ class DraftTree:
     parents: torch.Tensor  # (n,) int64, parents[0] == -1
     depths: torch.Tensor   # (n,) int64, depths[0] == 0
     scores: torch.Tensor | None = None  # (n,) cumulative draft log-prob (dynamic trees), root 0
-    # sampled drafts (`draft_sampled`): the distribution (V,) fp32 the root's children were drawn
-    # from, and their tree indices in the order drawn, a repeated draw repeating its index
-    proposal: torch.Tensor | None = None
-    draws: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
         assert self.parents.shape == (n,) and self.depths.shape == (n,) and int(self.parents[0]) == -1
-        assert (self.proposal is None) == (not self.draws), "sampled drafts need both the proposal and the draws"
 
     @property
     def size(self) -> int:
@@ -158,11 +153,13 @@ def catch_up(drafter: DraftModel, cache: HeadCache, tokens: torch.Tensor, featur
 
 
 def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
-                  cfg: TreeConfig, *, prune: bool = True) -> DraftTree:
+                  cfg: TreeConfig, *, prune: bool = True, noise: DraftNoise | None = None) -> DraftTree:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, then keep the best overall.
 
     root_hidden: (H,) head output predicting the root's children. The head's cache is
-    left at its committed length on return (draft entries are temporary).
+    left at its committed length on return (draft entries are temporary). `noise` (a sampled
+    answer): the head's log-probabilities are its perturbed ones (core.decoding.gumbel.DraftNoise),
+    so its guesses are coupled to the target's draws.
 
     Rounds that cannot change the result are skipped: a descendant never outscores its
     ancestor, so a frontier node whose score is at most the `keep`-th best score so far can
@@ -177,7 +174,11 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
     """
     committed, k, device = cache.length, cfg.top_k, root_hidden.device
     keep = cfg.total_tokens - 1
-    lp, idx = drafter.top_log_probs(root_hidden[None], k)  # (1, k) each
+
+    def top(hidden: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:  # (m, H) at depth -> (m, k) each
+        return drafter.top_log_probs(hidden, k) if noise is None else noise.top_log_probs(drafter, hidden, depth, k)
+
+    lp, idx = top(root_hidden[None], 0)  # (1, k) each
     score_dtype = lp.dtype
     # candidates, in the order drafted: target token, parent candidate (-1 = root), score, depth
     tokens = drafter.to_target_ids(idx[0]).tolist()
@@ -202,7 +203,7 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
         rows = TreeRows(tuple(map(tuple, fed_ancestry[n_fed:])), n_fed + f)  # the tree part of the mask
         out = drafter.feed(cache, torch.tensor([tokens[c] for c in frontier], device=device),
                            source[source_rows], torch.full((f,), committed + d - 1, device=device), rows)  # (f, H)
-        lp, idx = drafter.top_log_probs(out, k)  # (f, kk) each
+        lp, idx = top(out, d)  # (f, kk) each
         kk = idx.shape[1]
         child_lp = lp.tolist()
         child_scores = [scores[c] + x for c, row in zip(frontier, child_lp) for x in row]  # (f * kk,)
@@ -234,8 +235,9 @@ def _select(tokens: list[int], parents: list[int], scores: list[float], depths: 
 
 
 def draft_static(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
-                 cfg: TreeConfig) -> DraftTree:
-    """A fixed tree of child ranks (EAGLE-1 style); level by level, one head call per level."""
+                 cfg: TreeConfig, *, noise: DraftNoise | None = None) -> DraftTree:
+    """A fixed tree of child ranks (EAGLE-1 style); level by level, one head call per level.
+    `noise`: ranks of the perturbed log-probabilities, as in draft_dynamic."""
     paths = sorted(set(cfg.static_paths), key=lambda p: (len(p), p))
     committed, device = cache.length, root_hidden.device
     index = {(): 0}
@@ -252,7 +254,8 @@ def draft_static(drafter: DraftModel, cache: HeadCache, root_token: int, root_hi
         for parent, children in by_parent.items():
             if parent not in hidden:  # the parent's rank exceeded the vocabulary
                 continue
-            lp = drafter.log_probs(hidden[parent][None])[0]
+            h = hidden[parent][None]  # (1, H)
+            lp = (drafter.log_probs(h) if noise is None else noise.log_probs(drafter, h, d - 1))[0]
             ranked = lp.topk(min(max(c[-1] for c in children) + 1, lp.shape[0])).indices
             for c in children:
                 if c[-1] < ranked.shape[0]:
@@ -284,32 +287,7 @@ def draft_static(drafter: DraftModel, cache: HeadCache, root_token: int, root_hi
                      depths=torch.tensor(depths, device=device))
 
 
-def draft_sampled(drafter: DraftModel, root_token: int, root_hidden: torch.Tensor, n_draws: int, temperature: float,
-                  vocab_size: int, generator: torch.Generator) -> DraftTree:
-    """Sampled drafts for sampled decoding (a depth-1 tree): the root's children are `n_draws`
-    independent draws from the head's distribution q at the answer's temperature, each distinct
-    token one node. Verification then accepts a drawn child with probability min(1, p/q) and
-    moves the target's distribution to its residual max(p - q, 0) after a rejection
-    (core.decoding.verify.verify_sampled), which accepts with probability 1 - TV(p, q) per draw
-    where the head's top guesses as point masses are accepted with p(x): at temperature 1.0 on
-    natural prompts 0.51 against 0.32 for two draws (docs/sampling.md).
-    root_hidden: (H,) the head output predicting the root's children. Scores: log q of each
-    child (finite, so the nodes a lookup chain appends, at -inf, stay told apart)."""
-    q_draft = (drafter.log_probs(root_hidden[None])[0] / temperature).softmax(-1)  # (Vd,) fp32
-    drawn = drafter.to_target_ids(draw(q_draft, n_draws, generator)).tolist()  # (n_draws,) target ids
-    children = list(dict.fromkeys(drawn))  # distinct, in the order first drawn
-    q = torch.zeros(vocab_size, dtype=torch.float32, device=q_draft.device)  # (V,)
-    ids = torch.arange(q_draft.shape[0], device=q_draft.device)
-    q[drafter.to_target_ids(ids)] = q_draft
-    m, device = len(children), root_hidden.device
-    scores = torch.cat([torch.zeros(1, device=q.device), q[torch.tensor(children, device=q.device)].log()])  # (1 + m,)
-    return DraftTree(tokens=torch.tensor([root_token] + children, device=device),
-                     parents=torch.tensor([-1] + [0] * m, device=device),
-                     depths=torch.tensor([0] + [1] * m, device=device), scores=scores,
-                     proposal=q, draws=tuple(1 + children.index(t) for t in drawn))
-
-
 def draft(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
-          cfg: TreeConfig) -> DraftTree:
+          cfg: TreeConfig, noise: DraftNoise | None = None) -> DraftTree:
     fn = draft_static if cfg.is_static else draft_dynamic
-    return fn(drafter, cache, root_token, root_hidden, cfg)
+    return fn(drafter, cache, root_token, root_hidden, cfg, noise=noise)

@@ -565,6 +565,25 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _argmax(k, x)
 
 
+def gumbel_usable(device: torch.device | str) -> bool:
+    """Whether `gumbel_noise` serves draws on this device (the CPU, with the library built)."""
+    return torch.device(device).type == "cpu" and _library()[0] is not None
+
+
+def gumbel_noise(key: int, ids: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Gumbel noise keyed by (key, token id), csrc/gumbel.c: ids (n,) int64 (None = 0 .. n - 1) ->
+    (n,) fp32. key: any 64-bit value (Python int, taken modulo 2^64)."""
+    k = _library()[0]
+    assert k is not None, "check native.gumbel_usable(device) first"
+    signed = (key & (2**64 - 1)) - (2**64 if key & 2**63 else 0)
+    out = torch.empty(n, dtype=torch.float32)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        _expect(ids.is_cpu and ids.shape == (n,), lambda: f"gumbel_noise needs (n,) CPU ids; got {_about(ids)}")
+    k.gumbel_noise(signed, None if ids is None else ids.data_ptr(), out.data_ptr(), n)
+    return out
+
+
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> bool:
     """Whether `rotary` serves this call: bf16 x (n, heads * hd) and cos, sin (n, hd) on the CPU,
     unit strides, an even hd, no autograd."""
