@@ -85,12 +85,17 @@ def shaped_logits(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
     if 0 < s.top_k < x.shape[-1]:
         kth = x.topk(s.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1.0:
-        srt, order = x.sort(dim=-1)  # ascending
-        cum = srt.softmax(-1).cumsum(-1)
-        drop_sorted = cum <= 1 - s.top_p
-        drop_sorted[..., -1] = False  # always keep the most likely token
-        x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    if s.top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
+        p = x.softmax(-1)  # (n, V)
+        k = min(64, p.shape[-1])
+        while True:  # the nucleus lies in the top k once their mass reaches top_p (a sort of all: 2.4 ms)
+            top, order = p.topk(k, dim=-1)  # (n, k) descending
+            cum = top.cumsum(-1)
+            if k == p.shape[-1] or bool((cum[..., -1] >= s.top_p).all()):
+                break
+            k = min(4 * k, p.shape[-1])
+        keep = (cum - top) < s.top_p  # the mass before a token is short of top_p (the first always)
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, x.gather(-1, order).masked_fill(~keep, float("-inf")))
     return x
 
 
@@ -105,6 +110,8 @@ def sample_at(logits: torch.Tensor, positions: list[int], s: SamplingConfig, see
     sampling's draw at that position: the Gumbel-max over `shaped_logits` plus its noise. A row
     computes the same alone or beside others (rows at one position share the noise)."""
     x = shaped_logits(logits, s)  # (n, V)
+    if native.gumbel_usable(x.device):  # one pass, the noise in registers: 60-90 us a row
+        return [native.gumbel_argmax(row, position_key(seed, t), REACH) for row, t in zip(x, positions)]
     best = x.max(-1).values.tolist()  # (n,)
     out = []
     for row, t, top in zip(x, positions, best):

@@ -584,6 +584,18 @@ def gumbel_noise(key: int, ids: torch.Tensor | None, n: int) -> torch.Tensor:
     return out
 
 
+def gumbel_argmax(x: torch.Tensor, key: int, reach: float) -> int:
+    """The Gumbel-max over one row, csrc/gumbel.c: x (V,) fp32 CPU (-inf: dropped) -> the first
+    argmax of x + gumbel_noise(key, None, V), or -1 where no entry is finite. Tokens more than
+    `reach` below the row's maximum get no noise (the caller's bound on it)."""
+    k = _library()[0]
+    assert k is not None, "check native.gumbel_usable(device) first"
+    x = x.contiguous()
+    _expect(x.dtype is torch.float32 and x.is_cpu and x.dim() == 1 and 0 < x.shape[0] < 2**31,
+            lambda: f"gumbel_argmax needs an fp32 CPU row; got {_about(x)}")
+    return int(k.gumbel_argmax(x.data_ptr(), x.shape[0], (key & (2**64 - 1)) - (2**64 if key & 2**63 else 0), reach))
+
+
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> bool:
     """Whether `rotary` serves this call: bf16 x (n, heads * hd) and cos, sin (n, hd) on the CPU,
     unit strides, an even hd, no autograd."""

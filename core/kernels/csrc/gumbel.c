@@ -61,3 +61,41 @@ void gumbel_noise(int64_t key, const int64_t *ids, float *out, int64_t n) {
         _mm512_mask_storeu_ps(out + i, valid, g);
     }
 }
+
+// The Gumbel-max over one row: argmax_i x[i] + g(key, i), the first maximum, for x (n,) fp32
+// (-inf: dropped). Only tokens within `reach` of the row's largest x can win (the noise is bounded:
+// core/decoding/gumbel.py, REACH); the others get no noise. -1 when no token is finite.
+// ctypes: gumbel_argmax(ptr x, i64 n, i64 key, f32 reach) -> i64
+int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, valid, vmax, _mm512_maskz_loadu_ps(valid, x + i));
+    }
+    float top = _mm512_reduce_max_ps(vmax);
+    if (!(top > -INFINITY)) return -1;
+    const __m512 floor_ = _mm512_set1_ps(top - reach);
+    const __m512i k = _mm512_set1_epi64(key), lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i lane32 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_i = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 v = _mm512_maskz_loadu_ps(valid, x + i);
+        __mmask16 cand = valid & _mm512_cmp_ps_mask(v, floor_, _CMP_GE_OQ);
+        if (!cand) continue;
+        __m512i q = _mm512_inserti64x4(
+            _mm512_castsi256_si512(draw8(k, _mm512_add_epi64(lane, _mm512_set1_epi64(i)))),
+            draw8(k, _mm512_add_epi64(lane, _mm512_set1_epi64(i + 8))), 1);
+        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(q, q), _mm512_set1_epi32(1))),
+                                 _mm512_set1_ps(1.0f / 16777216.0f));
+        __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), log512(_mm512_sub_ps(_mm512_setzero_ps(), log512(u))));
+        __m512 s = _mm512_add_ps(v, g);
+        __mmask16 take = cand & _mm512_cmp_ps_mask(s, best, _CMP_GT_OQ);  // strictly greater: a lane's first
+        best = _mm512_mask_mov_ps(best, take, s);
+        best_i = _mm512_mask_mov_epi32(best_i, take, _mm512_add_epi32(lane32, _mm512_set1_epi32((int)i)));
+    }
+    float m = _mm512_reduce_max_ps(best);
+    __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(at, best_i);
+}
