@@ -81,6 +81,7 @@ class AnswerView:
     head_nodes: int = 0                 # the last verified tree's nodes from the head, root included
     copied_steps: int = 0               # steps whose tree held text copied from the context
     copied_accepted: int = 0            # tokens accepted from copied text
+    seed: int | None = None             # a sampled answer's seed (it gives this answer again, either mode)
 
     def on_step(self, tree, result) -> None:
         """The engine's per-step hook (Engine.generate's on_step), called before the step's event:
@@ -198,6 +199,7 @@ class AnswerView:
                 "draft_share": round(d, 3), "verify_share": round(v, 3), "other_share": round(o, 3),
                 "tree_size": self.tree_size, "head_nodes": self.head_nodes, "copied_steps": self.copied_steps,
                 "copied_accepted": self.copied_accepted, "finish_reason": self.finish_reason, "stopped": self.stopped,
+                **({"seed": self.seed} if self.seed is not None else {}),
                 **({"first_token_s": round(self.first_token_s, 3), "wall_s": round(self.wall_s, 3)}
                    if self.first_token_s is not None else {}),
                 "per_step": self.rows}
@@ -215,9 +217,11 @@ class AnswerView:
         if self.first_token_s is not None:  # what the visitor saw, from their Send
             waited = (f"**First token after {self.first_token_s:.1f} s · {self.total_tokens} tokens in "
                       f"{self.wall_s:.1f} s** (your wait, from Send)\n\n")
+        seed = (f" · sampled with seed {self.seed} (type it into Sampling → Seed for this answer again, "
+                "speculative or plain)" if self.seed is not None else "")
         return (f"{waited}engine: **{self.tokens_per_s:.1f} tok/s** ({self.total_tokens} tokens in its "
                 f"{self.elapsed_s:.1f} s of generating) · **τ {self.tau:.2f}** tokens per model pass\n\n"
-                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.ran()} · {end}")
+                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.ran()} · {end}{seed}")
 
     def highlight_html(self) -> str:
         """The answer token by token, coloured by origin. A separate panel, so markdown and

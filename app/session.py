@@ -65,16 +65,16 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
     # They guard the API (a refusal reaches a client as a validation error, HTTP 422). The page
     # asks the gates below first, so its requests that reach a validator pass it.
     def check_chat(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
-                   highlight, request: gr.Request = None):
-        return self._join(self._text_problem(message, system, request, EMPTY_MESSAGE), 11, request)
+                   highlight, seed=-1, request: gr.Request = None):
+        return self._join(self._text_problem(message, system, request, EMPTY_MESSAGE), 12, request)
 
     def check_regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
-                         highlight, request: gr.Request = None):
-        return self._join(self._too_long(request, system=system) or self._busy(request), 10, request)
+                         highlight, seed=-1, request: gr.Request = None):
+        return self._join(self._too_long(request, system=system) or self._busy(request), 11, request)
 
-    def check_compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
+    def check_compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size, seed=-1,
                       request: gr.Request = None):
-        return self._join(self._text_problem(prompt, system, request, EMPTY_PROMPT), 8, request)
+        return self._join(self._text_problem(prompt, system, request, EMPTY_PROMPT), 9, request)
 
     def _text_problem(self, text, system, request, empty: str) -> str:
         """Why this message (or prompt) cannot be sent now, or "". (Gradio passes the request only
@@ -149,19 +149,19 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
 
     # ---- chat -------------------------------------------------------------------------
     def respond(self, message, history, system, temperature, top_p, max_new, spec, depth, top_k,
-                tree_size, highlight, request: gr.Request = None):
+                tree_size, highlight, seed=-1, request: gr.Request = None):
         message = (message or "").strip()
         history = list(history or [])
         turns = history + [{"role": "user", "content": message}]
-        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight)
+        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
         work = self._chat(history, turns, system, settings, request, restore=message)
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE, empty_first=not message)
 
     def regenerate(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
-                   tree_size, highlight, request: gr.Request = None):
+                   tree_size, highlight, seed=-1, request: gr.Request = None):
         history = list(history or [])
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
-        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight)
+        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
                              empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
@@ -260,6 +260,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             notices: list[str] = []
             cfg, seconds = self._settings(settings, request, notices)
             cfg = replace(cfg, adaptive=self.adaptive)
+            if not cfg.sampling.greedy and cfg.seed is None:  # shown with the answer, to be typed in again
+                cfg = replace(cfg, seed=secrets.randbelow(2**31))
             backend = self.manager.backend
             if backend is not None:  # the server queues its own requests: no local lane to hold
                 yield from self._remote_answer(backend, engine_messages(turns, system), cfg, seconds, before,
@@ -282,7 +284,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
     def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore,
                 long_chat: LongChat):
         view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined,
-                          prompt_tokens=long_chat.prompt_tokens, long_chat=long_chat)
+                          prompt_tokens=long_chat.prompt_tokens, long_chat=long_chat,
+                          seed=None if cfg.sampling.greedy else cfg.seed)
         shown = turns + [{"role": "assistant", "content": ""}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
@@ -355,10 +358,10 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 (view.highlight_html() if highlight else "") if panel else skip, "\n\n".join(notices))
 
     # ---- side by side -----------------------------------------------------------------
-    def compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size,
+    def compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size, seed=-1,
                 request: gr.Request = None):
         prompt = (prompt or "").strip()
-        settings = ChatSettings(temperature, top_p, max_new, True, depth, top_k, tree_size, highlight=False)
+        settings = ChatSettings(temperature, top_p, max_new, True, depth, top_k, tree_size, highlight=False, seed=seed)
 
         def work(ticket: Ticket):
             if problem := self._too_long(request, prompt, system):

@@ -135,6 +135,7 @@ class ChatSettings:
     top_k: int = 8
     tree_size: int = 10
     highlight: bool = True
+    seed: int = -1  # sampling: -1 (any negative) = a new seed each answer, shown with it to be typed in again
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -162,7 +163,7 @@ class ChatSettings:
         setting); see generation_config."""
         return generation_config(max_new_tokens=self.max_new, temperature=self.temperature, top_p=self.top_p,
                                  speculative=self.spec, depth=self.depth, top_k=self.top_k,
-                                 tree_size=self.tree_size, default=default)
+                                 tree_size=self.tree_size, seed=self.seed, default=default)
 
 
 def tree_limit(depth, tree_size) -> str:
@@ -219,6 +220,11 @@ def generation_config(*, max_new_tokens, temperature, top_p, speculative, depth,
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{name} must be a number, got {v!r}") from e
 
+    if seed is not None:  # a negative seed: a new one each answer (None)
+        if isinstance(seed, bool) or not isinstance(seed, (int, float)) or seed != int(seed) or seed >= 2**63:
+            raise ConfigError(f"the seed must be a whole number below 2^63, or -1 for a new one each answer; "
+                              f"got {seed!r}")
+        seed = int(seed) if seed >= 0 else None
     base = default if default is not None else TreeConfig()  # no lookup, no long-chat caps
     tree = base.override(depth=as_int(depth, "tree depth"), top_k=as_int(top_k, "top-k"),
                          total_tokens=as_int(tree_size, "tree size"))

@@ -160,6 +160,10 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                             top_p = gr.Slider(0.05, 1, gen.sampling.top_p, step=0.05, label="Top-p", elem_id="top-p")
                             max_new = gr.Slider(1, 2048, gen.max_new_tokens, step=1, label="Max new tokens",
                                                 elem_id="max-new")
+                            seed = gr.Number(ChatSettings().seed, precision=0, label="Seed (-1: a new one each answer)",
+                                             info="One seed gives one sampled answer, speculation on or off: a "
+                                                  "sampled token depends on the seed and its position only.",
+                                             elem_id="seed")
                         with gr.Accordion("Raw numbers", open=False):
                             stats_json = gr.JSON(label="This answer", elem_id="stats-json")
             with gr.Tab("Side by side"):
@@ -183,7 +187,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                 models = models_tab(h, manager, status, tree_origin, controls)
 
         named = dict(temperature=temperature, top_p=top_p, max_new=max_new, spec=spec, depth=depth, top_k=top_k,
-                     tree_size=tree_size, highlight=highlight)
+                     tree_size=tree_size, highlight=highlight, seed=seed)
         settings = [named[name] for name in ChatSettings.names()]  # the handlers' parameter order
         history = gr.State([])
         view = dict(store=store, chatbot=chatbot, history=history, **listing)
@@ -217,11 +221,11 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         keep = dict(fn=h.settings_save, inputs=[system] + settings, outputs=kept_settings, queue=False,
                     api_visibility="private", js=in_range_js([system] + settings))
         gr.on([c.input for c in [system] + settings], **keep)
-        for box, inside in ((advanced_box, [top_k, tree_size]), (sampling_box, [temperature, top_p, max_new])):
+        for box, inside in ((advanced_box, [top_k, tree_size]), (sampling_box, [temperature, top_p, max_new, seed])):
             names = tuple(ChatSettings.names()[settings.index(c)] for c in inside)
             box.expand(h.settings_reopen(names), [kept_settings] + settings, inside, queue=False,
                        api_visibility="private", show_progress="hidden")
-        compare_go.change(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size],
+        compare_go.change(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size, seed],
                           [plain_out, spec_out, summary, compare_json], api_name="compare",
                           validator=h.check_compare, trigger_mode="once", **lane)
         stop2.click(h.stop, None, None, queue=False, api_visibility="private")

@@ -92,6 +92,8 @@ def page(served):
         page.locator("#sampling").get_by_text("Sampling").first.click()
         page.locator("#max-new input[type=number]").fill("60")  # short answers keep the test quick
         page.locator("#max-new input[type=number]").press("Enter")
+        page.locator("#seed input").fill("4242")  # kept too (the reload test); the answers here are greedy
+        page.locator("#seed input").press("Enter")
         yield page
         browser.close()
 
@@ -292,11 +294,11 @@ def wait_for_chat(page, expected: list[str], timeout_s: float = 20) -> None:
 
 
 def wait_for_kept_settings(page, timeout_s: float = 30) -> None:
-    """After a reload: until the settings kept in this browser show (max new tokens 60, as the
-    fixture set it); else fail saying what the page shows and what the browser keeps."""
+    """After a reload: until the settings kept in this browser show (max new tokens 60 and seed
+    4242, as the fixture set them); else fail saying what the page shows and what the browser keeps."""
     try:
-        page.wait_for_function("document.querySelector('#max-new input[type=number]')?.value === '60'",
-                               timeout=timeout_s * 1000)
+        page.wait_for_function("document.querySelector('#max-new input[type=number]')?.value === '60' && "
+                               "document.querySelector('#seed input')?.value === '4242'", timeout=timeout_s * 1000)
     except Exception:
         shown = page.evaluate("document.querySelector('#max-new input[type=number]')?.value")
         kept = page.evaluate("Object.keys(localStorage)")

@@ -25,8 +25,8 @@ from tests.app_server import LOCAL, SHARE_LINK, FakeRequest
 from tests.tiny import oracle_head, tiny_target
 
 SYSTEM = "system w7"
-# message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight
-Settings = namedtuple("Settings", ChatSettings.names())
+# message, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed
+Settings = namedtuple("Settings", ChatSettings.names(), defaults=(ChatSettings().seed,))
 GREEDY = Settings(0.0, 1.0, 12, True, 3, 2, 6, True)
 SKIP = gr.skip()  # an output left as it is
 
@@ -378,7 +378,7 @@ def test_messages_have_a_length_limit_said_with_its_numbers(bigram):
     assert outs == [(*[SKIP] * 7, outs[0][7])], "the chat, its history and the message in the box are kept"
     check = h.check_chat(message, history, SYSTEM, *GREEDY, request=SHARE_LINK)
     assert check[0]["is_valid"] is False and "the limit is 20 characters" in check[0]["message"]
-    assert all(v["is_valid"] for v in check[1:]) and len(check) == 11
+    assert all(v["is_valid"] for v in check[1:]) and len(check) == 12
     assert list(h.respond(message, history, SYSTEM, *GREEDY, request=LOCAL))[-1][5]["tokens"] >= 1
     longer = " ".join(["w5"] * 20)  # 59 characters: over every visitor's limit
     with pytest.warns(UserWarning, match="59 characters long; the limit is 50 characters. Shorten"):
@@ -525,10 +525,29 @@ def test_the_panel_counts_copied_text_beside_drafts_drawn_from_the_head(bigram):
     engine = Engine(*bigram)
     engine.tree_choice = TreeChoice(TreeConfig(depth=1, top_k=2, total_tokens=3, lookup=8), "test")
     h = handlers_for(engine)
-    settings = GREEDY._replace(temperature=0.3, depth=1, top_k=2, tree_size=3, max_new=60)
+    # a seed whose answer repeats itself (3 seeds in 4 do at this temperature): one seed, one answer
+    settings = GREEDY._replace(temperature=0.3, depth=1, top_k=2, tree_size=3, max_new=60, seed=2)
     _, _, stats, _, _ = answer(h, "w5 w9", [], settings)
     assert stats["copied_steps"] > 0 and stats["copied_accepted"] > 0, "the bigram model repeats itself"
     assert 2 <= stats["head_nodes"] <= 3, "the head's children beside the root"
+
+
+def test_a_seed_gives_one_sampled_answer_and_each_answer_shows_its_seed(bigram):
+    h = handlers_for(Engine(*bigram))
+    hot = GREEDY._replace(temperature=0.9, max_new=30, seed=7)
+    outs, _, spec, _, _ = answer(h, "w5 w9", [], hot)
+    _, _, plain, _, _ = answer(h, "w5 w9", [], hot._replace(spec=False))
+    assert spec["seed"] == plain["seed"] == 7 and spec["mode"] == "speculative" and plain["mode"] == "plain"
+    assert [r["tokens"] for r in spec["per_step"]] != [1] * len(spec["per_step"]), "drafts were accepted"
+    assert outs[-1][0][-1]["content"] == answer(h, "w5 w9", [], hot._replace(spec=False))[0][-1][0][-1]["content"]
+    assert "sampled with seed 7 (type it into Sampling → Seed" in outs[-1][4]
+    fresh_outs, _, fresh, _, _ = answer(h, "w5 w9", [], hot._replace(seed=-1))  # a new seed, shown
+    assert 0 <= fresh["seed"] < 2**31
+    again = answer(h, "w5 w9", [], hot._replace(seed=fresh["seed"], spec=False))[0]
+    assert again[-1][0][-1]["content"] == fresh_outs[-1][0][-1]["content"]
+    assert "seed" not in answer(h, "w5 w9", [], GREEDY)[2], "greedy answers have no seed"
+    with pytest.warns(UserWarning, match="the seed must be a whole number"):
+        assert answer(h, "w5 w9", [], hot._replace(seed=1.5))[4].startswith("Invalid setting: the seed must be")
 
 
 def test_an_opened_accordion_shows_its_controls_as_kept(bigram):

@@ -22,7 +22,7 @@ FAST = dict(temperature=0.0, top_p=1.0, max_new=16, depth=2, top_k=2, tree_size=
 def chat_args(message, *, spec=True, highlight=True, **over):
     s = {**FAST, **over}
     return (message, SYSTEM, s["temperature"], s["top_p"], s["max_new"], spec, s["depth"], s["top_k"],
-            s["tree_size"], highlight)
+            s["tree_size"], highlight, s.get("seed", -1))
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,24 @@ def test_toggle_switches_mode_and_output_is_identical(client, app_url):
     assert follow_up[4]["mode"] == "plain", "the toggle applies to the next message"
 
 
+def test_a_seed_gives_one_sampled_answer_with_speculation_on_or_off(client, app_url):
+    """Sampled at 0.5 (below the shipped trees' pause) with seed 1234: the speculative answer is the
+    plain one, token for token, and the stats name the seed; without a seed each answer gets a new
+    one, shown, and typing it in gives that answer again."""
+    from gradio_client import Client
+
+    sampled = dict(temperature=0.5, max_new=24, seed=1234)
+    _, spec_out = stream(Client(app_url, verbose=False), *chat_args("Name a fruit.", **sampled))  # new chats
+    _, plain_out = stream(Client(app_url, verbose=False), *chat_args("Name a fruit.", spec=False, **sampled))
+    assert spec_out[4]["mode"] == "speculative" and any(r["tree_size"] for r in spec_out[4]["per_step"])
+    assert spec_out[0][-1]["content"] == plain_out[0][-1]["content"], "one seed, one sampled answer"
+    assert spec_out[4]["seed"] == plain_out[4]["seed"] == 1234 and "sampled with seed 1234" in spec_out[3]
+    _, fresh = stream(Client(app_url, verbose=False), *chat_args("Name a fruit.", **{**sampled, "seed": -1}))
+    _, again = stream(Client(app_url, verbose=False), *chat_args("Name a fruit.", spec=False,
+                                                                **{**sampled, "seed": fresh[4]["seed"]}))
+    assert again[0][-1]["content"] == fresh[0][-1]["content"]
+
+
 def test_stop_regenerate_clear_and_bad_input(client):
     from gradio_client.exceptions import ValidationError
     from httpx import HTTPStatusError
@@ -146,7 +164,7 @@ def test_side_by_side_reports_identical_greedy_answers(client):
     s = FAST
     updates, (plain_md, spec_md, summary, data) = stream(
         client, "Name three colors.", SYSTEM, s["temperature"], s["top_p"], s["max_new"], s["depth"],
-        s["top_k"], s["tree_size"], api_name="/compare")
+        s["top_k"], s["tree_size"], -1, api_name="/compare")
     assert len(updates) > 4
     assert data["identical"] is True and "identical" in summary
     assert data["plain"]["tokens_per_s"] > 0 and data["speculative"]["tokens_per_s"] > 0
