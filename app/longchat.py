@@ -60,7 +60,7 @@ def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: f
     if speculative and not tree.speculates_hot(temperature):
         notes.append(f"Speculation paused for this answer: sampling at temperature {temperature:g}, plain decoding "
                      f"is faster on this machine (measured from {tree.plain_from_temperature:g} on: hot sampling "
-                     f"accepts few drafted tokens). The answer follows the same distribution; below temperature "
+                     f"accepts few drafted tokens). The answer is the same either way (one seed, one answer); below temperature "
                      f"{tree.plain_from_temperature:g} speculation runs again.")
         return LongChat(prompt_tokens, pause_at, tuple(notes), hot=temperature)
     if speculative and not tree.speculates_at(prompt_tokens):

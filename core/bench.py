@@ -544,9 +544,11 @@ def _ratios(modes: dict, base: str, key: str = "tokens_per_s") -> dict:
 def _summaries(prompts: Sequence[Prompt], runs: dict[str, list[list[Generation]]], greedy: bool) -> dict:
     modes = {m: _mode_summary(m, prompts, r) for m, r in runs.items()}
     identical, agreement = {}, {}
-    if greedy and "plain" in runs:
+    if "plain" in runs:  # sampled: our modes draw a token from the seed and its position, others their own way
         ref = [[g.output_ids for g in turns] for turns in runs["plain"]]
         for m, r in runs.items():
+            if not greedy and m not in ENGINE_MODES:
+                continue
             same = [[g.output_ids for g in turns] == want for turns, want in zip(r, ref)]
             identical[m], agreement[m] = all(same), sum(same) / len(same)
     return {"modes": modes, "speedup_vs_plain": _ratios(modes, "plain"), "speedup_vs_hf": _ratios(modes, "hf"),

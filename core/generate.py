@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     if hot:
         print(f"[eagle] speculation paused: sampling at temperature {config.sampling.temperature:g}, plain decoding "
               f"is faster on this machine (the tree's plain_from_temperature {config.tree.plain_from_temperature:g}; "
-              "--plain-from-temperature 0 speculates anyway); the same distribution", file=sys.stderr)
+              "--plain-from-temperature 0 speculates anyway); the same answer either way", file=sys.stderr)
     print(f"[{'plain' if a.plain or hot else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
           f"finish={last.finish_reason} threads={torch.get_num_threads()} ({core.threads.policy().wait} wait)",

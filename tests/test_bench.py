@@ -120,7 +120,8 @@ def test_multi_turn_feeds_each_modes_own_answer_and_modes_interleave(engine, mon
     modes = ["plain", "eagle", "hf"]
     settings = BenchSettings(max_new_tokens=20, tree=TREE, sampling=SamplingConfig(temperature=1.0))
     r = run_benchmark(engine, prompts(), modes, settings)
-    assert r["identical_to_plain"] == {}  # sampled runs make no identity claim
+    # sampled: our modes draw from the seed and the position, so eagle's answers are plain's; hf samples its own way
+    assert r["identical_to_plain"] == {"plain": True, "eagle": True}
     warmups, measured = calls[:3], calls[3:]
     assert [c[0] for c in warmups] == modes and all(c[2] == bench.WARMUP_TOKENS == 16 for c in warmups)
     assert all(c[2] == 20 for c in measured)
