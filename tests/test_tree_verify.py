@@ -277,6 +277,36 @@ def test_sampled_speculation_is_token_identical_to_plain_sampling(temperature):
         assert steps < 20  # the right guesses were accepted
 
 
+def test_sampled_verification_draws_only_along_the_path_and_finds_what_the_full_walk_finds(monkeypatch):
+    """verify_sampled draws at the nodes its descent visits; the path equals `walk` over every
+    node's draw, on random trees whose children often hold the draws."""
+    import core.decoding.verify as verify_mod
+
+    gen = torch.Generator().manual_seed(4)
+    s = SamplingConfig(temperature=0.9)
+    for case in range(60):
+        n = int(torch.randint(1, 12, (), generator=gen))
+        logits = torch.randn(n, 16, generator=gen) * 2
+        tokens, parents = [3], [-1]
+        for i in range(1, n):
+            parent = int(torch.randint(0, i, (), generator=gen))
+            depth = _depth(parents, parent)
+            want = sample_at(logits[parent:parent + 1], [5 + depth + 1], s, case)[0]
+            tok = want if bool(torch.rand((), generator=gen) < 0.7) else int(torch.randint(0, 16, (), generator=gen))
+            while any(p == parent and t == tok for t, p in zip(tokens, parents)):
+                tok = (tok + 1) % 16
+            tokens.append(tok)
+            parents.append(parent)
+        tree = tree_from_parents(tokens, parents)
+        full = walk(tree, sample_at(logits, [5 + d + 1 for d in tree.depths.tolist()], s, case))
+        drawn = []
+        real = verify_mod.sample_at
+        monkeypatch.setattr(verify_mod, "sample_at", lambda x, pos, s_, seed: drawn.append(pos) or real(x, pos, s_, seed))
+        got = verify_sampled(tree, logits, s, case, 5)
+        monkeypatch.setattr(verify_mod, "sample_at", real)
+        assert got == full and len(drawn) == got.accepted + 1
+
+
 def _depth(parents: list[int], i: int) -> int:
     return 0 if parents[i] < 0 else 1 + _depth(parents, parents[i])
 
