@@ -8,6 +8,7 @@ input (`-` as the prompt), which avoids the OS limit on argument length.
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -68,8 +69,10 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
     if a.dtype not in DTYPE_NAMES:
         raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     given = tree_changes(a)
-    config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=a.seed,
-                              sampling=SamplingConfig(temperature=a.temperature, top_p=a.top_p), adaptive=a.adaptive)
+    sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
+    seed = a.seed if a.seed is not None or sampling.greedy else secrets.randbelow(2**31)  # printed: --seed repeats it
+    config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=seed,
+                              sampling=sampling, adaptive=a.adaptive)
     return prompt, given, config
 
 
@@ -106,6 +109,9 @@ def main(argv=None) -> int:
         print(f"[eagle] speculation paused: sampling at temperature {config.sampling.temperature:g}, plain decoding "
               f"is faster on this machine (the tree's plain_from_temperature {config.tree.plain_from_temperature:g}; "
               "--plain-from-temperature 0 speculates anyway); the same answer either way", file=sys.stderr)
+    if not config.sampling.greedy:
+        print(f"[seed] sampled with seed {config.seed}: --seed {config.seed} gives this answer again, with or "
+              "without speculation", file=sys.stderr)
     print(f"[{'plain' if a.plain or hot else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
           f"finish={last.finish_reason} threads={torch.get_num_threads()} ({core.threads.policy().wait} wait)",

@@ -1,6 +1,7 @@
 """The real embedded model: SmolLM2-135M-Instruct from the PyPI wheel, fp32, on CPU."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -76,6 +77,14 @@ def test_headless_cli_both_modes_same_text(engine, tmp_path):
     assert "[plain] tokens=" in plain.stderr and "tau=1.00" in plain.stderr
     assert "[eagle] tokens=" in spec.stderr and "tokens/s=" in spec.stderr
     assert "[numerics] " in spec.stderr and "exact: " in spec.stderr
+    # sampled without --seed: the seed drawn is printed, and --seed with it repeats the answer, plain too
+    hot = run("--prompt-file", str(tmp_path / "prompt.txt"), "--temperature", "0.6", "--plain-from-temperature", "0",
+              *head)
+    seed = re.search(r"sampled with seed (\d+): --seed \1 gives this answer again", hot.stderr)
+    assert hot.returncode == 0 and seed, hot.stderr
+    again = run("-", "--plain", "--temperature", "0.6", "--seed", seed.group(1), input="What is 2 + 2?")
+    if numerics(again.stderr) == numerics(hot.stderr):
+        assert again.stdout == hot.stdout and hot.stdout.strip()
 
 
 def test_cli_bad_input_is_one_clear_line():
