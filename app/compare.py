@@ -40,8 +40,9 @@ def identical(plain: AnswerView, spec: AnswerView) -> bool:
     return a[:n] == b[:n]
 
 
-def compare_markdown(plain: AnswerView, spec: AnswerView, greedy: bool) -> str:
-    how = "" if greedy else " (sampled, one seed for both)"
+def compare_markdown(plain: AnswerView, spec: AnswerView, greedy: bool, seed: int | None = None) -> str:
+    how = "" if greedy else f" (sampled with seed {seed}, one for both)" if seed is not None else \
+        " (sampled, one seed for both)"
     verdict = (f"**identical** token for token{how} ✓" if identical(plain, spec) else
                f"**different**{how} ✗: speculation changed the answer, a bug; please report it")
     return (f"| | plain | speculative |\n|---|---|---|\n"
@@ -64,13 +65,14 @@ def figures(view: AnswerView) -> dict:
     return data
 
 
-def compare_outputs(plain: AnswerView, spec: AnswerView, greedy: bool, notices: list[str], final: bool):
+def compare_outputs(plain: AnswerView, spec: AnswerView, greedy: bool, notices: list[str], final: bool,
+                    seed: int | None = None):
     """(plain column, speculative column, summary, raw numbers) for the Side by side tab."""
     if final:
-        summary = compare_markdown(plain, spec, greedy)
+        summary = compare_markdown(plain, spec, greedy, seed)
     else:
         summary = (f"Racing… **speed-up so far {speedup(plain, spec):.2f}×** (each column's clock counts "
                    "only its own steps)")
     data = {"plain": figures(plain), "speculative": figures(spec), "speedup": round(speedup(plain, spec), 3),
-            "identical": identical(plain, spec), "final": final}
+            "identical": identical(plain, spec), "final": final, **({"seed": seed} if seed is not None else {})}
     return (column(plain, "Plain"), column(spec, "Speculative"), "\n\n".join([summary, *notices]), data)

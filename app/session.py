@@ -391,7 +391,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         plain, spec = AnswerView("plain"), AnswerView("speculative")
         greedy = spec_cfg.sampling.greedy
         if spec_cfg.seed is None:  # one seed for both: sampled answers must agree too
-            spec_cfg = replace(spec_cfg, seed=secrets.randbits(62))
+            spec_cfg = replace(spec_cfg, seed=secrets.randbelow(2**31))
+        seed = None if greedy else spec_cfg.seed
         deadline = time.monotonic() + seconds if seconds else None
         gens = engine.generate(msgs, replace(spec_cfg, speculative=False)), engine.generate(msgs, spec_cfg)
         try:
@@ -399,7 +400,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline):
                     plain.stopped = spec.stopped = True
                     break
-                yield compare_outputs(plain, spec, greedy, notices, final=False)
+                yield compare_outputs(plain, spec, greedy, notices, final=False, seed=seed)
         finally:
             for g in gens:
                 g.close()
@@ -407,7 +408,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             notices.append("Stopped.")
         elif plain.stopped:
             notices.append(f"Limit for visitors through the public link: the race was cut after {seconds:g} s.")
-        yield compare_outputs(plain, spec, greedy, notices, final=True)
+        yield compare_outputs(plain, spec, greedy, notices, final=True, seed=seed)
 
     # ---- page ---------------------------------------------------------------------------
     def page_load(self, banner: str, request: gr.Request = None):

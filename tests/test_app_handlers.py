@@ -185,8 +185,9 @@ def test_side_by_side_on_tiny_models(bigram):
     # sampled: both columns draw with one seed, so they agree token for token as well
     for _ in range(3):
         plain_md, spec_md, summary, data = list(h.compare("w5 w9", SYSTEM, 0.9, 1.0, 24, 3, 2, 6, request=None))[-1]
-        assert data["identical"] is True and "(sampled, one seed for both) ✓" in summary
+        assert data["identical"] is True and f"(sampled with seed {data['seed']}, one for both) ✓" in summary
         assert data["speculative"]["target_forwards"] < data["plain"]["target_forwards"]
+    assert list(h.compare("w5 w9", SYSTEM, 0.9, 1.0, 24, 3, 2, 6, 11, request=None))[-1][3]["seed"] == 11  # the box's
 
 
 def test_download_that_cannot_fit_is_refused_at_once(monkeypatch):
