@@ -26,12 +26,13 @@ class LongChat:
     pause_at: int | None
     notes: tuple[str, ...]
     hot: float | None = None  # the sampling temperature that paused speculation (TreeConfig.plain_from_temperature)
+    hot_start: bool = False   # adaptive: the answer starts plain because it samples that hot
     adaptive: bool = False    # GenerationConfig.adaptive: measured speed chooses each step's mode
 
     @property
     def all_plain_reason(self) -> str:
         """Why an adaptive answer ran no speculative step."""
-        return ADAPTIVE_PLAIN
+        return ADAPTIVE_HOT if self.hot_start else ADAPTIVE_PLAIN
 
     def pause_reason(self, reached: int) -> str:
         """Why plain steps ran in a speculative answer whose context reached `reached` tokens."""
@@ -50,7 +51,13 @@ def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: f
          adaptive: bool = False) -> LongChat:
     pause_at = next((c for c, d, _ in tree.long_context if d == 0), None)
     notes = []
-    if speculative and adaptive and tree.speculates_hot(temperature):
+    if speculative and adaptive:
+        if not tree.speculates_hot(temperature):
+            notes.append(f"Sampling at temperature {temperature:g}: from {tree.plain_from_temperature:g} on plain "
+                         "decoding is usually faster on this machine (hot sampling accepts few drafted tokens), so "
+                         "this answer starts plain and speculates only while it measures faster, as it can where "
+                         "the answer copies from the chat. The answer is the same either way (one seed, one answer).")
+            return LongChat(prompt_tokens, pause_at, tuple(notes), adaptive=True, hot_start=True)
         if not tree.speculates_at(prompt_tokens):
             notes.append(f"Long chat ({prompt_tokens:,} tokens): from {pause_at:,} tokens plain decoding is usually "
                          "faster on this machine (every draft-tree row reads the whole chat), so this answer starts "
@@ -77,6 +84,7 @@ def plan(tree: TreeConfig, prompt_tokens: int, speculative: bool, temperature: f
 
 MEASURED = "each step ran the mode measured faster in this answer, the other probed now and then"
 ADAPTIVE_PLAIN = "a chat this long starts plain here, and speculation did not measure faster in this answer"
+ADAPTIVE_HOT = "sampling this hot starts plain here, and speculation did not measure faster in this answer"
 
 
 def new_chat_hint(prompt_tokens: int, first_token_s: float | None) -> str:

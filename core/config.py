@@ -232,7 +232,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     # speculation follows measured speed: each step runs the mode measured faster in this
-    # answer, probing the other now and then; the tree's long-context caps only choose the start
+    # answer, probing the other now and then; the tree's long-context caps and hot pause only choose the start
     # (core.decoding.adaptive). Off: the caps decide alone (what tests that count steps rely on).
     adaptive: bool = False
 

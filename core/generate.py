@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         return 2
     tau = last.total_tokens / last.target_forwards
     sys.stdout.write("\n")  # the answer alone on stdout; statistics and diagnostics on stderr
-    hot = config.paused_hot
+    hot = config.paused_hot and not config.adaptive  # adaptive: a hot answer starts plain and probes
     if hot:
         print(f"[eagle] speculation paused: sampling at temperature {config.sampling.temperature:g}, plain decoding "
               f"is faster on this machine (the tree's plain_from_temperature {config.tree.plain_from_temperature:g}; "

@@ -1,6 +1,6 @@
 """Speculation in a long chat (docs/long-context.md): plain against eagle at several context lengths.
 
-    python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2] [--task summary|edit]
+    python scripts/long_context.py [--contexts 1024,2048,2800,4096] [--tokens 64] [--reps 2] [--task summary|edit] [--temperature T]
 
 Each prompt asks for a summary of the first N tokens of a fixed document (`core.autotune.long_prompt`:
 the Python language reference topics that ship with the interpreter), which the answer may quote
@@ -10,8 +10,9 @@ tree without caps and adaptively (GenerationConfig.adaptive: the mode measured f
 default), interleaved and repeated, and prints tokens/s and tau after the prefill. `--task edit`
 asks instead for work on a text the prompt holds, as long chats often do: a module of this
 repository rewritten with one name changed, and a part of README.md summarised (the answers copy
-from the chat, so context lookup accepts long runs).
-Greedy output is checked to be the same in every mode. Run it on an otherwise idle machine.
+from the chat, so context lookup accepts long runs). `--temperature T` samples instead, seed 0 in
+every mode (the tree without caps then speculates at any temperature: its hot pause is off too).
+The output is checked to be the same in every mode. Run it on an otherwise idle machine.
 """
 
 import argparse
@@ -27,7 +28,7 @@ if __name__ == "__main__":  # the OpenMP policy, before torch loads (core.thread
 import torch
 
 from core.autotune import long_prompt
-from core.config import GenerationConfig
+from core.config import GenerationConfig, SamplingConfig
 from core.decoding.engine import Engine
 
 
@@ -65,14 +66,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--task", choices=("summary", "edit"), default="summary")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled (seed 0 for every mode) instead of greedy")
     a = p.parse_args()
     threads.set_threads(a.threads)
     engine = Engine.load()
     tree = engine.default_tree
-    modes = {"plain": GenerationConfig(max_new_tokens=a.tokens, speculative=False),
-             "eagle (caps)": GenerationConfig(max_new_tokens=a.tokens, tree=tree),
-             "eagle (no caps)": GenerationConfig(max_new_tokens=a.tokens, tree=replace(tree, long_context=())),
-             "eagle (adaptive)": GenerationConfig(max_new_tokens=a.tokens, tree=tree, adaptive=True)}
+    same = dict(max_new_tokens=a.tokens, sampling=SamplingConfig(temperature=a.temperature), seed=0)
+    modes = {"plain": GenerationConfig(speculative=False, **same),
+             "eagle (caps)": GenerationConfig(tree=tree, **same),
+             "eagle (no caps)": GenerationConfig(tree=replace(tree, long_context=(), plain_from_temperature=0.0), **same),
+             "eagle (adaptive)": GenerationConfig(tree=tree, adaptive=True, **same)}
     print(f"tree: {tree}")
     with torch.inference_mode():
         for length in (int(c) for c in a.contexts.split(",")):

@@ -64,6 +64,19 @@ def test_a_repeat_in_the_context_probes_speculation_at_once_unless_it_just_faile
     assert adaptive.probe_now(s, POLICY).speculative, "half the gap later a repeat may probe again"
 
 
+def test_a_repeat_waits_where_speculation_last_measured_slower_even_a_little():
+    """Past the margin, not only under give_up: a sampled answer that copies at 0.9x plain would
+    otherwise probe at every repeat (measured: 0.85x plain on a 2,000-token edit at temperature 0.7)."""
+    s = start(False, POLICY)
+    _, s = steps(s, [(300.0, 100.0)] * 2)
+    ran, s = steps(adaptive.probe_now(s, POLICY), [(90.0, 100.0)] * POLICY.probe_steps)  # 2 tokens at 90/s vs 1 at 100/s
+    assert all(ran) and s.speculative is False, "0.9x plain: the probe hands back to plain"
+    _, s = steps(s, [(90.0, 100.0)] * 2)
+    assert adaptive.probe_now(s, POLICY) == s
+    _, s = steps(s, [(90.0, 100.0)] * (s.gap // 2 - 2))
+    assert adaptive.probe_now(s, POLICY).speculative
+
+
 def test_the_setting_is_a_boolean():
     with pytest.raises(ConfigError, match="adaptive must be True or False, got 'yes'"):
         GenerationConfig(adaptive="yes")
@@ -113,6 +126,26 @@ def test_the_engine_moves_to_the_mode_the_clock_says_is_faster_with_plains_token
     # the same answer, the caps alone: speculation throughout
     fixed, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree, sampling=sampling, seed=3))
     assert fixed == plain and all(ev.tree_size > 0 for ev in events[1:])
+
+
+def test_sampling_past_the_hot_pause_starts_plain_and_speculates_where_it_measures_faster(bigram, monkeypatch):
+    """The tree's plain_from_temperature is a start, as the long-context caps are: an adaptive answer
+    sampled that hot starts plain and probes; where speculation measures faster it takes over (the
+    same tokens: one seed, one answer). Without adaptive the pause holds for the whole answer."""
+    monkeypatch.setattr(engine_mod, "POLICY", POLICY)
+    hot, tree = SamplingConfig(temperature=1.2), TreeConfig(4, 1, 5, plain_from_temperature=0.9)
+    plain, _ = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=80, speculative=False, sampling=hot, seed=2))
+    paused, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=80, tree=tree, sampling=hot, seed=2))
+    assert paused == plain and not any(ev.tree_size for ev in events)
+    FakeClock(monkeypatch, 0.001, 0.004)  # a verified tree costs a quarter of a plain step
+    tokens, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=80, tree=tree, sampling=hot, seed=2,
+                                                             adaptive=True))
+    assert tokens == plain
+    spec = [ev.tree_size > 0 for ev in events[1:]]
+    first = spec.index(True)  # patient: the longest gap, or sooner where the context repeats
+    assert first >= POLICY.first_probe, "plain first (the hot pause), then a probe of speculation"
+    assert sum(spec[first:]) > 0.7 * len(spec[first:]), "and speculation keeps the answer (plain probed now and then)"
+    assert adaptive.start(False, POLICY, patient=True).gap == POLICY.max_gap
 
 
 def test_a_prompt_past_the_plain_cap_starts_plain_and_the_head_catches_up_when_probed(bigram, monkeypatch):

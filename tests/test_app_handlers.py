@@ -480,6 +480,13 @@ def test_hot_sampling_decodes_plain_where_the_tree_says_so_and_the_app_says_why(
     _, _, stats, _, notice = answer(h, "w5 w6", [], GREEDY._replace(temperature=0.5, max_new=8))
     assert notice == "" and stats["ran"] == "speculative", "cooler sampling speculates"
     assert "plain decoding when sampling at temperature 0.9 or above" in h.manager.tree_markdown()
+    # measured speed chooses (the app's default): the pause is where the answer starts, and says so
+    h.adaptive = True
+    _, _, stats, _, notice = answer(h, "w5 w6", [], GREEDY._replace(temperature=1.2, max_new=8))
+    assert notice.startswith("Sampling at temperature 1.2: from 0.9 on plain decoding is usually faster on this "
+                             "machine") and "starts plain and speculates only while it measures faster" in notice
+    assert stats["ran"] == ("plain: sampling this hot starts plain here, and speculation did not measure faster "
+                            "in this answer"), "8 tokens: fewer steps than the first probe"
 
 
 def test_a_long_prefill_is_shown_while_it_runs_and_a_new_chat_is_suggested(bigram, monkeypatch):

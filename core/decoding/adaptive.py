@@ -5,10 +5,12 @@ that the answer quotes or edits (code to change, text to summarise) the head and
 accept 3-4 tokens a step, and speculation runs 1.3-1.9x plain decoding there; in a free answer
 after the same chat they accept under 2, and plain decoding is faster (measured on the Intel VM,
 docs/long-context.md). The tree's long-context caps (TreeConfig.long_context) come from calibration
-prompts: right on average, wrong for either kind of answer. An adaptive answer keeps each mode's
-measured speed (tokens per second over its recent steps, older steps weighing less), runs the
-faster one, and now and then runs a few steps of the other to keep that figure current; while the
-probes confirm the choice they come less often.
+prompts: right on average, wrong for either kind of answer; so does its hot pause
+(TreeConfig.plain_from_temperature): an answer sampled that hot that copies from the chat still
+accepts long chains. Both only choose where an adaptive answer starts. An adaptive answer keeps
+each mode's measured speed (tokens per second over its recent steps, older steps weighing less),
+runs the faster one, and now and then runs a few steps of the other to keep that figure current;
+while the probes confirm the choice they come less often.
 
 Its tokens are the same whichever mode writes them (by construction, core.decoding.engine: a greedy
 token is the argmax, a sampled one a function of the seed and its position, core.decoding.gumbel),
@@ -50,9 +52,12 @@ class Speeds:
         return tokens / seconds if seconds > 0 else None
 
 
-def start(speculative: bool, policy: Policy = Policy()) -> Speeds:
-    """An answer's schedule, starting in the mode the tuned tree chooses at its prompt's length."""
-    return Speeds(speculative=speculative, gap=policy.first_probe)
+def start(speculative: bool, policy: Policy = Policy(), patient: bool = False) -> Speeds:
+    """An answer's schedule, starting in the mode the tuned tree chooses at its prompt's length.
+    `patient`: the start is plain because the answer samples at or past the tree's hot pause, where
+    speculation measured slower on free answers: scheduled probes wait the longest gap, and a
+    repeat in the context (`probe_now`) is what probes speculation sooner."""
+    return Speeds(speculative=speculative, gap=policy.max_gap if patient else policy.first_probe)
 
 
 def record(s: Speeds, policy: Policy, ran_speculative: bool, tokens: int, seconds: float) -> Speeds:
@@ -82,11 +87,12 @@ def probe_now(s: Speeds, policy: Policy) -> Speeds:
     """Probe speculation from this step on, out of schedule: the caller saw the context repeat
     (context lookup has a long chain to verify: an answer that copies from the chat). Unchanged
     while speculation runs or a probe does, within 2 steps of the last probe's end, and, where
-    speculation last measured under `policy.give_up` of plain, before half the gap to the next
-    scheduled probe has passed (repeats that speculation did not turn into speed)."""
+    speculation last measured slower than plain (by more than `policy.margin`), before half the gap
+    to the next scheduled probe has passed (repeats that speculation did not turn into speed: a
+    sampled answer's draws leave the copied text more often than a greedy one's)."""
     if s.speculative or s.probing or s.steps < 2:
         return s
     spec, plain = s.rate(True), s.rate(False)
-    if spec is not None and plain is not None and spec < policy.give_up * plain and 2 * s.steps < s.gap:
+    if spec is not None and plain is not None and spec * (1 + policy.margin) < plain and 2 * s.steps < s.gap:
         return s
     return replace(s, speculative=True, probing=policy.probe_steps, steps=0)

@@ -197,7 +197,7 @@ class _Run:
     """State of one answer: caches, counters, the text stream and the stop rules."""
 
     def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None):
-        if config.paused_hot:
+        if config.paused_hot and not config.adaptive:
             config = replace(config, speculative=False)  # measured: plain decoding is faster this hot
         self.e, self.cfg, self.on_step = engine, config, on_step
         self.model, self.device = engine.forwarder, engine.target.device
@@ -239,10 +239,12 @@ class _Run:
         self.forwards += 1
         t1 = self.now()
         event = self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
-        capped = not self.cfg.tree.speculates_at(len(self.ids))
+        # past a plain cap (a long prompt; adaptive: also sampling at or past the hot pause) the answer
+        # starts plain; an adaptive one probes speculation, which may pay for this answer after all
+        capped = not self.cfg.tree.speculates_at(len(self.ids)) or self.cfg.paused_hot
         follow = torch.cat([self.ids[1:], torch.tensor([self.token], device=self.device)])  # (T,) the next tokens
         if self.cfg.speculative and self.cfg.adaptive:
-            self.speeds = adaptive.start(not capped, POLICY)
+            self.speeds = adaptive.start(not capped, POLICY, patient=self.cfg.paused_hot)
             if capped:  # the head catches up on the prompt when a probe first speculates, if one does
                 self.pending.append((follow, features))
                 return event
