@@ -278,11 +278,12 @@ class ModelManager:
                 shape += f" (then {beside} nodes)"
         if t.long_context:  # TreeConfig.at: every tree row attends to the whole chat
             shape += "; in long chats " + ", ".join(
-                f"plain decoding from {c:,} tokens (greedy chat answers speculate there while it measures faster)"
+                f"plain decoding from {c:,} tokens (chat answers speculate there while it measures faster)"
                 if d == 0 else f"{n} nodes from {c:,} tokens" if d >= t.depth
                 else f"depth {d} and {n} nodes from {c:,} tokens" for c, d, n in t.long_context)
         if t.plain_from_temperature:  # TreeConfig.speculates_hot: measured slower than plain this hot
-            shape += f"; plain decoding when sampling at temperature {t.plain_from_temperature:g} or above"
+            shape += (f"; plain decoding when sampling at temperature {t.plain_from_temperature:g} or above "
+                      "(chat answers start plain there and speculate while it measures faster)")
         return f"{shape} · {origin}" if origin else shape
 
 
