@@ -234,7 +234,7 @@ def test_sampled_verification_matches_target_distribution():
 
 def _one_noise_for_every_depth(tree, logits, s, seed, committed):
     """A plausible bug: every node reads the noise of the root's children's position."""
-    return walk(tree, sample_at(logits, [committed + 1] * tree.size, s, seed))
+    return walk(tree, sample_at(logits, [committed + 1] * tree.size, s, seed).__getitem__)
 
 
 def test_distribution_test_catches_a_wrong_position():
@@ -279,7 +279,8 @@ def test_sampled_speculation_is_token_identical_to_plain_sampling(temperature):
 
 def test_sampled_verification_draws_only_along_the_path_and_finds_what_the_full_walk_finds(monkeypatch):
     """verify_sampled draws at the nodes its descent visits; the path equals `walk` over every
-    node's draw, on random trees whose children often hold the draws."""
+    node's draw and the acceptance rule in tensor form, on random trees whose children often hold
+    the draws."""
     import core.decoding.verify as verify_mod
 
     gen = torch.Generator().manual_seed(4)
@@ -298,7 +299,9 @@ def test_sampled_verification_draws_only_along_the_path_and_finds_what_the_full_
             tokens.append(tok)
             parents.append(parent)
         tree = tree_from_parents(tokens, parents)
-        full = walk(tree, sample_at(logits, [5 + d + 1 for d in tree.depths.tolist()], s, case))
+        choices = sample_at(logits, [5 + d + 1 for d in tree.depths.tolist()], s, case)
+        full = walk(tree, choices.__getitem__)
+        assert full.path == _accepted_path_by_masks(tree, torch.tensor(choices))  # the rule, in tensor form
         drawn = []
         real = verify_mod.sample_at
         monkeypatch.setattr(verify_mod, "sample_at", lambda x, pos, s_, seed: drawn.append(pos) or real(x, pos, s_, seed))

@@ -16,6 +16,7 @@ exactly the target's distribution (temperature, top-k and top-p as plain samplin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,58 +64,37 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verification:
     """tree of n nodes, logits (n, V) of the target at every node -> accepted path + bonus:
     the target's choice at a node is its argmax."""
     assert logits.shape[0] == tree.size
-    return walk(tree, greedy_tokens(logits).tolist())
+    return walk(tree, greedy_tokens(logits).tolist().__getitem__)
 
 
 def verify_sampled(tree: DraftTree, logits: torch.Tensor, s: SamplingConfig, seed: int,
                    committed: int) -> Verification:
     """tree of n nodes, logits (n, V) of the target at every node -> accepted path + bonus: the
     target's choice at a node of depth d is plain sampling's draw for position committed + d + 1
-    (core.decoding.gumbel.sample_at), committed being the tokens before the root.
-
-    The same path as `walk` over every node's choice, drawn only where the walk looks: from the
-    root down, the child holding the node's choice (siblings are distinct), so a step draws
-    accepted + 1 times where the tree has n nodes (a draw costs ~0.1 ms; a lookup chain adds up
-    to 10 nodes)."""
+    (core.decoding.gumbel.sample_at), committed being the tokens before the root. Drawn only at the
+    nodes the walk reaches: accepted + 1 draws where the tree has n nodes (a draw costs ~0.1 ms; a
+    lookup chain adds up to 10 nodes)."""
     assert logits.shape[0] == tree.size
-    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    depths = tree.depths.tolist()
+    return walk(tree, lambda node: sample_at(logits[node:node + 1], [committed + depths[node] + 1], s, seed)[0])
+
+
+def walk(tree: DraftTree, choice: Callable[[int], int]) -> Verification:
+    """The accepted path, given the target's choice after a node (`choice(i)`, asked only of the
+    nodes reached): from the root down, the child holding the node's choice. A node is accepted
+    iff it and all its ancestors are their parents' choices; siblings hold distinct tokens, so
+    those nodes form one path, and this descent finds it. It runs on Python lists: a tree is a
+    few dozen nodes, and the small tensor ops the same logic takes cost more than the argmax.
+    """
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     children: dict[int, dict[int, int]] = {}
     for i in range(1, len(tokens)):
         children.setdefault(parents[i], {})[tokens[i]] = i
     node, path = 0, [0]
     while True:
-        choice = sample_at(logits[node:node + 1], [committed + depths[node] + 1], s, seed)[0]
-        nxt = children.get(node, {}).get(choice)
+        chosen = choice(node)
+        nxt = children.get(node, {}).get(chosen)
         if nxt is None:
-            return Verification(path=tuple(path), tokens=tuple([tokens[i] for i in path[1:]] + [choice]))
+            return Verification(path=tuple(path), tokens=tuple([tokens[i] for i in path[1:]] + [chosen]))
         node = nxt
         path.append(node)
-
-
-def walk(tree: DraftTree, choice: list[int]) -> Verification:
-    """The accepted path, given the target's choice after every node (n,).
-
-    A node is accepted iff it and all its ancestors are their parents' choices; siblings hold
-    distinct tokens, so the accepted nodes form one path, and the deepest of them (the first,
-    were two equally deep) ends it. The walk over the n nodes runs on Python lists: a tree is a
-    few dozen nodes, and the dozen small tensor ops the same logic takes cost more than the
-    argmax itself.
-    """
-    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-
-    def accepted(i: int) -> bool:
-        while i > 0:
-            if tokens[i] != choice[parents[i]]:
-                return False
-            i = parents[i]
-        return True
-
-    last = 0
-    for i in range(1, len(tokens)):
-        if depths[i] > depths[last] and accepted(i):
-            last = i
-    path = [last]
-    while path[-1] > 0:
-        path.append(parents[path[-1]])
-    path.reverse()  # root first
-    return Verification(path=tuple(path), tokens=tuple([tokens[i] for i in path[1:]] + [choice[last]]))
