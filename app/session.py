@@ -10,7 +10,6 @@ line; only a real fault (a bug) logs its traceback.
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -30,7 +29,7 @@ from app.manager import ModelManager
 from app.models_tab import ModelHandlers
 from app.remote import RemoteError
 from app.state import Access, ChatSettings, tree_limit
-from core.config import ConfigError
+from core.config import ConfigError, new_seed
 from core.decoding.engine import EngineError
 from core.decoding.head import HeadLoadError
 from core.models import ModelLoadError
@@ -261,7 +260,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             cfg, seconds = self._settings(settings, request, notices)
             cfg = replace(cfg, adaptive=self.adaptive)
             if not cfg.sampling.greedy and cfg.seed is None:  # shown with the answer, to be typed in again
-                cfg = replace(cfg, seed=secrets.randbelow(2**31))
+                cfg = replace(cfg, seed=new_seed())
             backend = self.manager.backend
             if backend is not None:  # the server queues its own requests: no local lane to hold
                 yield from self._remote_answer(backend, engine_messages(turns, system), cfg, seconds, before,
@@ -391,7 +390,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         plain, spec = AnswerView("plain"), AnswerView("speculative")
         greedy = spec_cfg.sampling.greedy
         if spec_cfg.seed is None:  # one seed for both: sampled answers must agree too
-            spec_cfg = replace(spec_cfg, seed=secrets.randbelow(2**31))
+            spec_cfg = replace(spec_cfg, seed=new_seed())
         seed = None if greedy else spec_cfg.seed
         deadline = time.monotonic() + seconds if seconds else None
         gens = engine.generate(msgs, replace(spec_cfg, speculative=False)), engine.generate(msgs, spec_cfg)

@@ -6,6 +6,7 @@ bad value is refused with the same message wherever it comes from.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field, fields, replace
 
 
@@ -219,6 +220,12 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def new_seed() -> int:
+    """A seed for a sampled answer given none (core.decoding.gumbel: the seed and a token's position
+    choose it): 31 bits, short enough to be shown with the answer and typed in again."""
+    return secrets.randbelow(2**31)
 
 
 @dataclass(frozen=True)

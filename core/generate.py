@@ -8,14 +8,13 @@ input (`-` as the prompt), which avoids the OS limit on argument length.
 from __future__ import annotations
 
 import argparse
-import secrets
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import core.threads
 from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingConfig, add_runtime_args,
-                         add_tree_args, tree_changes)
+                         add_tree_args, new_seed, tree_changes)
 
 # torch and transformers load only after the arguments are checked (that takes seconds)
 EMBEDDED = "smollm2"
@@ -70,7 +69,7 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
         raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     given = tree_changes(a)
     sampling = SamplingConfig(temperature=a.temperature, top_p=a.top_p)
-    seed = a.seed if a.seed is not None or sampling.greedy else secrets.randbelow(2**31)  # printed: --seed repeats it
+    seed = a.seed if a.seed is not None or sampling.greedy else new_seed()  # printed: --seed repeats it
     config = GenerationConfig(max_new_tokens=a.max_new_tokens, speculative=not a.plain, seed=seed,
                               sampling=sampling, adaptive=a.adaptive)
     return prompt, given, config

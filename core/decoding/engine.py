@@ -27,7 +27,7 @@ import torch
 from core.decoding import adaptive, cache as kv
 from core import threads
 from core.clock import now
-from core.config import EngineError, GenerationConfig, TreeConfig
+from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
 from core.decoding.drafter import DraftModel
 from core.decoding.forward import forward_tree, plain_forward, prefill, uses_exact_kernels
 from core.decoding.head import HeadCache
@@ -208,7 +208,7 @@ class _Run:
         self.head_cache = (HeadCache(engine.head.config, engine.target.dtype, self.device)
                            if config.speculative else None)
         # sampled tokens are a function of the seed and their position (core.decoding.gumbel)
-        self.seed = config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.seed = config.seed if config.seed is not None else new_seed()
         self.budget = min(config.max_new_tokens, engine.max_context - len(ids))
         self.budget_reason = "length" if config.max_new_tokens <= engine.max_context - len(ids) else "context"
         self.text = TextStream(engine.target.tokenizer, config.stop_strings)

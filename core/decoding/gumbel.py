@@ -51,10 +51,6 @@ def position_key(seed: int, position: int) -> int:
     return mix64(mix64(seed) + (position + 1) * POSITION_STEP)
 
 
-def _signed(v: int) -> int:
-    return v - 2**64 if v & 2**63 else v
-
-
 def noise_reference(key: int, ids: torch.Tensor | None, n: int, device=None) -> torch.Tensor:
     """The noise in torch int64 arithmetic (products wrap mod 2^64): ids (n,) or None -> (n,) fp32."""
     x = torch.arange(n, device=device) if ids is None else ids.to(torch.int64)
@@ -62,9 +58,9 @@ def noise_reference(key: int, ids: torch.Tensor | None, n: int, device=None) -> 
     def srl(z: torch.Tensor, s: int) -> torch.Tensor:  # logical right shift
         return (z >> s) & ((1 << (64 - s)) - 1)
 
-    z = (x + 1) * _signed(GOLDEN) + _signed(key & M64)
-    z = (z ^ srl(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ srl(z, 27)) * _signed(0x94D049BB133111EB)
+    z = (x + 1) * native.as_int64(GOLDEN) + native.as_int64(key)
+    z = (z ^ srl(z, 30)) * native.as_int64(0xBF58476D1CE4E5B9)
+    z = (z ^ srl(z, 27)) * native.as_int64(0x94D049BB133111EB)
     z = z ^ srl(z, 31)
     u = (2 * srl(z, 41) + 1).to(torch.float32) / 2**24  # exact: < 2^24
     return -torch.log(-torch.log(u))

@@ -565,6 +565,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _argmax(k, x)
 
 
+def as_int64(v: int) -> int:
+    """A Python int taken modulo 2^64, as the signed 64-bit value with the same bits (ctypes i64)."""
+    v &= 2**64 - 1
+    return v - 2**64 if v & 2**63 else v
+
+
 def gumbel_usable(device: torch.device | str) -> bool:
     """Whether `gumbel_noise` serves draws on this device (the CPU, with the library built)."""
     return torch.device(device).type == "cpu" and _library()[0] is not None
@@ -575,12 +581,11 @@ def gumbel_noise(key: int, ids: torch.Tensor | None, n: int) -> torch.Tensor:
     (n,) fp32. key: any 64-bit value (Python int, taken modulo 2^64)."""
     k = _library()[0]
     assert k is not None, "check native.gumbel_usable(device) first"
-    signed = (key & (2**64 - 1)) - (2**64 if key & 2**63 else 0)
     out = torch.empty(n, dtype=torch.float32)
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()
         _expect(ids.is_cpu and ids.shape == (n,), lambda: f"gumbel_noise needs (n,) CPU ids; got {_about(ids)}")
-    k.gumbel_noise(signed, None if ids is None else ids.data_ptr(), out.data_ptr(), n)
+    k.gumbel_noise(as_int64(key), None if ids is None else ids.data_ptr(), out.data_ptr(), n)
     return out
 
 
@@ -593,7 +598,7 @@ def gumbel_argmax(x: torch.Tensor, key: int, reach: float) -> int:
     x = x.contiguous()
     _expect(x.dtype is torch.float32 and x.is_cpu and x.dim() == 1 and 0 < x.shape[0] < 2**31,
             lambda: f"gumbel_argmax needs an fp32 CPU row; got {_about(x)}")
-    return int(k.gumbel_argmax(x.data_ptr(), x.shape[0], (key & (2**64 - 1)) - (2**64 if key & 2**63 else 0), reach))
+    return int(k.gumbel_argmax(x.data_ptr(), x.shape[0], as_int64(key), reach))
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> bool:

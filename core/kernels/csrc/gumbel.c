@@ -38,6 +38,14 @@ static inline __m256i draw8(__m512i key, __m512i id) {
     return _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64x8(z), 41));
 }
 
+// 16 ids (a: the first 8, b: the next 8) -> their Gumbel noise: u = (2q + 1) / 2^24 (exact), -log(-log u)
+static inline __m512 gumbel16(__m512i key, __m512i a, __m512i b) {
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(draw8(key, a)), draw8(key, b), 1);
+    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(q, q), _mm512_set1_epi32(1))),
+                             _mm512_set1_ps(1.0f / 16777216.0f));
+    return _mm512_sub_ps(_mm512_setzero_ps(), log512(_mm512_sub_ps(_mm512_setzero_ps(), log512(u))));
+}
+
 // out[i] = g(key, ids[i]) for i < n (ids NULL: the ids 0 .. n - 1).
 // ctypes: gumbel_noise(i64 key, ptr ids, ptr out, i64 n) -> void
 void gumbel_noise(int64_t key, const int64_t *ids, float *out, int64_t n) {
@@ -54,11 +62,7 @@ void gumbel_noise(int64_t key, const int64_t *ids, float *out, int64_t n) {
             a = _mm512_add_epi64(lane, _mm512_set1_epi64(i));
             b = _mm512_add_epi64(lane, _mm512_set1_epi64(i + 8));
         }
-        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(draw8(k, a)), draw8(k, b), 1);  // 16 x 23 bits
-        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(q, q), _mm512_set1_epi32(1))),
-                                 _mm512_set1_ps(1.0f / 16777216.0f));  // (2q + 1) / 2^24, exact
-        __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), log512(_mm512_sub_ps(_mm512_setzero_ps(), log512(u))));
-        _mm512_mask_storeu_ps(out + i, valid, g);
+        _mm512_mask_storeu_ps(out + i, valid, gumbel16(k, a, b));
     }
 }
 
@@ -84,13 +88,8 @@ int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
         __m512 v = _mm512_maskz_loadu_ps(valid, x + i);
         __mmask16 cand = valid & _mm512_cmp_ps_mask(v, floor_, _CMP_GE_OQ);
         if (!cand) continue;
-        __m512i q = _mm512_inserti64x4(
-            _mm512_castsi256_si512(draw8(k, _mm512_add_epi64(lane, _mm512_set1_epi64(i)))),
-            draw8(k, _mm512_add_epi64(lane, _mm512_set1_epi64(i + 8))), 1);
-        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(q, q), _mm512_set1_epi32(1))),
-                                 _mm512_set1_ps(1.0f / 16777216.0f));
-        __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), log512(_mm512_sub_ps(_mm512_setzero_ps(), log512(u))));
-        __m512 s = _mm512_add_ps(v, g);
+        __m512 s = _mm512_add_ps(v, gumbel16(k, _mm512_add_epi64(lane, _mm512_set1_epi64(i)),
+                                             _mm512_add_epi64(lane, _mm512_set1_epi64(i + 8))));
         __mmask16 take = cand & _mm512_cmp_ps_mask(s, best, _CMP_GT_OQ);  // strictly greater: a lane's first
         best = _mm512_mask_mov_ps(best, take, s);
         best_i = _mm512_mask_mov_epi32(best_i, take, _mm512_add_epi32(lane32, _mm512_set1_epi32((int)i)));
