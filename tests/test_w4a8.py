@@ -120,7 +120,7 @@ def test_w4a8_stays_close_to_the_bf16_numerics_on_a_fixed_text(smollm2_w4a8):
     5%. Measured 2026-12-02: see docs/native-step.md (w4a8 section)."""
     eng = smollm2_w4a8
     assert isinstance(eng.forwarder, NativeStep) and eng.numerics.exact  # the probe passed on these numerics
-    assert "4-bit weights x 8-bit activations (Q4x8/Q8x8 blocks from SmolLM2" in eng.numerics.describe()
+    assert "4-bit weights x 8-bit activations (Q4x8/Q8x8 split blocks from SmolLM2" in eng.numerics.describe()
     text = ("The water cycle describes how water moves between the oceans, the air and the land. The sun warms "
             "the surface of the sea, and water evaporates into the atmosphere as vapour. As the vapour rises it "
             "cools and condenses into tiny droplets that form clouds. When the droplets grow heavy they fall as "
@@ -177,3 +177,37 @@ def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
     first = next(iter(seen.values()))
     for key, logits in seen.items():
         assert torch.equal(logits, first), (key, float((logits.float() - first.float()).abs().max()))
+
+
+@pytest.mark.slow
+def test_greedy_steps_screen_the_lm_head_and_choose_what_the_full_head_chooses(smollm2_w4a8):
+    """The embedded engine screens its LM head on greedy steps (core.kernels.screen): along greedy
+    answers, a screened forward of one row and of a two-row chain chooses the full head's token at
+    every row, its computed logits are the full head's bits, and it leaves most of the head unread."""
+    eng, step = smollm2_w4a8, smollm2_w4a8.step
+    assert step.screen is not None and "greedy steps screen the LM head" in eng.numerics.describe()
+    computed = []
+    with torch.inference_mode():
+        for prompt in ("Give me three tips for learning to play the guitar.",
+                       "Write a haiku about autumn rain, then explain its imagery."):
+            ids = torch.tensor(eng.encode(prompt))
+            cache = kv.new_cache(step.hf)
+            _, last = prefill(step, ids, cache)
+            token, pos = int(last.float().argmax()), len(ids)
+            for _ in range(40):
+                for n in (1, 2):  # a plain step; a chain whose draft repeats the token
+                    args = (torch.tensor([token] * n), torch.arange(pos, pos + n), pos,
+                            torch.arange(n).repeat(n, 1), torch.arange(1, n + 1), cache)  # row i: nodes 0..i
+                    _, screened = step.forward(*args, only_max=True)
+                    for layer in cache.layers:
+                        layer._set_length(pos)
+                    _, full = step.forward(*args, only_max=False)
+                    for layer in cache.layers:
+                        layer._set_length(pos)
+                    finite = torch.isfinite(screened.float())
+                    assert torch.equal(native.argmax(screened), native.argmax(full))
+                    assert torch.equal(screened[finite], full[finite])
+                    computed.append(finite.float().mean().item())
+                _, logits = plain_forward(step, token, cache, pos)
+                token, pos = int(native.argmax(logits[None])[0]), pos + 1
+    assert np.mean(computed) < 0.5, np.mean(computed)

@@ -298,7 +298,7 @@ class _Run:
         t0 = self.now()
         committed = kv.cache_length(self.cache)
         features, logits = plain_forward(self.model, self.token, self.cache, committed,
-                                         self.layers if self.speeds is not None else None)
+                                         self.layers if self.speeds is not None else None, self.cfg.sampling.greedy)
         t1 = self.now()
         self.token = self.choose(logits, committed + 1)
         if self.speeds is not None:  # for the head, should a later step speculate
@@ -326,7 +326,7 @@ class _Run:
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()
-        features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
+        features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers, s.greedy)
         t2 = self.now()
         result: Verification = (verify_greedy(tree, logits) if s.greedy
                                 else verify_sampled(tree, logits, s, self.seed, committed))

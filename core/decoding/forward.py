@@ -38,19 +38,22 @@ def _window_masks(model, allowed: torch.Tensor, positions: torch.Tensor, key_pos
     return {"full_attention": full, "sliding_attention": sliding} if types else sliding
 
 
-def forward_tree(model, tree: DraftTree, cache, committed: int,
-                 feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_tree(model, tree: DraftTree, cache, committed: int, feature_layers: tuple[int, ...] | None = None,
+                 only_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the tree's n nodes -> (features (n, F), logits (n, V)).
 
     Each node sees the committed context and its own ancestors; its position is the
     context length plus its depth. The forward appends n entries to `cache`. Features are
-    the last hidden state, or the fused layers an EAGLE-3 head reads.
+    the last hidden state, or the fused layers an EAGLE-3 head reads. only_max: the caller
+    reads each row's argmax only (greedy), so the native step may screen its LM head
+    (core.kernels.screen: -inf where a logit cannot be the maximum).
     """
     device = tree.tokens.device
     positions = tree.positions(committed)  # (n,)
     if isinstance(model, NativeStep):
         ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
-        return model.forward(tree.tokens, positions, committed, ancestors, tree.depths + 1, cache, feature_layers)
+        return model.forward(tree.tokens, positions, committed, ancestors, tree.depths + 1, cache, feature_layers,
+                             only_max)
     kwargs = {}
     if uses_exact_kernels(model):
         kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, committed)
@@ -64,12 +67,14 @@ def forward_tree(model, tree: DraftTree, cache, committed: int,
     return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0])
 
 
-def plain_forward(model, token: int, cache, position: int, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row."""
+def plain_forward(model, token: int, cache, position: int, feature_layers=None,
+                  only_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row
+    (only_max as forward_tree's)."""
     if isinstance(model, NativeStep):
         one = torch.ones(1, dtype=torch.long)
         features, logits = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
-                                         one, cache, feature_layers)
+                                         one, cache, feature_layers, only_max)
         return features, logits[0]
     device = model.get_input_embeddings().weight.device
     kwargs = {"tree_layout": invariant.TreeLayout.single(position, device)} if uses_exact_kernels(model) else {}

@@ -24,7 +24,7 @@ import torch
 SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 # our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
-X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544)}
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), 102: ("Q8x8 split", 544)}
 X8_OF = {2: 100, 3: 100, 8: 101}  # the GGUF type each is packed from
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
@@ -123,6 +123,29 @@ def pack_x8(blocks: Blocks) -> Blocks:
         parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256), per_block(d), per_block(m)]
     data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
     return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k)
+
+
+def split_q8(blocks: Blocks) -> Blocks:
+    """A Q8_0 weight (file order) in csrc/gemm_x8.c's WT_Q8_SPLIT layout: each code u = q + 128 as
+    u = 16 h + l, h (with the block scales) in one array and l in a second, both nibble-packed in
+    Q4x8's order, so a pass over h alone can bound every row's logit (core.kernels.screen). The same
+    bytes as pack_x8's Q8x8, and the same logits bit for bit (u is rebuilt exactly)."""
+    if blocks.type != 8 or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK:
+        raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be split (Q8_0 with "
+                               f"rows a multiple of 16, in file order)")
+    g, kb = blocks.n // 16, blocks.k // BLOCK
+    raw = blocks.data.numpy().reshape(g, 16, kb, 34)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]                                  # (g, 16, kb)
+    u = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)        # (g, 16, kb, 32)
+
+    def nibbles(v: np.ndarray) -> np.ndarray:  # (g, 16, kb, 32) values < 16 -> (g, kb, 256), Q4x8's order
+        qs = v[..., :16] | (v[..., 16:] << 4)                                          # GGUF's Q4 byte order
+        return qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256)
+
+    scales = d.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)
+    hi = np.concatenate([nibbles(u >> 4), scales], axis=-1).reshape(-1)
+    data = np.concatenate([hi, nibbles(u & 15).reshape(-1)])
+    return Blocks(102, torch.from_numpy(np.ascontiguousarray(data)).view(1, -1), blocks.n, blocks.k)
 
 
 def open_gguf(path: Path):

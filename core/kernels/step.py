@@ -22,7 +22,8 @@ into the same cache buffers (core.decoding.cache.BufferedLayer), so the two inte
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +32,14 @@ from core.threads import one_torch_thread
 from core.decoding.cache import BufferedLayer
 from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
 from core.kernels.quant import X8
+
+SPLIT = 102  # core.kernels.quant.split_q8's type (csrc/weights.h WT_Q8_SPLIT)
+SCREEN_ENV = "EAGLE_CHAT_SCREEN"  # "0": greedy steps read the whole LM head
+# The screen serves forwards of up to this many rows. It saves bytes, not integer work (its pass over
+# h costs a row what the whole head does), so it pays where a forward is memory-bound: Intel AMX VM,
+# real chains, target forward screened / full: 1 row 0.966-0.971, 2 rows 0.982-0.993, 3 rows 1.00-1.02,
+# 8 rows 1.08 (scripts/screen_cost.py; docs/native-step.md).
+SCREEN_ROWS = 2
 
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 STEP_TYPES = ("llama", "mistral", "qwen2")
@@ -54,7 +63,8 @@ class _Model(ctypes.Structure):  # csrc/decode_step.c's step_model
                                                "pad")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed", native.WMat),
                    ("lm_head", native.WMat), ("norm", ctypes.c_void_p), ("cos", ctypes.c_void_p),
-                   ("sin", ctypes.c_void_p), ("max_pos", ctypes.c_int64), ("layer", ctypes.POINTER(_Layer))])
+                   ("sin", ctypes.c_void_p), ("max_pos", ctypes.c_int64), ("layer", ctypes.POINTER(_Layer)),
+                   ("screen", ctypes.c_void_p)])
 
 
 def _give_back_freed_memory() -> None:
@@ -156,6 +166,8 @@ class NativeStep:
                          vocab=model.lm_head.weight.shape[0], eps=model.model.norm.variance_epsilon,
                          scale=attn.scaling, embed=weight("model.embed_tokens.weight"),
                          lm_head=weight(lm_name), norm=ptr(model.model.norm.weight), layer=layers)
+        self.screen = None  # core.kernels.screen.Screen once set_screen gives one
+        self._lm_name = lm_name
         self._tables(4096)
         self._cache_key = None
         names = {b.type_name for b in blocks.values()}
@@ -167,6 +179,17 @@ class NativeStep:
         if int8:
             kind = f"4-bit weights x 8-bit activations ({kind})"
         self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed, "int8" if int8 else "bf16")
+
+    def set_screen(self, screen) -> None:
+        """Greedy forwards (only_max) screen the LM head with `screen` (core.kernels.screen.Screen),
+        which must belong to this step's split LM head (core.kernels.quant.split_q8)."""
+        lm = self.blocks.get(self._lm_name)
+        assert lm is not None and lm.type == SPLIT and screen.coef.shape[0] == lm.n // 16, "a screen needs the split head"
+        self.screen, self._screen = screen, screen.struct()
+        self._m.screen = ctypes.addressof(self._screen)
+        mb = lm.nbytes * 288 // 544 / 1e6
+        self.info = replace(self.info, weights=f"{self.info.weights}; greedy steps screen the LM head "
+                                                f"({mb:.0f} of its {lm.nbytes / 1e6:.0f} MB, then the rows that can win)")
 
     @property
     def config(self):
@@ -215,12 +238,14 @@ class NativeStep:
             self._cache_key = key
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, committed: int, ancestors: torch.Tensor,
-                counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None
+                counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None, only_max: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions (n,) int64; row i sees cache slots [0, committed) and committed +
         ancestors[i, :counts[i]] (root first, itself last) -> (features (n, F), logits (n, V) bf16).
         Features: the last hidden state (after the final norm), or the fused layers
-        `feature_layers` (transformers' output_hidden_states indices) for an EAGLE-3 head."""
+        `feature_layers` (transformers' output_hidden_states indices) for an EAGLE-3 head.
+        only_max: the caller takes each row's argmax only (greedy); with a screen, logits that
+        cannot be a row's maximum come back -inf (the argmax is the full head's, exactly)."""
         n = tokens.shape[0]
         assert committed == cache.get_seq_length(), "the cache must hold exactly the committed tokens"
         top = int(positions.max())
@@ -242,12 +267,17 @@ class NativeStep:
             ctypes.byref(self._m), tokens.data_ptr(), positions.data_ptr(), n, committed, ancestors.data_ptr(),
             ancestors.stride(0), counts.data_ptr(), None if ids is None else ids.data_ptr(),
             0 if ids is None else ids.shape[0], None if feats is None else feats.data_ptr(), hidden.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads())
+            logits.data_ptr(), int(only_max and n <= SCREEN_ROWS), torch.get_num_threads())
         if code:
             raise StepError(f"the native step failed: {_ERRORS.get(code, code)}")
         for layer in cache.layers:
             layer._set_length(committed + n)
         return (hidden if feats is None else feats), logits
+
+
+def screen_wanted() -> bool:
+    """Greedy steps screen a Q8_0 LM head unless EAGLE_CHAT_SCREEN=0 (for measuring against the full head)."""
+    return os.environ.get(SCREEN_ENV, "").lower() not in ("0", "off", "false", "no")
 
 
 def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
@@ -264,9 +294,9 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
             raise StepError(f"--weights {weights} needs the native step, which cannot run here: {reason}")
         return None, f"transformers forward ({reason})"
     note = ""
-    blocks = {}
+    blocks, screened = {}, False
     if weights != "bf16":
-        from core.kernels.quant import QuantWeightError, load_llama_blocks, pack_x8, tile_blocks
+        from core.kernels.quant import QuantWeightError, load_llama_blocks, pack_x8, split_q8, tile_blocks
 
         if target.gguf is None:
             if weights != "auto":
@@ -279,10 +309,16 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
                     blocks = {k: tile_blocks(v) for k, v in found.items() if ".layers." in k}
                 else:  # the LM head too: the file's own (or its tied embedding's) Q8_0 blocks
                     blocks = {k: pack_x8(v) for k, v in found.items() if ".layers." in k}
-                    blocks["lm_head.weight"] = pack_x8(found.get("lm_head.weight", found["model.embed_tokens.weight"]))
+                    lm = found.get("lm_head.weight", found["model.embed_tokens.weight"])
+                    screened = screen_wanted() and lm.type == 8 and lm.n % 16 == 0
+                    blocks["lm_head.weight"] = split_q8(lm) if screened else pack_x8(lm)
             except QuantWeightError as e:
                 if weights != "auto":
                     raise
                 note = f" (bf16 weights: {e})"
     step = NativeStep(target.model, blocks, target.gguf.name if blocks else "")
+    if screened:  # greedy steps then read about half of the LM head (core.kernels.screen)
+        from core.kernels import screen
+
+        step.set_screen(screen.load_or_build(step, target.tokenizer, lm, target.gguf))
     return step, f"native decode step, {step.info.weights}{note}"

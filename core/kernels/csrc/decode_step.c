@@ -44,6 +44,7 @@ typedef struct {
     const uint16_t *cos, *sin;   // (max_pos, head_dim) bf16: the model's rotary embedding per position
     int64_t max_pos;
     step_layer *layer;
+    const lm_screen *screen;     // the LM head's screen (lm_head WT_Q8_SPLIT), or NULL
 } step_model;
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_TOKEN = -2, STEP_BAD_POSITION = -3, STEP_BAD_WEIGHT = -4 };
@@ -120,10 +121,11 @@ typedef struct {
     float *scores;
     int kmax;
     int64_t per_thread, cap;  // scores per thread; keys one query head may score
+    float *screen;            // lm_screen_team's shared work, or NULL
 } step_mem;
 
 static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int64_t committed, const int64_t *counts,
-                          int nthreads) {
+                          int nthreads, int screened) {
     int H = m->hidden, F = m->ffn, g = m->heads / m->kv_heads;
     int64_t qw = (int64_t)m->heads * m->head_dim, kw = (int64_t)m->kv_heads * m->head_dim;
     s->kmax = kin > F ? kin : F;
@@ -135,7 +137,8 @@ static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int6
     s->pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, s->kmax) * 2);
     s->scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(s->kmax) * 2);
     s->scores = (float *)malloc((size_t)nthreads * s->per_thread * sizeof(float));
-    if (!(s->work && s->pack && s->scratch && s->scores)) return STEP_NO_MEMORY;
+    s->screen = screened ? (float *)malloc((size_t)screen_work_floats(n, m->vocab, nthreads) * sizeof(float)) : NULL;
+    if (!(s->work && s->pack && s->scratch && s->scores) || (screened && !s->screen)) return STEP_NO_MEMORY;
     acts *t = &s->t;
     t->x = s->work; t->h = t->x + (int64_t)n * H; t->o = t->h + (int64_t)n * H;
     t->q = t->o + (int64_t)n * H; t->qr = t->q + n * qw; t->k = t->qr + n * qw; t->kr = t->k + n * kw;
@@ -148,25 +151,29 @@ static void step_mem_free(step_mem *s) {
     free(s->pack);
     free(s->scratch);
     free(s->scores);
+    free(s->screen);
 }
 
 // tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
 // its own key and value go to slot committed + i. features (n, nf * H) or NULL: the hidden state after
 // stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
-// (n, vocab) or NULL. One OpenMP team for the whole forward. Returns STEP_OK or a STEP_* error.
+// (n, vocab) or NULL. only_max: the caller reads only each row's argmax (greedy), so a screened LM
+// head (m->screen) may leave -inf where a logit cannot be the row's maximum (lm_screen_team).
+// One OpenMP team for the whole forward. Returns STEP_OK or a STEP_* error.
 // ctypes: decode_step(ptr m, ptr tokens, ptr positions, i32 n, i64 committed, ptr anc, i64 anc_stride,
 //                     ptr counts, ptr feature_ids, i32 nf, ptr features, ptr hidden, ptr logits,
-//                     i32 nthreads) -> i32
+//                     i32 only_max, i32 nthreads) -> i32
 int decode_step(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
                 const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids, int nf,
-                uint16_t *features, uint16_t *hidden, uint16_t *logits, int nthreads) {
+                uint16_t *features, uint16_t *hidden, uint16_t *logits, int only_max, int nthreads) {
     int H = m->hidden;
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= m->embed.N) return STEP_BAD_TOKEN;
         if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
     }
     step_mem s;
-    int status = step_mem_alloc(&s, m, n, H, committed, counts, nthreads);
+    int screened = logits && only_max && screen_fits(&m->lm_head, m->screen, n, scratch_elems(H) * 2);
+    int status = step_mem_alloc(&s, m, n, H, committed, counts, nthreads, screened);
     if (status == STEP_OK) {
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
@@ -192,7 +199,9 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
             if (!bad) {
                 rmsnorm_team(t->x, H, m->norm, hidden, H, n, H, m->eps);
                 gemm_job lm = {&m->lm_head, NULL, logits, m->vocab};
-                if (logits) bad = gemm_team(hidden, H, &lm, 1, n, H, s.pack, mine);
+                if (screened) bad = lm_screen_team(hidden, H, &m->lm_head, m->screen, logits, m->vocab, n, mine,
+                                                   scratch_elems(H) * 2, s.screen);
+                else if (logits) bad = gemm_team(hidden, H, &lm, 1, n, H, s.pack, mine);
             }
             amx_end();
             if (bad) {
@@ -220,7 +229,7 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
         if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
     if (fc->K != 2 * H || fc->N != H) return STEP_BAD_WEIGHT;
     step_mem s;
-    int status = step_mem_alloc(&s, m, n, 2 * H, committed, counts, nthreads);
+    int status = step_mem_alloc(&s, m, n, 2 * H, committed, counts, nthreads, 0);
     if (status == STEP_OK) {
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)

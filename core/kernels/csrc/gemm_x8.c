@@ -32,7 +32,31 @@
 #define AMX_X8_MIN_ROWS 9  // from this many rows AMX-INT8 serves, where the CPU has it (measured: a
                            // forward of 8 rows 5.9 ms on VNNI, 6.0 on AMX; 10 rows 6.8 and 6.5; 16 rows 9.7 and 7.8)
 
-int x8_group_bytes(int type) { return type == WT_Q4_X8 ? 320 : 544; }
+// WT_Q8_SPLIT (the LM head where core.kernels.step screens it): a Q8_X8 weight's unsigned codes
+// u = q + 128 split as u = 16 h + l into two arrays, so that a pass over h alone bounds every
+// logit (lm_screen_team) and only the rows that may be the maximum read l:
+//   part one, per group and block column: 256 bytes of h in Q4_X8's nibble order, 16 fp16 d_w (288 bytes);
+//   part two, after all of part one, per group and block column: 256 bytes of l, the same order.
+// u is rebuilt exactly ((h << 4) | l per byte), so its integer sums, and every logit, are Q8_X8's bit for bit.
+int x8_group_bytes(int type) { return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT ? 288 : 544; }
+
+// Block column kb of group g of a WT_Q8_SPLIT weight: its h part (256 bytes, then 16 fp16 d_w) and its l part.
+static inline const uint8_t *split_hi(const wmat *w, int64_t g, int kb) {
+    return (const uint8_t *)w->data + (g * (w->K / 32) + kb) * 288;
+}
+static inline const uint8_t *split_lo(const wmat *w, int64_t g, int kb) {
+    int64_t KB = w->K / 32;
+    return (const uint8_t *)w->data + (int64_t)(w->N / 16) * KB * 288 + (g * KB + kb) * 256;
+}
+// The 8 vectors of u (Q8_X8's order: vector t = K positions 4t..4t+3 of the 16 rows) from the two parts.
+static inline void split_codes(const uint8_t *hi, const uint8_t *lo, __m512i *u) {
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+    for (int p = 0; p < 4; p++) {
+        __m512i h = _mm512_loadu_si512(hi + 64 * p), l = _mm512_loadu_si512(lo + 64 * p);
+        u[p] = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(h, low), 4), _mm512_and_si512(l, low));
+        u[4 + p] = _mm512_or_si512(_mm512_and_si512(h, high), _mm512_and_si512(_mm512_srli_epi16(l, 4), low));
+    }
+}
 
 // One row of x -> q (K int8), and per block: d (fp32), d * sum q (fp32), sum q (int32).
 static void quantize_row_x8(const uint16_t *x, int K, int8_t *q, float *d, float *ds, int32_t *s) {
@@ -119,8 +143,13 @@ static inline __m512 block_q8_fp32(__m512 acc, __m512i isum, __m512 dw, float d,
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 // Block kb's 8 B-operand rows (4 K positions x 16 output rows each) into b (rows 64 bytes apart).
-static inline void b_rows(int type, const uint8_t *blk, uint8_t *b) {
-    if (type == WT_Q4_X8) {
+static inline void b_rows(const wmat *w, int64_t g, int kb, const uint8_t *blk, uint8_t *b) {
+    int type = w->type;
+    if (type == WT_Q8_SPLIT) {
+        __m512i u[8];
+        split_codes(blk, split_lo(w, g, kb), u);
+        for (int t = 0; t < 8; t++) _mm512_store_si512(b + 64 * t, u[t]);
+    } else if (type == WT_Q4_X8) {
         const __m512i low = _mm512_set1_epi8(0x0F);
         for (int p = 0; p < 4; p++) {
             __m512i z = _mm512_loadu_si512(blk + 64 * p);
@@ -136,7 +165,8 @@ static inline void b_rows(int type, const uint8_t *blk, uint8_t *b) {
 // blocks per round: tile 4 holds 16 rows of x over two blocks (64 bytes), tiles 6 and 7 the
 // weights of the first and the second block in their half of K (the other half zero), tiles 0-3
 // the four blocks' integer sums, stored to memory and finished in fp32 as VNNI's.
-static void group_amx(const wmat *w, const uint8_t *wg, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const qrows *a, int K, int m0, int rows,
+                      __m512 *acc) {
     int gb = x8_group_bytes(w->type);
     uint8_t b[4][1024] __attribute__((aligned(64)));
     int32_t c[4][16][16] __attribute__((aligned(64)));
@@ -145,7 +175,7 @@ static void group_amx(const wmat *w, const uint8_t *wg, int KB, const qrows *a, 
         int n = KB - kb < 4 ? KB - kb : 4;
         for (int h = 0; h < 4; h++) {
             uint8_t *half = b[h] + (h % 2 ? 512 : 0);
-            if (h < n) b_rows(w->type, wg + (int64_t)(kb + h) * gb, half);
+            if (h < n) b_rows(w, g, kb + h, wg + (int64_t)(kb + h) * gb, half);
             else memset(half, 0, 512);
         }
         // blocks kb, kb + 1 (x in tile A over 64 bytes, each block's weights in its half of B) -> C tiles
@@ -168,7 +198,7 @@ static void group_amx(const wmat *w, const uint8_t *wg, int KB, const qrows *a, 
         }
         for (int h = 0; h < n; h++) {
             const uint8_t *blk = wg + (int64_t)(kb + h) * gb;
-            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + (w->type == WT_Q4_X8 ? 256 : 512))));
+            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + (w->type == WT_Q8_X8 ? 512 : 256))));
             __m512 mw = w->type == WT_Q4_X8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)))
                                             : _mm512_setzero_ps();
             for (int i = 0; i < rows; i++) {
@@ -216,6 +246,20 @@ static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int
     }
 }
 
+// The same for a WT_Q8_SPLIT weight: u rebuilt from its two parts, then Q8_X8's integer and fp32 steps.
+static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *hi = split_hi(w, g, kb);
+        __m512i u[8];
+        split_codes(hi, split_lo(w, g, kb), u);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
+        for (int i = 0; i < rows; i++) {
+            int64_t m = m0 + i, blk = m * KB + kb;
+            acc[i] = block_q8_fp32(acc[i], block_isum(u, a->q + m * K + 32 * kb), dw, a->d[blk], a->s[blk]);
+        }
+    }
+}
+
 // One 16-row group of one job, every row of x.
 static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     const wmat *w = job->w;
@@ -224,23 +268,28 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     __m512 b = job->bias ? bf16x16_to_ps(job->bias + n0) : _mm512_setzero_ps();
     if (w->type == WT_Q8_X8 && g + 2 < w->N / 16)  // the LM head: its next groups, ahead of the stream
         for (int off = 0; off < KB * 544; off += 64) _mm_prefetch((const char *)wg + 2 * KB * 544 + off, _MM_HINT_T1);
+    if (w->type == WT_Q8_SPLIT && g + 2 < w->N / 16) {
+        for (int off = 0; off < KB * 288; off += 64) _mm_prefetch((const char *)split_hi(w, g + 2, 0) + off, _MM_HINT_T1);
+        for (int off = 0; off < KB * 256; off += 64) _mm_prefetch((const char *)split_lo(w, g + 2, 0) + off, _MM_HINT_T1);
+    }
     int chunk = x8_amx && M >= AMX_X8_MIN_ROWS ? 16 : ROWS_X8;
     for (int m0 = 0; m0 < M; m0 += chunk) {
         int rows = M - m0 < chunk ? M - m0 : chunk;
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-        if (chunk == 16) group_amx(w, wg, KB, a, K, m0, rows, acc);
+        if (chunk == 16) group_amx(w, g, wg, KB, a, K, m0, rows, acc);
         else
 #endif
         if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q8_SPLIT) group_q8s(w, g, KB, a, K, m0, rows, acc);
         else group_q8(wg, KB, a, K, m0, rows, acc);
         for (int i = 0; i < rows; i++)
             _mm256_storeu_si256((__m256i *)(job->y + (int64_t)(m0 + i) * job->ldy + n0), to_bf16x16(_mm512_add_ps(acc[i], b)));
     }
 }
 
-int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8; }
+int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8 || type == WT_Q8_SPLIT; }
 
 int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *shared,
                  void *mine, int64_t mine_bytes) {
@@ -285,6 +334,8 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
         if (w->type == WT_Q4_X8) {
             memcpy(&dh, b + 256 + 2 * j, 2);
             memcpy(&mh, b + 288 + 2 * j, 2);
+        } else if (w->type == WT_Q8_SPLIT) {
+            memcpy(&dh, b + 256 + 2 * j, 2);
         } else {
             memcpy(&dh, b + 512 + 2 * j, 2);
         }
@@ -296,6 +347,10 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
                 int code = b[64 * p + 4 * j + byte];
                 int qv = half ? code >> 4 : code & 15;
                 v = d * (float)qv + mv;  // d * q is exact (fp16 x 4 bits): one rounding, as gguf's
+            } else if (w->type == WT_Q8_SPLIT) {  // h and l in Q4_X8's nibble order
+                int half = e / 16, r = e % 16, p = r / 4, byte = r % 4, shift = half ? 4 : 0;
+                int h = (b[64 * p + 4 * j + byte] >> shift) & 15, l = (split_lo(w, g, kb)[64 * p + 4 * j + byte] >> shift) & 15;
+                v = d * (float)(16 * h + l - 128);
             } else {
                 int t = e / 4, byte = e % 4;
                 v = d * (float)((int)b[64 * t + 4 * j + byte] - 128);
@@ -303,4 +358,215 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
             out[32 * kb + e] = to_bf16(v);
         }
     }
+}
+
+// ---- The screened LM head (greedy decoding reads only each row's maximum) --------------------
+//
+// A row's logit over W (the Q8 codes, u = 16 h + l) is A x + D x, with A the weight h gives alone
+// (u ~ 16 h + 7.5) and D = W - A (|D| <= 7.5 d per weight). Pass one reads h (288 of Q8_X8's 544
+// bytes a block) and bounds every logit from above: A x + C z + bound, z = U x, C = D U^T, bound
+// = e1 rho + e2 |z| + e3 |U y| + s S, y = x - U^T z, rho = |y| (Cauchy-Schwarz on what U leaves; the
+// final hidden states lie mostly in a few directions, so rho is ~0.6 |x| at rank 32 and most
+// groups of 16 rows fall far below the row's best). Pass two computes the exact logits (Q8_X8's
+// integer sums and fp32 steps, bit for bit) of the group with the best centre, then of every group
+// whose bound reaches that maximum less half a bf16 step; the others are -inf. Exact by
+// construction: every token whose bf16 logit can equal or pass the maximum is computed exactly.
+// All arithmetic of pass one is fp32; its rounding is covered by slack far above fp32's (2^-14
+// relative on |W||x| terms, 2^-10 on the norms), and x here is the activation as quantized (the
+// exact pass multiplies that too).
+
+int64_t screen_work_floats(int M, int N, int nthreads) { return (int64_t)M * (N / 16) + (int64_t)nthreads * M * 2 + M; }
+
+static int64_t screen_mine_bytes(int M, int K, int r) {
+    return x8_work_bytes(16, K) + ((int64_t)M * (r + 4) + K + 64) * 4 + 64;
+}
+
+int screen_fits(const wmat *w, const lm_screen *sc, int M, int64_t mine_bytes) {
+    return sc && w->type == WT_Q8_SPLIT && M >= 1 && M <= 16 && sc->rank >= 1 && sc->rank <= 64 && w->K % 32 == 0 &&
+           w->N % 16 == 0 && screen_mine_bytes(M, w->K, sc->rank) <= mine_bytes;
+}
+
+// Row m: z (r), and the bound's scalars b[0..3] = rho', |z|', |U y|', S; b[0] = -1 where x is not finite.
+static void screen_row(const lm_screen *sc, const qrows *a, int K, int m, float *xh, float *z, float *b) {
+    int r = sc->rank, KB = K / 32;
+    __m512 xx = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a->q + (int64_t)m * K + k)))),
+                                 _mm512_set1_ps(a->d[(int64_t)m * KB + k / 32]));
+        _mm512_storeu_ps(xh + k, v);
+        xx = _mm512_fmadd_ps(v, v, xx);
+    }
+    float X = sqrtf(_mm512_reduce_add_ps(xx)), Z2 = 0.0f;
+    for (int j = 0; j < r; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(sc->basis + (int64_t)j * K + k), _mm512_loadu_ps(xh + k), acc);
+        z[j] = _mm512_reduce_add_ps(acc);
+        Z2 += z[j] * z[j];
+    }
+    __m512 yy = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {  // y = x - U^T z, in place of x
+        __m512 v = _mm512_loadu_ps(xh + k);
+        for (int j = 0; j < r; j++) v = _mm512_fnmadd_ps(_mm512_loadu_ps(sc->basis + (int64_t)j * K + k), _mm512_set1_ps(z[j]), v);
+        _mm512_storeu_ps(xh + k, v);
+        yy = _mm512_fmadd_ps(v, v, yy);
+    }
+    float rho = sqrtf(_mm512_reduce_add_ps(yy)), W2 = 0.0f;
+    for (int j = 0; j < r; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(sc->basis + (int64_t)j * K + k), _mm512_loadu_ps(xh + k), acc);
+        float t = _mm512_reduce_add_ps(acc);
+        W2 += t * t;
+    }
+    float Z = sqrtf(Z2) * (1.0f + 0x1p-10f), lift = 0x1p-10f, err = (float)(r + 2) * 0x1p-22f * (X + sqrtf((float)r) * Z);
+    b[0] = rho * (1.0f + lift) + err;
+    b[1] = Z;
+    b[2] = sqrtf(W2) * (1.0f + lift) + err + sqrtf((float)r) * (float)K * 0x1p-23f * b[0];
+    b[3] = 0x1p-14f * (X + Z);
+    if (!(X < INFINITY) || !(Z < INFINITY) || !(b[0] < INFINITY) || !(b[2] < INFINITY)) b[0] = -1.0f;
+}
+
+// Pass one over group g, rows [m0, m0 + rows): each row's largest upper bound in the group, and the
+// thread's best centre so far.
+static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qrows *a, int K, int m0, int rows,
+                         const float *z, const float *b, float *gmax, int64_t G, float *bestv, int32_t *bestg) {
+    int KB = K / 32, r = sc->rank;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROWS_X8];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *hi = split_hi(w, g, kb);
+        __m512i ops[8];
+        for (int p = 0; p < 4; p++) {
+            __m512i v = _mm512_loadu_si512(hi + 64 * p);
+            ops[p] = _mm512_and_si512(v, low);
+            ops[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
+        for (int i = 0; i < rows; i++) {
+            int64_t m = m0 + i, blk = m * KB + kb;
+            // sum q_x (16 h + 7.5 - 128) = (32 sum q_x h - 241 sum q_x) / 2: an exact integer, halved in d
+            __m512i ia = _mm512_sub_epi32(_mm512_slli_epi32(block_isum(ops, a->q + m * K + 32 * kb), 5),
+                                          _mm512_set1_epi32(241 * a->s[blk]));
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(0.5f * a->d[blk])), _mm512_cvtepi32_ps(ia), acc[i]);
+        }
+    }
+    const uint16_t *proj = sc->proj + g * r * 16;
+    for (int j = 0; j < r; j++) {
+        __m512 c = bf16x16_to_ps(proj + 16 * j);
+        for (int i = 0; i < rows; i++) acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(z[(m0 + i) * r + j]), acc[i]);
+    }
+    const float *cf = sc->coef + g * 64;
+    __m512 e1 = _mm512_loadu_ps(cf), e2 = _mm512_loadu_ps(cf + 16), e3 = _mm512_loadu_ps(cf + 32), es = _mm512_loadu_ps(cf + 48);
+    for (int i = 0; i < rows; i++) {
+        const float *bi = b + (m0 + i) * 4;
+        __m512 bound = _mm512_fmadd_ps(e1, _mm512_set1_ps(bi[0]), _mm512_mul_ps(e2, _mm512_set1_ps(bi[1])));
+        bound = _mm512_fmadd_ps(es, _mm512_set1_ps(bi[3]), _mm512_fmadd_ps(e3, _mm512_set1_ps(bi[2]), bound));
+        bound = _mm512_mul_ps(bound, _mm512_set1_ps(1.0f + 0x1p-10f));
+        gmax[(m0 + i) * G + g] = _mm512_reduce_max_ps(_mm512_add_ps(acc[i], bound));
+        float centre = _mm512_reduce_max_ps(acc[i]);
+        if (centre > bestv[m0 + i]) {
+            bestv[m0 + i] = centre;
+            bestg[m0 + i] = (int32_t)g;
+        }
+    }
+}
+
+// Pass two: the exact logits of group g for the listed rows (group_q8s's steps, so Q8_X8's bits).
+static void screen_exact(const wmat *w, int64_t g, const qrows *a, int K, const int *rows, int count, uint16_t *y,
+                         int64_t ldy) {
+    int KB = K / 32;
+    __m512 acc[16];
+    for (int c = 0; c < count; c++) acc[c] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *hi = split_hi(w, g, kb);
+        __m512i u[8];
+        split_codes(hi, split_lo(w, g, kb), u);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
+        for (int c = 0; c < count; c++) {
+            int64_t m = rows[c], blk = m * KB + kb;
+            acc[c] = block_q8_fp32(acc[c], block_isum(u, a->q + m * K + 32 * kb), dw, a->d[blk], a->s[blk]);
+        }
+    }
+    for (int c = 0; c < count; c++)  // + a zero bias, as x8_group adds
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)rows[c] * ldy + 16 * g), to_bf16x16(_mm512_add_ps(acc[c], _mm512_setzero_ps())));
+}
+
+int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_screen *sc, uint16_t *y, int64_t ldy,
+                   int M, void *mine, int64_t mine_bytes, float *shared) {
+    if (!screen_fits(w, sc, M, mine_bytes)) return -1;
+    int K = w->K, KB = K / 32, r = sc->rank, me = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t G = w->N / 16;
+    qrows a = x8_parts(mine, M, K);
+    float *z = (float *)(((uintptr_t)mine + x8_work_bytes(16, K) + 63) & ~(uintptr_t)63);
+    float *b = z + M * r, *xh = b + M * 4;
+    for (int m = 0; m < M; m++) {  // every thread quantizes the rows into its own memory (the same bits)
+        quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
+                        a.s + (int64_t)m * KB);
+        screen_row(sc, &a, K, m, xh, z + m * r, b + m * 4);
+    }
+    float *gmax = shared, *bestv = shared + M * G + me * M, *th = shared + M * G + (int64_t)nt * M * 2;
+    int32_t *bestg = (int32_t *)(shared + M * G + (int64_t)nt * M) + me * M;
+    for (int i = 0; i < M; i++) { bestv[i] = -INFINITY; bestg[i] = 0; }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        if (g + 2 < G)
+            for (int off = 0; off < KB * 288; off += 64) _mm_prefetch((const char *)split_hi(w, g + 2, 0) + off, _MM_HINT_T1);
+        for (int m0 = 0; m0 < M; m0 += ROWS_X8)
+            screen_group(w, sc, g, &a, K, m0, M - m0 < ROWS_X8 ? M - m0 : ROWS_X8, z, b, gmax, G, bestv, bestg);
+    }
+#pragma omp for schedule(static)
+    for (int i = 0; i < M; i++) {  // the exact maximum of the group with the best centre
+        int64_t g = 0;
+        float best = -INFINITY;
+        for (int t = 0; t < nt; t++) {
+            float v = shared[M * G + t * M + i];
+            int32_t gt = ((int32_t *)(shared + M * G + (int64_t)nt * M))[t * M + i];
+            if (v > best || (v == best && gt < g)) { best = v; g = gt; }
+        }
+        __m512 acc = _mm512_setzero_ps();
+        group_q8s(w, g, KB, &a, K, i, 1, &acc);
+        uint16_t e16[16];
+        _mm256_storeu_si256((__m256i *)e16, to_bf16x16(acc));
+        float v = -INFINITY;
+        for (int j = 0; j < 16; j++) v = from_bf16(e16[j]) > v ? from_bf16(e16[j]) : v;
+        // a bf16 value >= v needs an fp32 logit >= v less half a step below v (a step is at most 2^-7 |v|)
+        th[i] = b[i * 4] < 0.0f || !(best > -INFINITY) || !(v > -INFINITY && v < INFINITY)
+                    ? -INFINITY : v - fabsf(v) * 0x1p-7f - 0x1p-100f;
+    }
+    const __m256i minus_inf = _mm256_set1_epi16((short)0xFF80);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        int rows[16], count = 0;
+        for (int i = 0; i < M; i++) {
+            if (!(gmax[i * G + g] < th[i])) rows[count++] = i;  // NaN bounds count as reaching
+            else _mm256_storeu_si256((__m256i *)(y + (int64_t)i * ldy + 16 * g), minus_inf);
+        }
+        if (count) screen_exact(w, g, &a, K, rows, count, y, ldy);
+    }
+    return 0;
+}
+
+// lm_screen_team on its own team (tests, core.kernels.screen.screened_logits): y (M, N) as a greedy
+// step's LM head leaves it. 0; -1 where the screen cannot serve (w not split, M > 16) or memory failed.
+// ctypes: lm_screen_w(ptr x, i64 ldx, ptr w, ptr sc, ptr y, i64 ldy, i32 M, i32 nthreads) -> i32
+int lm_screen_w(const uint16_t *x, int64_t ldx, const wmat *w, const lm_screen *sc, uint16_t *y, int64_t ldy, int M,
+              int nthreads) {
+    int64_t mine_bytes = screen_mine_bytes(16, w->K, sc->rank);
+    if (!screen_fits(w, sc, M, mine_bytes)) return -1;
+    char *mine = (char *)malloc((size_t)nthreads * mine_bytes);
+    float *shared = (float *)malloc((size_t)screen_work_floats(M, w->N, nthreads) * sizeof(float));
+    int status = mine && shared ? 0 : -1;
+    if (!status) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            int s = lm_screen_team(x, ldx, w, sc, y, ldy, M, mine + omp_get_thread_num() * mine_bytes, mine_bytes, shared);
+            if (s) {
+#pragma omp atomic write
+                status = s;
+            }
+        }
+    }
+    free(mine);
+    free(shared);
+    return status;
 }

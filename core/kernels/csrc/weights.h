@@ -9,7 +9,8 @@
 enum { WT_BF16 = 30, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8 };  // ggml's type ids (GGML_TYPE_BF16 = 30)
 // Our own layouts for 8-bit activations (csrc/gemm_x8.c, core.quant.pack_x8): Q4_0 / Q4_1 and
 // Q8_0 blocks regrouped per 16 output rows for VNNI.
-enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101 };
+// WT_Q8_SPLIT: Q8_X8 with each code's two nibbles in two arrays (the screened LM head, csrc/gemm_x8.c).
+enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101, WT_Q8_SPLIT = 102 };
 
 typedef struct {
     int32_t type;      // WT_*
@@ -63,3 +64,25 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out);
 int amx_serves(int N, int K);  // 1 where AMX tiles were granted and the shape suits them (csrc/gemm_amx.c)
 void amx_begin(void);  // per thread, once per parallel region that runs AMX GEMMs (no-op without AMX)
 void amx_end(void);
+
+// A screen for an LM head stored as WT_Q8_SPLIT (csrc/gemm_x8.c, lm_screen_team; built by
+// core.kernels.screen): with A the weight its h nibbles give (u ~ 16 h + 7.5) and D = W - A, a logit
+// is A x + C z + D_res, where z = U x (U: rank orthonormal rows, the directions the final hidden
+// states take), C = D U^T, and |D_res| <= e1 ||x - U^T z|| + e2 ||z|| + e3 ||U (x - U^T z)|| + fp slack.
+typedef struct {
+    int32_t rank;           // r (rows of U), <= 64
+    int32_t pad;
+    const float *basis;     // (r, K) fp32: U
+    const uint16_t *proj;   // (N / 16, r, 16) bf16: C per group of 16 vocabulary rows
+    const float *coef;      // (N / 16, 4, 16) fp32 per vocabulary row: e1, e2, e3, s (the fp32 slack's weight)
+} lm_screen;
+
+// y = x @ w.T where only each row's maximum matters (greedy decoding): exact bf16 logits, Q8_X8's
+// bits, for every 16-row group that may hold a row's maximum (the first maximum included), -inf
+// elsewhere, so an argmax over y is the argmax over the full product. w: WT_Q8_SPLIT; M <= 16.
+// Call from every thread of a team (as gemm_team). shared: screen_work_floats(M, N, threads).
+// 0, or -1 where w, M or the work memory do not suit (the caller then runs gemm_team).
+int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_screen *sc, uint16_t *y, int64_t ldy,
+                   int M, void *mine, int64_t mine_bytes, float *shared);
+int64_t screen_work_floats(int M, int N, int nthreads);
+int screen_fits(const wmat *w, const lm_screen *sc, int M, int64_t mine_bytes);
