@@ -30,6 +30,7 @@ class RemoteView:
     text: str = ""
     last: RemoteEvent | None = None
     stopped: bool = False
+    seed: int | None = None  # a sampled answer's seed, sent with the request
 
     def add(self, ev: RemoteEvent) -> None:
         self.text += ev.text
@@ -44,13 +45,17 @@ class RemoteView:
         end = ("stopped by you" if self.stopped else
                REMOTE_FINISH.get(self.finish_reason or "", self.finish_reason or "streaming…")
                if ev is not None and ev.finished else "streaming…")
-        return f"{stats_markdown(self.info, ev.stats if ev else None, ev)}\n\n{end}"
+        seed = (f" · sampled with seed {self.seed} (type it into Sampling → Seed to ask the server for this "
+                "answer again; an eagle-chat server gives it, another server may ignore seeds)"
+                if self.seed is not None else "")
+        return f"{stats_markdown(self.info, ev.stats if ev else None, ev)}\n\n{end}{seed}"
 
     def summary(self) -> dict:
         ev = self.last
         return {"backend": "remote", "server": self.info.url, "kind": self.info.kind, "model": self.info.model,
                 "elapsed_s": round(ev.elapsed_s, 3) if ev else 0.0, "finish_reason": self.finish_reason,
-                "stopped": self.stopped, "stats": asdict(ev.stats) if ev and ev.stats else None}
+                "stopped": self.stopped, "stats": asdict(ev.stats) if ev and ev.stats else None,
+                **({"seed": self.seed} if self.seed is not None else {})}
 
 
 class BackendHandlers:
@@ -94,7 +99,7 @@ class BackendHandlers:
     def _remote_answer(self, backend: RemoteBackend, msgs, cfg, seconds, before, turns, ticket, notices, restore):
         """Stream one answer from the server. Failing before any text: the conversation as it
         was and the message back in its box; failing mid-answer: the text so far is kept."""
-        view = RemoteView(backend.info)
+        view = RemoteView(backend.info, seed=None if cfg.sampling.greedy else cfg.seed)
         shown = turns + [{"role": "assistant", "content": ""}]
         yield self._remote_render(shown, view, notices, box="", first=True)
         deadline = time.monotonic() + seconds if seconds else None

@@ -88,6 +88,15 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     again = answer(h, "w8", rest[-1][1])[-1]  # Stop closed the stream: the server serves the next answer
     assert again[7] == "" and again[5]["stats"]["tokens"] == 24
 
+    sampled = (0.9, 1.0, 16, True, 3, 2, 6, True)
+    first = answer(h, "w5 w6", [], sampled)[-1]  # a new seed, shown with the answer and sent to the server
+    seed = first[5]["seed"]
+    assert f"sampled with seed {seed} (type it into Sampling → Seed" in first[4]
+    again = list(h.respond("w5 w6", [], SYSTEM, *sampled, seed=seed, request=None))[-1]
+    assert again[5]["seed"] == seed and again[1][-1]["content"] == first[1][-1]["content"], \
+        "the eagle-chat server repeats a sampled answer from its seed"
+    assert "seed" not in answer(h, "w5 w6", [])[-1][5] and "sampled with seed" not in answer(h, "w5", [])[-1][4]
+
     result, status, _tree, spec, depth, *_ = h.use_local()
     assert status.startswith("**Serving** `tiny`") and "EAGLE speculation available" in status and "Numerics:" in result
     details = h.manager.details_markdown()
