@@ -32,7 +32,7 @@ import torch
 from core.kernels.quant import Blocks
 
 RANK = 32
-VERSION = 2  # of the cached file's contents (bump when build() or CALIBRATION change)
+VERSION = 3  # of the cached file's contents (bump when build() or CALIBRATION change)
 TOKENS = 80  # greedy tokens the model writes per CALIBRATION prompt
 CALIBRATION = [  # kinds of request people make: U is fitted to the final hidden states of the model's answers
     "Can you explain how photosynthesis works, in simple terms?",
@@ -45,6 +45,16 @@ CALIBRATION = [  # kinds of request people make: U is fitted to the final hidden
     "Write a short, friendly email asking my landlord to fix the heating.",
     "What are the pros and cons of working from home?",
     "Translate 'good morning, how are you?' into French and Spanish.",
+    "My code says 'IndexError: list index out of range' when I loop over a list. What does it mean?",
+    "Give me a recipe for a quick vegetarian dinner.",
+    "Explain the difference between a virus and a bacterium.",
+    "Write a four-line poem about the sea at night.",
+    "How do I convert a string to an integer in JavaScript?",
+    "What is 15% of 240, and how do you work it out?",
+    "I feel nervous before job interviews. Any advice?",
+    "Rewrite this sentence to sound more formal: we gotta finish the report by friday.",
+    "List five facts about the planet Mars.",
+    "Describe a day in the life of a medieval blacksmith.",
 ]
 
 
@@ -126,8 +136,11 @@ def calibration_hidden(step, tokenizer) -> np.ndarray:
     CALIBRATION, through the native step (core.kernels.step.NativeStep): (rows, K)."""
     from core.decoding import cache as kv
 
+    from tqdm import tqdm
+
     rows = []
-    for prompt in CALIBRATION:
+    for prompt in tqdm(CALIBRATION, desc="Fitting the LM-head screen (once per model file)", unit="answer",
+                       leave=False):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             return_tensors="pt")
         ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
