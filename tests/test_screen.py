@@ -136,3 +136,17 @@ def test_the_screen_is_built_once_per_file_and_rebuilt_when_damaged(tmp_path, mo
     cached.write_bytes(b"not a safetensors file")
     rebuilt = screen.load_or_build(None, None, b, source)
     assert len(calls) == 2 and torch.equal(rebuilt.coef, first.coef)
+
+
+def test_a_row_that_is_not_finite_is_computed_in_full():
+    """A hidden state holding inf (a broken model, not a bound to trust): every group is computed,
+    so the row's logits are the full head's, bit for bit, NaN included."""
+    w, b = crowded_head(1, groups=6)
+    head = quant.split_q8(b)
+    x = hidden_rows(3, 3, b.k, w)
+    sc = screen.build(b, screen.directions(x.float().numpy(), rank=4))
+    x[1, 7] = float("inf")
+    y = screen.screened_logits(x, head, sc)
+    full = native.linear_w(x, native.wmat(blocks=head))
+    assert torch.equal(y[1].view(torch.int16), full[1].view(torch.int16))
+    assert torch.equal(native.argmax(y), native.argmax(full))
