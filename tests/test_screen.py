@@ -150,3 +150,45 @@ def test_a_row_that_is_not_finite_is_computed_in_full():
     full = native.linear_w(x, native.wmat(blocks=head))
     assert torch.equal(y[1].view(torch.int16), full[1].view(torch.int16))
     assert torch.equal(native.argmax(y), native.argmax(full))
+
+
+def test_an_unwritable_cache_still_gives_the_screen(tmp_path, monkeypatch):
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(home))
+    w, b = crowded_head(0, groups=4, k=64)
+    rows = hidden_rows(2, 40, 64, w).float().numpy()
+    monkeypatch.setattr(screen, "calibration_hidden", lambda step, tok: rows)
+    monkeypatch.setattr(screen, "RANK", 8)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF stand-in")
+    assert screen.load_or_build(None, None, b, source).basis.shape == (8, 64)
+
+
+@pytest.mark.slow
+def test_a_screen_that_cannot_be_fitted_leaves_the_full_head_and_says_so(tmp_path, monkeypatch):
+    """Fitting asks the model for a few answers through its chat template; where that fails (a
+    model without one, say) the step serves the whole head and its line says why."""
+    from core.decoding import cache as kv
+    from core.decoding.forward import plain_forward, prefill
+    from core.decoding.numerics import set_numerics
+    from core.kernels.step import load_step
+    from core.models import EMBEDDED, load_target
+
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
+
+    def no_template(step, tokenizer):
+        raise ValueError("this tokenizer has no chat template")
+
+    monkeypatch.setattr(screen, "calibration_hidden", no_template)
+    target = load_target(EMBEDDED, dtype="bfloat16")
+    set_numerics(target, "exact")  # what the step serves (core.decoding.numerics.load_numerics does the same)
+    step, text = load_step(target, "w4a8")
+    assert step.screen is None
+    assert text.endswith("(greedy steps read the whole LM head: its screen could not be fitted: "
+                         "this tokenizer has no chat template)")
+    with torch.inference_mode():
+        cache = kv.new_cache(step.hf)
+        prefill(step, torch.tensor([1, 2, 3]), cache)
+        logits = plain_forward(step, 4, cache, 3, only_max=True)[1]
+    assert torch.isfinite(logits.float()).all()  # the whole head, computed

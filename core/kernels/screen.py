@@ -181,10 +181,13 @@ def load_or_build(step, tokenizer, q8: Blocks, source: Path) -> Screen:
         except (OSError, ValueError, RuntimeError, SafetensorError):
             pass  # a damaged file: built again below
     screen = build(q8, directions(calibration_hidden(step, tokenizer), RANK))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({"basis": screen.basis, "proj": screen.proj, "coef": screen.coef}, tmp)
-    tmp.replace(path)
+    try:  # kept for the next load; where the cache cannot be written, built again then
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({"basis": screen.basis, "proj": screen.proj, "coef": screen.coef}, tmp)
+        tmp.replace(path)
+    except OSError:
+        pass
     return screen
 
 

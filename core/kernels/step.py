@@ -320,5 +320,8 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
     if screened:  # greedy steps then read about half of the LM head (core.kernels.screen)
         from core.kernels import screen
 
-        step.set_screen(screen.load_or_build(step, target.tokenizer, lm, target.gguf))
+        try:  # fitting needs the model to answer a few prompts through its chat template
+            step.set_screen(screen.load_or_build(step, target.tokenizer, lm, target.gguf))
+        except (ValueError, RuntimeError, TypeError, KeyError, OSError) as e:
+            note += f" (greedy steps read the whole LM head: its screen could not be fitted: {e})"
     return step, f"native decode step, {step.info.weights}{note}"
