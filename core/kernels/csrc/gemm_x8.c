@@ -246,16 +246,18 @@ static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int
     }
 }
 
-// The same for a WT_Q8_SPLIT weight: u rebuilt from its two parts, then Q8_X8's integer and fp32 steps.
-static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+// The same for a WT_Q8_SPLIT weight, the listed rows of x: u rebuilt from its two parts, then Q8_X8's
+// integer and fp32 steps.
+static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, const int *rows, int count,
+                             __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *hi = split_hi(w, g, kb);
         __m512i u[8];
         split_codes(hi, split_lo(w, g, kb), u);
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
-        for (int i = 0; i < rows; i++) {
-            int64_t m = m0 + i, blk = m * KB + kb;
-            acc[i] = block_q8_fp32(acc[i], block_isum(u, a->q + m * K + 32 * kb), dw, a->d[blk], a->s[blk]);
+        for (int c = 0; c < count; c++) {
+            int64_t m = rows[c], blk = m * KB + kb;
+            acc[c] = block_q8_fp32(acc[c], block_isum(u, a->q + m * K + 32 * kb), dw, a->d[blk], a->s[blk]);
         }
     }
 }
@@ -282,7 +284,11 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
         else
 #endif
         if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
-        else if (w->type == WT_Q8_SPLIT) group_q8s(w, g, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q8_SPLIT) {
+            int list[16];
+            for (int i = 0; i < rows; i++) list[i] = m0 + i;
+            group_q8s(w, g, KB, a, K, list, rows, acc);
+        }
         else group_q8(wg, KB, a, K, m0, rows, acc);
         for (int i = 0; i < rows; i++)
             _mm256_storeu_si256((__m256i *)(job->y + (int64_t)(m0 + i) * job->ldy + n0), to_bf16x16(_mm512_add_ps(acc[i], b)));
@@ -386,6 +392,19 @@ int screen_fits(const wmat *w, const lm_screen *sc, int M, int64_t mine_bytes) {
            w->N % 16 == 0 && screen_mine_bytes(M, w->K, sc->rank) <= mine_bytes;
 }
 
+// out = U v (r values, or only their squares' sum where out is NULL); returns |U v|^2.
+static float project(const float *U, int r, int K, const float *v, float *out) {
+    float sq = 0.0f;
+    for (int j = 0; j < r; j++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(U + (int64_t)j * K + k), _mm512_loadu_ps(v + k), acc);
+        float t = _mm512_reduce_add_ps(acc);
+        if (out) out[j] = t;
+        sq += t * t;
+    }
+    return sq;
+}
+
 // Row m: z (r), and the bound's scalars b[0..3] = rho', |z|', |U y|', S; b[0] = -1 where x is not finite.
 static void screen_row(const lm_screen *sc, const qrows *a, int K, int m, float *xh, float *z, float *b) {
     int r = sc->rank, KB = K / 32;
@@ -396,13 +415,7 @@ static void screen_row(const lm_screen *sc, const qrows *a, int K, int m, float 
         _mm512_storeu_ps(xh + k, v);
         xx = _mm512_fmadd_ps(v, v, xx);
     }
-    float X = sqrtf(_mm512_reduce_add_ps(xx)), Z2 = 0.0f;
-    for (int j = 0; j < r; j++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(sc->basis + (int64_t)j * K + k), _mm512_loadu_ps(xh + k), acc);
-        z[j] = _mm512_reduce_add_ps(acc);
-        Z2 += z[j] * z[j];
-    }
+    float X = sqrtf(_mm512_reduce_add_ps(xx)), Z2 = project(sc->basis, r, K, xh, z);
     __m512 yy = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) {  // y = x - U^T z, in place of x
         __m512 v = _mm512_loadu_ps(xh + k);
@@ -410,13 +423,7 @@ static void screen_row(const lm_screen *sc, const qrows *a, int K, int m, float 
         _mm512_storeu_ps(xh + k, v);
         yy = _mm512_fmadd_ps(v, v, yy);
     }
-    float rho = sqrtf(_mm512_reduce_add_ps(yy)), W2 = 0.0f;
-    for (int j = 0; j < r; j++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int k = 0; k < K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(sc->basis + (int64_t)j * K + k), _mm512_loadu_ps(xh + k), acc);
-        float t = _mm512_reduce_add_ps(acc);
-        W2 += t * t;
-    }
+    float rho = sqrtf(_mm512_reduce_add_ps(yy)), W2 = project(sc->basis, r, K, xh, NULL);
     float Z = sqrtf(Z2) * (1.0f + 0x1p-10f), lift = 0x1p-10f, err = (float)(r + 2) * 0x1p-22f * (X + sqrtf((float)r) * Z);
     b[0] = rho * (1.0f + lift) + err;
     b[1] = Z;
@@ -474,19 +481,9 @@ static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qr
 // Pass two: the exact logits of group g for the listed rows (group_q8s's steps, so Q8_X8's bits).
 static void screen_exact(const wmat *w, int64_t g, const qrows *a, int K, const int *rows, int count, uint16_t *y,
                          int64_t ldy) {
-    int KB = K / 32;
     __m512 acc[16];
     for (int c = 0; c < count; c++) acc[c] = _mm512_setzero_ps();
-    for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *hi = split_hi(w, g, kb);
-        __m512i u[8];
-        split_codes(hi, split_lo(w, g, kb), u);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
-        for (int c = 0; c < count; c++) {
-            int64_t m = rows[c], blk = m * KB + kb;
-            acc[c] = block_q8_fp32(acc[c], block_isum(u, a->q + m * K + 32 * kb), dw, a->d[blk], a->s[blk]);
-        }
-    }
+    group_q8s(w, g, K / 32, a, K, rows, count, acc);
     for (int c = 0; c < count; c++)  // + a zero bias, as x8_group adds
         _mm256_storeu_si256((__m256i *)(y + (int64_t)rows[c] * ldy + 16 * g), to_bf16x16(_mm512_add_ps(acc[c], _mm512_setzero_ps())));
 }
@@ -524,7 +521,7 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
             if (v > best || (v == best && gt < g)) { best = v; g = gt; }
         }
         __m512 acc = _mm512_setzero_ps();
-        group_q8s(w, g, KB, &a, K, i, 1, &acc);
+        group_q8s(w, g, KB, &a, K, &i, 1, &acc);
         uint16_t e16[16];
         _mm256_storeu_si256((__m256i *)e16, to_bf16x16(acc));
         float v = -INFINITY;
