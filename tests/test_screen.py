@@ -192,3 +192,4 @@ def test_a_screen_that_cannot_be_fitted_leaves_the_full_head_and_says_so(tmp_pat
         prefill(step, torch.tensor([1, 2, 3]), cache)
         logits = plain_forward(step, 4, cache, 3, only_max=True)[1]
     assert torch.isfinite(logits.float()).all()  # the whole head, computed
+

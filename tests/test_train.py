@@ -601,3 +601,29 @@ def test_engine_distill_gives_the_engines_own_answers_and_resumes(tmp_path):
     assert m1 == m2 and {i for i, r in m1.items() if r.get("temperature") == 1.0} == sampled
     assert all(m1[i]["messages"] == rows[i]["messages"] for i in m1 if i not in sampled)
     assert any(m1[i]["messages"] != rows[i]["messages"] for i in sampled)
+
+
+def test_draft_vocab_script_keeps_the_most_frequent_ids_sorted(tmp_path, monkeypatch, capsys):
+    """scripts/draft_vocab.py: the N most frequent of the head's ids (ties to the lower id), written
+    sorted in place; a size outside 1..len refused with the reason."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(__file__).parent.parent / "scripts" / "draft_vocab.py"
+    spec = importlib.util.spec_from_file_location("draft_vocab_script", path)
+    dv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dv)
+    counts = torch.zeros(200, dtype=torch.long)
+    counts[[150, 3, 77, 40, 9]] = torch.tensor([50, 50, 90, 10, 10])  # 3 and 150 tie: 3 first
+    monkeypatch.setattr(dv, "answer_counts", lambda tokenizer, vocab_size: counts)
+    head = tmp_path / "head"
+    head.mkdir()
+    save_file({"token_ids": torch.tensor([3, 9, 40, 77, 150, 160])}, str(head / "draft_vocab.safetensors"))
+    dv.main([str(head), "--size", "3"])
+    assert load_file(str(head / "draft_vocab.safetensors"))["token_ids"].tolist() == [3, 77, 150]
+    assert "3 of 6 tokens kept" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        dv.main([str(head), "--size", "4"])
+    assert "--size must be 1..3" in capsys.readouterr().err
