@@ -24,7 +24,8 @@ import torch
 SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 # our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
-X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), 102: ("Q8x8 split", 544)}
+SPLIT = 102  # split_q8's layout (csrc/weights.h WT_Q8_SPLIT)
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544)}
 X8_OF = {2: 100, 3: 100, 8: 101}  # the GGUF type each is packed from
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
@@ -97,6 +98,13 @@ def tile_blocks(blocks: Blocks) -> Blocks:
     return Blocks(blocks.type, data, blocks.n, blocks.k, tiled=True)
 
 
+def q8_unsigned(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 blocks (..., 34 bytes) -> their fp16 scales (...) and their codes as unsigned bytes
+    u = q + 128 (..., 32), as the 8-bit-activation kernels read them."""
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    return d, (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+
+
 def pack_x8(blocks: Blocks) -> Blocks:
     """The blocks regrouped for csrc/gemm_x8.c (8-bit activations x these weights; layout in its
     header): per 16 rows and block column, the rows' codes interleaved 4 bytes at a time (what
@@ -110,7 +118,7 @@ def pack_x8(blocks: Blocks) -> Blocks:
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
     per_block = lambda a: a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)  # 16 fp16 of a block column
     if blocks.type == 8:
-        codes = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # (g, 16, kb, 32)
+        codes = q8_unsigned(raw)[1]  # (g, 16, kb, 32)
         parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512), per_block(d)]
     else:
         if blocks.type == 3:
@@ -134,9 +142,7 @@ def split_q8(blocks: Blocks) -> Blocks:
         raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be split (Q8_0 with "
                                f"rows a multiple of 16, in file order)")
     g, kb = blocks.n // 16, blocks.k // BLOCK
-    raw = blocks.data.numpy().reshape(g, 16, kb, 34)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0]                                  # (g, 16, kb)
-    u = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)        # (g, 16, kb, 32)
+    d, u = q8_unsigned(blocks.data.numpy().reshape(g, 16, kb, 34))                    # (g, 16, kb), (g, 16, kb, 32)
 
     def nibbles(v: np.ndarray) -> np.ndarray:  # (g, 16, kb, 32) values < 16 -> (g, kb, 256), Q4x8's order
         qs = v[..., :16] | (v[..., 16:] << 4)                                          # GGUF's Q4 byte order
@@ -145,7 +151,7 @@ def split_q8(blocks: Blocks) -> Blocks:
     scales = d.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)
     hi = np.concatenate([nibbles(u >> 4), scales], axis=-1).reshape(-1)
     data = np.concatenate([hi, nibbles(u & 15).reshape(-1)])
-    return Blocks(102, torch.from_numpy(np.ascontiguousarray(data)).view(1, -1), blocks.n, blocks.k)
+    return Blocks(SPLIT, torch.from_numpy(np.ascontiguousarray(data)).view(1, -1), blocks.n, blocks.k)
 
 
 def open_gguf(path: Path):

@@ -3,7 +3,7 @@
 A plain step of the embedded model streams ~96 MB of weights, 30 MB of them the Q8_0 LM head
 (49,152 x 576), though greedy decoding needs only each row's argmax. core.kernels.quant.split_q8
 stores each code u = q + 128 as u = 16 h + l in two arrays, and csrc/gemm_x8.c's lm_screen_team
-reads h alone (11 MB with the scales) to bound every logit from above, then computes the exact
+reads h alone (16 MB with the scales) to bound every logit from above, then computes the exact
 logits (the same bits as the unsplit head) only for the groups of 16 rows whose bound reaches the
 row's maximum; the rest are -inf. So the argmax is exact by construction, not by luck.
 
@@ -15,7 +15,8 @@ so |W x - (A x + C' z)| <= e1 |y| + e2 |z| + e3 |U y| with e1 = |D_n (I - U^T U)
 |C_n - C'_n|, e3 = |C_n| per vocabulary row (float64 here, rounded up), an identity for any U:
 U only decides how tight the bound is. The final hidden states concentrate in a few directions
 (rank 32 leaves |y| ~ 0.6 |x| on natural prompts), so most groups fall many logits below the
-best one. U comes from the model's own answers to a few prompts (CALIBRATION), once per GGUF file\n(cached in cache_home()/screen).
+best one. U comes from the model's own answers to a few prompts (CALIBRATION), once per GGUF file
+(cached in cache_home()/screen).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.kernels.quant import Blocks
+from core.kernels.quant import Blocks, q8_unsigned
 
 RANK = 32
 VERSION = 3  # of the cached file's contents (bump when build() or CALIBRATION change)
@@ -105,9 +106,8 @@ def build(q8: Blocks, basis: np.ndarray, chunk: int = 4096) -> Screen:
     """The screen of a Q8_0 LM head (file order) for directions `basis` (r, K) fp32."""
     assert q8.type == 8 and not q8.tiled and q8.n % 16 == 0 and q8.k % 32 == 0
     n, k, r = q8.n, q8.k, basis.shape[0]
-    raw = q8.data.numpy().reshape(n, k // 32, 34)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)                  # (N, KB)
-    u = raw[..., 2:34].view(np.int8).astype(np.int64) + 128                               # (N, KB, 32)
+    d, u = q8_unsigned(q8.data.numpy().reshape(n, k // 32, 34))                          # (N, KB), (N, KB, 32)
+    d, u = d.astype(np.float64), u.astype(np.int64)
     U = basis.astype(np.float64)
     proj = np.empty((n, r), dtype=np.float32)
     coef = np.empty((n, 4), dtype=np.float32)
@@ -160,8 +160,8 @@ def calibration_hidden(step, tokenizer) -> np.ndarray:
 
 def load_or_build(step, tokenizer, q8: Blocks, source: Path) -> Screen:
     """The screen for this model's Q8_0 LM head: from cache_home()/screen when this GGUF's was built
-    before (name, size and time of the file key it), else built (the model writes ~500 tokens, then
-    ~1.5 s of float64 norms) and kept there."""
+    before (name, size and time of the file key it), else built (the model writes up to 1,600 tokens,
+    then ~1.5 s of float64 norms) and kept there."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 

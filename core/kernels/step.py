@@ -31,13 +31,12 @@ from core.kernels import native
 from core.threads import one_torch_thread
 from core.decoding.cache import BufferedLayer
 from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
-from core.kernels.quant import X8
+from core.kernels.quant import SPLIT, X8
 
-SPLIT = 102  # core.kernels.quant.split_q8's type (csrc/weights.h WT_Q8_SPLIT)
 SCREEN_ENV = "EAGLE_CHAT_SCREEN"  # "0": greedy steps read the whole LM head
 # The screen serves forwards of up to this many rows. It saves bytes, not integer work (its pass over
 # h costs a row what the whole head does), so it pays where a forward is memory-bound: Intel AMX VM,
-# real chains, target forward screened / full: 1 row 0.966-0.971, 2 rows 0.982-0.993, 3 rows 1.00-1.02,
+# real chains, target forward screened / full: 1 row 0.962-0.974, 2 rows 0.967-0.993, 3 rows 1.00-1.02,
 # 8 rows 1.08 (scripts/screen_cost.py; docs/native-step.md).
 SCREEN_ROWS = 2
 

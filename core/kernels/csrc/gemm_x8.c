@@ -48,6 +48,22 @@ static inline const uint8_t *split_lo(const wmat *w, int64_t g, int kb) {
     int64_t KB = w->K / 32;
     return (const uint8_t *)w->data + (int64_t)(w->N / 16) * KB * 288 + (g * KB + kb) * 256;
 }
+// One block column of 4-bit codes in Q4_X8's nibble order (256 bytes) -> the 8 operand vectors of
+// block_isum (vector p: K positions 4p..4p+3 of the 16 rows, low nibbles; 4 + p: 16 + 4p.., high).
+static inline void nibble_codes(const uint8_t *codes, __m512i *ops) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int p = 0; p < 4; p++) {
+        __m512i z = _mm512_loadu_si512(codes + 64 * p);
+        ops[p] = _mm512_and_si512(z, low);
+        ops[4 + p] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+    }
+}
+
+// Bring n bytes at p into L2 ahead of the stream (the LM head's next groups).
+static inline void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t off = 0; off < n; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T1);
+}
+
 // The 8 vectors of u (Q8_X8's order: vector t = K positions 4t..4t+3 of the 16 rows) from the two parts.
 static inline void split_codes(const uint8_t *hi, const uint8_t *lo, __m512i *u) {
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
@@ -150,12 +166,9 @@ static inline void b_rows(const wmat *w, int64_t g, int kb, const uint8_t *blk, 
         split_codes(blk, split_lo(w, g, kb), u);
         for (int t = 0; t < 8; t++) _mm512_store_si512(b + 64 * t, u[t]);
     } else if (type == WT_Q4_X8) {
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        for (int p = 0; p < 4; p++) {
-            __m512i z = _mm512_loadu_si512(blk + 64 * p);
-            _mm512_store_si512(b + 64 * p, _mm512_and_si512(z, low));
-            _mm512_store_si512(b + 64 * (4 + p), _mm512_and_si512(_mm512_srli_epi16(z, 4), low));
-        }
+        __m512i ops[8];
+        nibble_codes(blk, ops);
+        for (int t = 0; t < 8; t++) _mm512_store_si512(b + 64 * t, ops[t]);
     } else {
         memcpy(b, blk, 512);
     }
@@ -214,15 +227,10 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
 
 // Rows [m0, m0 + rows) (rows <= ROWS_X8) of one 16-row group of a Q4_X8 weight -> acc[i]
 static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = w + (int64_t)kb * 320;
         __m512i ops[8];  // low nibbles: K positions 0-15, high: 16-31
-        for (int p = 0; p < 4; p++) {
-            __m512i z = _mm512_loadu_si512(b + 64 * p);
-            ops[p] = _mm512_and_si512(z, low);
-            ops[4 + p] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
-        }
+        nibble_codes(b, ops);
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
         __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
         for (int i = 0; i < rows; i++) {
@@ -269,10 +277,10 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     const uint8_t *wg = (const uint8_t *)w->data + (int64_t)g * KB * x8_group_bytes(w->type);
     __m512 b = job->bias ? bf16x16_to_ps(job->bias + n0) : _mm512_setzero_ps();
     if (w->type == WT_Q8_X8 && g + 2 < w->N / 16)  // the LM head: its next groups, ahead of the stream
-        for (int off = 0; off < KB * 544; off += 64) _mm_prefetch((const char *)wg + 2 * KB * 544 + off, _MM_HINT_T1);
+        prefetch_bytes(wg + 2 * KB * 544, KB * 544);
     if (w->type == WT_Q8_SPLIT && g + 2 < w->N / 16) {
-        for (int off = 0; off < KB * 288; off += 64) _mm_prefetch((const char *)split_hi(w, g + 2, 0) + off, _MM_HINT_T1);
-        for (int off = 0; off < KB * 256; off += 64) _mm_prefetch((const char *)split_lo(w, g + 2, 0) + off, _MM_HINT_T1);
+        prefetch_bytes(split_hi(w, g + 2, 0), KB * 288);
+        prefetch_bytes(split_lo(w, g + 2, 0), KB * 256);
     }
     int chunk = x8_amx && M >= AMX_X8_MIN_ROWS ? 16 : ROWS_X8;
     for (int m0 = 0; m0 < M; m0 += chunk) {
@@ -437,17 +445,12 @@ static void screen_row(const lm_screen *sc, const qrows *a, int K, int m, float 
 static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qrows *a, int K, int m0, int rows,
                          const float *z, const float *b, float *gmax, int64_t G, float *bestv, int32_t *bestg) {
     int KB = K / 32, r = sc->rank;
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS_X8];
     for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *hi = split_hi(w, g, kb);
         __m512i ops[8];
-        for (int p = 0; p < 4; p++) {
-            __m512i v = _mm512_loadu_si512(hi + 64 * p);
-            ops[p] = _mm512_and_si512(v, low);
-            ops[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
+        nibble_codes(hi, ops);
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
@@ -501,13 +504,16 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
                         a.s + (int64_t)m * KB);
         screen_row(sc, &a, K, m, xh, z + m * r, b + m * 4);
     }
-    float *gmax = shared, *bestv = shared + M * G + me * M, *th = shared + M * G + (int64_t)nt * M * 2;
-    int32_t *bestg = (int32_t *)(shared + M * G + (int64_t)nt * M) + me * M;
+    // shared: each row's largest bound per group (M x G), then per thread and row its best centre and
+    // that centre's group (nt x M each), then each row's threshold (M)
+    float *gmax = shared, *centres = shared + M * G, *th = centres + (int64_t)nt * M * 2;
+    int32_t *groups = (int32_t *)(centres + (int64_t)nt * M);
+    float *bestv = centres + me * M;
+    int32_t *bestg = groups + me * M;
     for (int i = 0; i < M; i++) { bestv[i] = -INFINITY; bestg[i] = 0; }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < G; g++) {
-        if (g + 2 < G)
-            for (int off = 0; off < KB * 288; off += 64) _mm_prefetch((const char *)split_hi(w, g + 2, 0) + off, _MM_HINT_T1);
+        if (g + 2 < G) prefetch_bytes(split_hi(w, g + 2, 0), KB * 288);
         for (int m0 = 0; m0 < M; m0 += ROWS_X8)
             screen_group(w, sc, g, &a, K, m0, M - m0 < ROWS_X8 ? M - m0 : ROWS_X8, z, b, gmax, G, bestv, bestg);
     }
@@ -516,8 +522,8 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
         int64_t g = 0;
         float best = -INFINITY;
         for (int t = 0; t < nt; t++) {
-            float v = shared[M * G + t * M + i];
-            int32_t gt = ((int32_t *)(shared + M * G + (int64_t)nt * M))[t * M + i];
+            float v = centres[t * M + i];
+            int32_t gt = groups[t * M + i];
             if (v > best || (v == best && gt < g)) { best = v; g = gt; }
         }
         __m512 acc = _mm512_setzero_ps();
