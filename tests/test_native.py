@@ -223,6 +223,77 @@ def test_attention_rows_are_bit_identical_alone_and_in_the_tree():
         torch.set_num_threads(before)
 
 
+def _random_tree(gen: torch.Generator, rows: int) -> list[int]:
+    """Parents of a random draft tree in slot order (node 0 the root, parents before children)."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, rows)]
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def attention_kernel(request):
+    """Each attention kernel this machine has; the AMX one (csrc/attention_amx.c) where tiles serve."""
+    if not native.status().available:
+        pytest.skip("native kernels unavailable")
+    before = native.status().amx_attention
+    if not native.set_amx_attention(request.param == "amx"):
+        if request.param == "amx":
+            pytest.skip("no AMX tiles here")
+    yield request.param
+    native.set_amx_attention(before)
+
+
+@pytest.mark.parametrize("n_ctx", [0, 5, 31, 32, 33, 63, 64, 100, 161])
+def test_a_tree_rows_attention_is_plain_decodings_bit_for_bit(attention_kernel, n_ctx):
+    """Row i of a tree (its ancestors scattered over the tree's slots, beside other rows) computes the
+    bits plain decoding computes for the same token: the context and its ancestors laid out one after
+    the other, the row alone. Contexts around the AMX kernel's 16- and 32-key blocks, trees of up to
+    19 rows (more than one AMX task of 5 rows), SmolLM2's 9 query heads over 3 kv heads."""
+    gen = torch.Generator().manual_seed(n_ctx)
+    nh, kvh, hd = 9, 3, 64
+    for rows in (1, 4, 19):
+        parents = _random_tree(gen, rows)
+        chains = []
+        for i in range(rows):
+            chain, j = [], i
+            while j >= 0:
+                chain.append(j)
+                j = parents[j]
+            chains.append(chain[::-1])
+        anc = torch.full((rows, max(map(len, chains))), -1, dtype=torch.int64)
+        for i, c in enumerate(chains):
+            anc[i, :len(c)] = torch.tensor(c)
+        counts = torch.tensor([len(c) for c in chains])
+        q = torch.randn(rows, nh, hd, generator=gen).bfloat16()
+        key = (torch.randn(kvh, n_ctx + rows, hd, generator=gen) * 2).bfloat16()
+        value = torch.randn(kvh, n_ctx + rows, hd, generator=gen).bfloat16()
+        tree = native.attention(q, key, value, n_ctx, anc, counts, hd ** -0.5)
+        assert torch.allclose(tree.float(), native.reference_attention(q, key, value, n_ctx, anc, counts, hd ** -0.5),
+                              rtol=2e-2, atol=2e-2)
+        for i, chain in enumerate(chains):
+            slots = torch.cat([torch.arange(n_ctx), n_ctx + torch.tensor(chain)])
+            plain = native.attention(q[i:i + 1], key[:, slots], value[:, slots], len(slots) - 1,
+                                     torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), hd ** -0.5)
+            assert torch.equal(plain[0], tree[i]), (attention_kernel, n_ctx, rows, i)
+
+
+@needs_amx
+def test_the_amx_attention_serves_only_head_dim_64_and_stays_close_to_the_vector_kernel():
+    """Both kernels compute softmax(q k / sqrt(d)) v; they round differently (the tiles' sums, p in
+    bf16), so the same inputs agree within bf16 steps, not bits. Other head sizes keep the vector kernel."""
+    before = native.status().amx_attention
+    try:
+        outs = {}
+        for on in (False, True):
+            native.set_amx_attention(on)
+            outs[on] = [native.attention(*_tree_case(n_ctx, nh, kvh, hd, seed=7)[:3], n_ctx,
+                                         *_tree_case(n_ctx, nh, kvh, hd, seed=7)[3:], hd ** -0.5)
+                        for n_ctx, nh, kvh, hd in ((300, 9, 3, 64), (40, 8, 2, 128))]
+        a, b = outs[False][0].float(), outs[True][0].float()
+        assert not torch.equal(a, b) and torch.allclose(a, b, rtol=2e-2, atol=1e-2)
+        assert torch.equal(outs[False][1], outs[True][1])  # head_dim 128: the vector kernel either way
+    finally:
+        native.set_amx_attention(before)
+
+
 def test_attention_usable_only_for_what_the_kernel_computes():
     ok = native.status().available
     assert native.attention_usable(torch.randn(1, 4, 2, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16()) == ok
@@ -447,14 +518,18 @@ def fresh_cache(monkeypatch, tmp_path):
 @needs_kernel
 def test_a_compiler_without_x86_64_v4_builds_the_same_kernels_from_named_instruction_sets(monkeypatch, tmp_path):
     """gcc 10 knows neither -march=x86-64-v4 nor AMX: the third attempt names x86-64-v4's
-    instruction sets one by one and computes the same bits."""
+    instruction sets one by one and computes the same bits (as the vector attention: that build has
+    no AMX attention)."""
     gen = torch.Generator().manual_seed(9)
     x, w = torch.randn(7, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16()  # AVX-512 GEMM
     q, key, value, anc, counts = _tree_case(30, 9, 3, 64, seed=4)
     norm_w = torch.randn(100, generator=gen).bfloat16()
     run = lambda: (native.linear(x, w), native.attention(q, key, value, 30, anc, counts, 0.125),
                    native.rms_norm(x, norm_w, 1e-5), native.silu_mul(x, x * 2))
+    amx_attention = native.status().amx_attention
+    native.set_amx_attention(False)
     before = run()
+    native.set_amx_attention(amx_attention)
     import core.models
 
     monkeypatch.setenv("CC", _fake_cc(tmp_path, refuse="-march=x86-64-v4|-mamx-*"))

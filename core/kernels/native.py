@@ -64,7 +64,9 @@ BUILD_TIMEOUT_S = 300  # one build takes 3-5 s on two busy cores; a hung compile
 # lookup chain), so every tree row and every plain step goes through this kernel.
 MAX_ROWS = 576
 OFF_ENV = "EAGLE_CHAT_KERNELS"
-AMX_ENV = "EAGLE_CHAT_AMX"  # "0" keeps the GEMM on AVX-512 where the CPU has AMX tiles
+AMX_ENV = "EAGLE_CHAT_AMX"  # "0" keeps the GEMM and attention on AVX-512 where the CPU has AMX tiles
+# "0" keeps attention alone on AVX-512 (for measuring; the GEMM's tiles stay): csrc/attention_amx.c
+AMX_ATTENTION_ENV = "EAGLE_CHAT_AMX_ATTENTION"
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,13 @@ class NativeStatus:
     available: bool
     reason: str  # what runs, or why the kernel does not
     amx: bool = False  # GEMMs with K % 32 == 0 and N % 16 == 0 run on AMX tiles (csrc/gemm_amx.c)
+    amx_attention: bool = False  # attention with head_dim 64 runs on AMX tiles (csrc/attention_amx.c)
 
     def describe(self) -> str:
         if not self.available:
             return f"torch kernels ({self.reason})"
+        if self.amx and self.amx_attention:
+            return "AMX bf16 GEMM and attention (head_dim 64), AVX-512 RMSNorm (core/kernels/csrc)"
         if self.amx:
             return "AMX bf16 GEMM, AVX-512 attention and RMSNorm (core/kernels/csrc)"
         return "AVX-512 bf16 GEMM, attention and RMSNorm (core/kernels/csrc)"  # as before AMX: autotune keys hold it
@@ -269,16 +274,29 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     amx = bool(kernels.amx_enable(int(amx_wanted())))
     kernels.x8_amx_enable(int(amx and "amx_int8" in _cpu_flags()))
+    attention_amx = bool(kernels.attn_amx_enable(int(amx and amx_attention_wanted())))
     problem = _self_test(kernels)
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")
-    return kernels, NativeStatus(True, "built and self-tested", amx=amx)
+    return kernels, NativeStatus(True, "built and self-tested", amx=amx, amx_attention=attention_amx)
 
 
 def amx_wanted() -> bool:
     """The CPU has AMX bf16 tiles and EAGLE_CHAT_AMX does not turn them off (Linux must still grant them)."""
     return ({"amx_tile", "amx_bf16"} <= _cpu_flags()
             and os.environ.get(AMX_ENV, "").lower() not in ("0", "off", "false", "no"))
+
+
+def amx_attention_wanted() -> bool:
+    """Attention on AMX tiles unless EAGLE_CHAT_AMX_ATTENTION turns it off (the tiles must be granted too)."""
+    return os.environ.get(AMX_ATTENTION_ENV, "").lower() not in ("0", "off", "false", "no")
+
+
+def set_amx_attention(on: bool) -> bool:
+    """Attention on AMX tiles on or off (tests compare the two kernels; numerics differ, so an engine
+    must not switch between calls). Returns whether the tiles serve head_dim 64 now."""
+    k, st = _library()
+    return bool(k and k.attn_amx_enable(int(on and st.amx)))
 
 
 def set_x8_amx(on: bool) -> bool:

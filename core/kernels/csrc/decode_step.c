@@ -24,7 +24,8 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                     uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
                     float *inv);
-int64_t attention_scores_per_thread(const int64_t *na, int n, int64_t L, int g);
+int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g,
+                                  int hd);
 void silu_mul_team(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *out, int64_t ldo,
                    int M, int H);
 
@@ -124,14 +125,14 @@ typedef struct {
     float *screen;            // lm_screen_team's shared work, or NULL
 } step_mem;
 
-static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int64_t committed, const int64_t *counts,
-                          int nthreads, int screened) {
+static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int64_t committed, const int64_t *anc,
+                          int64_t anc_stride, const int64_t *counts, int nthreads, int screened) {
     int H = m->hidden, F = m->ffn, g = m->heads / m->kv_heads;
     int64_t qw = (int64_t)m->heads * m->head_dim, kw = (int64_t)m->kv_heads * m->head_dim;
     s->kmax = kin > F ? kin : F;
     s->kmax = s->kmax > qw ? s->kmax : (int)qw;
     int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
-    s->per_thread = attention_scores_per_thread(counts, n, committed, g);
+    s->per_thread = attention_work_per_thread(counts, anc, anc_stride, n, committed, g, m->head_dim);
     s->cap = (s->per_thread - g) / g;
     s->work = (uint16_t *)malloc((size_t)n * act * 2);
     s->pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, s->kmax) * 2);
@@ -173,7 +174,7 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
     }
     step_mem s;
     int screened = logits && only_max && screen_fits(&m->lm_head, m->screen, n, scratch_elems(H) * 2);
-    int status = step_mem_alloc(&s, m, n, H, committed, counts, nthreads, screened);
+    int status = step_mem_alloc(&s, m, n, H, committed, anc, anc_stride, counts, nthreads, screened);
     if (status == STEP_OK) {
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
@@ -229,7 +230,7 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
         if (positions[i] < 0 || positions[i] >= m->max_pos) return STEP_BAD_POSITION;
     if (fc->K != 2 * H || fc->N != H) return STEP_BAD_WEIGHT;
     step_mem s;
-    int status = step_mem_alloc(&s, m, n, 2 * H, committed, counts, nthreads, 0);
+    int status = step_mem_alloc(&s, m, n, 2 * H, committed, anc, anc_stride, counts, nthreads, 0);
     if (status == STEP_OK) {
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)

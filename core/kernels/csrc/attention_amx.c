@@ -1,0 +1,338 @@
+// Decoding attention on AMX bf16 tiles (head_dim 64), for every row a machine with the tiles
+// computes: plain steps, tree verification and the head's rounds alike (attention_team sends a
+// shape here by the machine and the shape only, never by the row count).
+//
+// Why: the vector kernel (attention_bf16.c) spends ~10 thread cycles per (row, query head, key):
+// two vdpbf16ps, a lane reduction, exp, four FMAs of p @ V. Here the query heads of one kv head
+// and the rows of a call (up to 16 queries) share every tile product: one TDPBF16PS scores 16
+// keys against all of them over 32 dims, one multiplies 32 keys' p into 16 value dims for all.
+//
+// Per (row i, query head h), query m of its task (rows i0 .. of one kv head):
+//   scores  s_j = (q . k_slot) * scale: S^T = K Q^T on tiles, K straight from the cache (16 slots
+//           a tile, 32 dims each of two A tiles), Q^T packed in pairs of dims (the B tile). Each
+//           score is one accumulation chain over the 64 dims that reads only its key row and its
+//           query column, so it is the same whichever slot or tile column it has.
+//   softmax m = max_j s_j over the row's keys in logical order (the context 0 .. L-1, then its
+//           ancestors and itself); p_j = bf16(exp(s_j - m)); d = sum p_j (16 lanes in logical key
+//           order, reduce16's tree).
+//   p @ V   O = sum_j p_j v_j on tiles, 32 logical keys a product (A: p of the 32 keys, B: their
+//           value rows packed in pairs of keys), blocks in logical order from key 0. Blocks wholly
+//           inside the context are shared by every query of the task; the rest (the tree's part)
+//           are gathered per row in logical order (absent keys: p = 0 and a zero value row). A
+//           product's element reads only its query's p row and one value column, so a row's O
+//           is the same alone or beside other rows, and its blocks hold the same keys at the same
+//           places whether its keys sit in a tree's slots or in plain decoding's.
+//   out     bf16(O * (1 / d)).
+// So a token's row is bit-identical alone (a plain step) or inside any tree, at any thread count.
+// The numbers differ from the vector kernel's (the tile's own summation, p rounded to bf16 for the
+// product as bf16 attention does), so a machine runs one of the two for every call of a shape.
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+int amx_serves(int N, int K);
+void amx_begin(void);
+
+static int attn_amx = 0;
+
+#ifndef __AMX_TILE__
+int attn_amx_enable(int want) { (void)want; return 0; }
+int attn_amx_serves(int hd, int g) { (void)hd; (void)g; return 0; }
+int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g) {
+    (void)na; (void)anc; (void)anc_stride; (void)n; (void)L; (void)g;
+    return 0;
+}
+void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
+                        int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
+                        uint16_t *out, int n, int nh, int kvh, int64_t L, float scale, float *work) {
+    (void)q; (void)qs_row; (void)qs_head; (void)k; (void)v; (void)kv_head; (void)kv_pos; (void)anc;
+    (void)anc_stride; (void)na; (void)out; (void)n; (void)nh; (void)kvh; (void)L; (void)scale; (void)work;
+}
+#else
+
+// Tiles on (the GEMM's tile state granted and on); off: the vector kernel serves every shape.
+// ctypes: attn_amx_enable(i32 want) -> i32
+int attn_amx_enable(int want) {
+    attn_amx = want != 0 && amx_serves(16, 32);
+    return attn_amx;
+}
+
+int attn_amx_serves(int hd, int g) { return attn_amx && hd == 64 && g >= 1 && g <= 16; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static void load_config(int rows[8], int colsb[8]) {
+    tile_config c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = (uint16_t)colsb[t]; }
+    __asm__ __volatile__("" : : "r"(&c) : "memory");  // see amx_begin: keep the stores to c
+    _tile_loadconfig(&c);
+}
+
+// Scores, two blocks of 16 slots at a time: tiles 0-1 and 5-6 K (16 slots x 32 dims), 2-3 Q^T
+// (16 dim pairs x N queries), 4 and 7 S^T (16 x N).
+static void config_scores(int N) {
+    int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16}, colsb[8] = {64, 64, 4 * N, 4 * N, 4 * N, 64, 64, 4 * N};
+    load_config(rows, colsb);
+}
+
+// p @ V for M queries: tile 0 P (M x 32 keys), 1-4 O (M x 16 dims each), 5-7 V (16 key pairs x 16 dims).
+static void config_pv(int M) {
+    int rows[8] = {M, M, M, M, M, 16, 16, 16}, colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    load_config(rows, colsb);
+}
+
+static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
+
+// The cache slots a call's rows read past L: 1 + the largest ancestor offset.
+static int64_t tree_slots(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n) {
+    int64_t most = 0;
+    for (int i = 0; i < n; i++)
+        for (int64_t a = 0; a < na[i]; a++) most = anc[i * anc_stride + a] + 1 > most ? anc[i * anc_stride + a] + 1 : most;
+    return most;
+}
+
+static int64_t most_keys(const int64_t *na, int n, int64_t L) {
+    int64_t most = 0;
+    for (int i = 0; i < n; i++) most = L + na[i] > most ? L + na[i] : most;
+    return most;
+}
+
+enum { QMAX = 16 };
+
+// One thread's work floats for a call (sq: 16 rows of scores, one per slot; p: 16 rows of bf16 p;
+// fixed buffers).
+int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g) {
+    (void)g;
+    int64_t ss = (L + tree_slots(na, anc, anc_stride, n) + 31) / 32 * 32;
+    int64_t ps = (most_keys(na, n, L) + 31) / 32 * 32 + 32;
+    return QMAX * ss + QMAX * ps / 2 + 512 /* qt */ + 2 * 1024 /* vb */ + 1024 /* o */ + 16 /* inv */ +
+           1024 /* kz */ + 512 /* stage */ + 64;
+}
+
+// 16 x 16 fp32 in registers, transposed: r[i] lane j <-> r[j] lane i.
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+// 16 slots' S^T block (stage, 16 x 16, N columns valid) -> rows of sq (query m: slots c .. c + 15).
+static inline void scatter_scores(const float *stage, float *sq, int64_t ss, int64_t c, int N) {
+    __m512 r[16];
+    for (int u = 0; u < 16; u++) r[u] = _mm512_load_ps(stage + 16 * u);
+    transpose16(r);
+    for (int m = 0; m < N; m++) _mm512_storeu_ps(sq + m * ss + c, r[m]);
+}
+
+// 16 of query row sm's scores, scaled, for logical keys j0 .. j0 + 15 (the context's straight from
+// its slots, the tree's through the row's ancestors); -inf from `count` on.
+static inline __m512 logical16(const float *sm, int64_t j0, int64_t count, int64_t L, const int64_t *ar, __m512 sc) {
+    __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+    __m512 s;
+    if (j0 + 16 <= L) s = _mm512_loadu_ps(sm + j0);
+    else {
+        float t[16];
+        for (int u = 0; u < 16; u++) t[u] = j0 + u < count ? sm[key_slot(j0 + u, L, ar)] : 0.0f;
+        s = _mm512_loadu_ps(t);
+    }
+    return _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(s, sc));
+}
+
+// Two value rows (64 dims each; NULL: zeros) -> row p of the four B tiles, keys interleaved:
+// tile t holds dims {8l + r + 4 (t & 1) + 32 (t >> 1)}, l, r < 4, in that order (unpack's lanes).
+static inline void pack_pair(const uint16_t *a, const uint16_t *b, uint16_t *vb, int p) {
+    __m512i a0 = a ? _mm512_loadu_si512(a) : _mm512_setzero_si512(), a1 = a ? _mm512_loadu_si512(a + 32) : a0;
+    __m512i b0 = b ? _mm512_loadu_si512(b) : _mm512_setzero_si512(), b1 = b ? _mm512_loadu_si512(b + 32) : b0;
+    _mm512_store_si512(vb + 0 * 512 + 32 * p, _mm512_unpacklo_epi16(a0, b0));
+    _mm512_store_si512(vb + 1 * 512 + 32 * p, _mm512_unpackhi_epi16(a0, b0));
+    _mm512_store_si512(vb + 2 * 512 + 32 * p, _mm512_unpacklo_epi16(a1, b1));
+    _mm512_store_si512(vb + 3 * 512 + 32 * p, _mm512_unpackhi_epi16(a1, b1));
+}
+
+// O (tiles 1-4) += P (rows at p, ps elements apart) x the packed values vb, config_pv's tiles.
+static inline void pv_block(const uint16_t *p, int64_t ps, const uint16_t *vb) {
+    _tile_loadd(0, p, ps * 2);
+    _tile_loadd(5, vb, 64);
+    _tile_dpbf16ps(1, 0, 5);
+    _tile_loadd(6, vb + 512, 64);
+    _tile_dpbf16ps(2, 0, 6);
+    _tile_loadd(7, vb + 1024, 64);
+    _tile_dpbf16ps(3, 0, 7);
+    _tile_loadd(5, vb + 1536, 64);
+    _tile_dpbf16ps(4, 0, 5);
+}
+
+static inline void o_load(const float *o) {
+    _tile_loadd(1, o, 256); _tile_loadd(2, o + 16, 256); _tile_loadd(3, o + 32, 256); _tile_loadd(4, o + 48, 256);
+}
+static inline void o_store(float *o) {
+    _tile_stored(1, o, 256); _tile_stored(2, o + 16, 256); _tile_stored(3, o + 32, 256); _tile_stored(4, o + 48, 256);
+}
+
+// One task: kv head kh, rows i0 .. i0 + R - 1 (their g query heads each: N = R g queries).
+static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *kh, const uint16_t *vh,
+                 int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na, uint16_t *out, int nh,
+                 int g, int kh_i, int i0, int R, int64_t L, int64_t slots, int64_t ps, float scale, float *work) {
+    int N = R * g, head0 = kh_i * g;  // query m: row i0 + m / g, head head0 + m % g
+    int64_t ss = (slots + 31) / 32 * 32;
+    float *sq = work;                                 // (16, ss) fp32 raw scores by slot, a row per query
+    uint16_t *pb = (uint16_t *)(sq + QMAX * ss);      // (16, ps) bf16 p in logical key order
+    uint16_t *qt = pb + QMAX * ps;                    // (2, 16, 16) dim pairs of Q^T
+    uint16_t *vb = (uint16_t *)(((uintptr_t)(qt + 1024) + 63) & ~(uintptr_t)63);  // 2 x (4, 16, 32) values
+    float *o = (float *)(vb + 2 * 2048);              // (16, 64) O, tile column order
+    float *inv = o + 1024;                            // (16,) 1 / d
+    uint16_t *kz = (uint16_t *)(inv + 16);            // (32, 64) the last slots' keys, zero past the end
+    float *stage = (float *)(kz + 2048);              // (2, 16, 16) two S^T blocks
+
+    // Q^T: qt[half][pair][m] = the dims (32 half + 2 pair, + 1) of query m
+    for (int m = 0; m < N; m++) {
+        const uint32_t *qm = (const uint32_t *)(q + (int64_t)(i0 + m / g) * qs_row + (int64_t)(head0 + m % g) * qs_head);
+        for (int pr = 0; pr < 32; pr++) ((uint32_t *)qt)[(pr / 16) * 256 + (pr % 16) * 16 + m] = qm[pr];
+    }
+    config_scores(N);
+    _tile_loadd(2, qt, 64);
+    _tile_loadd(3, qt + 512, 64);
+    for (int64_t c = 0; c < slots; c += 32) {  // the last slots through kz: the cache may end there
+        const uint16_t *ka = kh + c * kv_pos, *kb = ka + 16 * kv_pos;
+        int64_t lda = kv_pos * 2, ldb = lda;
+        if (c + 32 > slots) {
+            memset(kz, 0, 32 * 64 * 2);
+            for (int64_t j = c; j < slots; j++) memcpy(kz + (j - c) * 64, kh + j * kv_pos, 128);
+            ka = kz; kb = kz + 16 * 64;
+            lda = ldb = 128;
+        }
+        _tile_zero(4);
+        _tile_zero(7);
+        _tile_loadd(0, ka, lda);
+        _tile_loadd(1, ka + 32, lda);
+        _tile_loadd(5, kb, ldb);
+        _tile_loadd(6, kb + 32, ldb);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(7, 5, 2);
+        _tile_dpbf16ps(4, 1, 3);
+        _tile_dpbf16ps(7, 6, 3);
+        _tile_stored(4, stage, 64);
+        _tile_stored(7, stage + 256, 64);
+        scatter_scores(stage, sq, ss, c, N);
+        scatter_scores(stage + 256, sq, ss, c + 16, N);
+    }
+
+    // softmax per query, keys in logical order
+    int64_t shared = L / 32 * 32;  // keys in blocks wholly inside the context
+    __m512 sc = _mm512_set1_ps(scale);
+    for (int m = 0; m < N; m++) {
+        int i = i0 + m / g;
+        const int64_t *ar = anc + (int64_t)i * anc_stride;
+        int64_t count = L + na[i];
+        const float *sm = sq + m * ss;
+        uint16_t *pm = pb + (int64_t)m * ps;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < count; j0 += 16) vmax = _mm512_max_ps(vmax, logical16(sm, j0, count, L, ar, sc));
+        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 dsum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < ps; j0 += 16) {
+            __m256i pv = _mm256_setzero_si256();
+            if (j0 < count) {  // exp(-inf) = 0 past count
+                pv = to_bf16x16(exp512(_mm512_sub_ps(logical16(sm, j0, count, L, ar, sc), mx)));
+                dsum = _mm512_add_ps(dsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pv), 16)));
+            }
+            _mm256_storeu_si256((__m256i *)(pm + j0), pv);
+        }
+        inv[m] = 1.0f / hsum16(dsum);
+    }
+
+    // p @ V: the shared blocks for all N queries, then each row's own blocks (value tiles packed
+    // into two buffers in turn, so a block's packing need not wait for the previous block's loads)
+    config_pv(N);
+    _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4);
+    int buf = 0;
+    for (int64_t c = 0; c < shared; c += 32, buf ^= 1) {
+        const uint16_t *vr = vh + c * kv_pos;
+        uint16_t *vbb = vb + buf * 2048;
+        for (int p = 0; p < 16; p++) pack_pair(vr + 2 * p * kv_pos, vr + (2 * p + 1) * kv_pos, vbb, p);
+        pv_block(pb + c, ps, vbb);
+    }
+    o_store(o);
+    if (N != g) config_pv(g);
+    for (int r = 0; r < R; r++) {
+        int i = i0 + r;
+        const int64_t *ar = anc + (int64_t)i * anc_stride;
+        int64_t count = L + na[i];
+        float *orow = o + (int64_t)r * g * 64;
+        o_load(orow);
+        for (int64_t c = shared; c < count; c += 32, buf ^= 1) {
+            uint16_t *vbb = vb + buf * 2048;
+            for (int p = 0; p < 16; p++) {
+                int64_t j = c + 2 * p;
+                const uint16_t *a = j < count ? vh + key_slot(j, L, ar) * kv_pos : NULL;
+                const uint16_t *b = j + 1 < count ? vh + key_slot(j + 1, L, ar) * kv_pos : NULL;
+                pack_pair(a, b, vbb, p);
+            }
+            pv_block(pb + (int64_t)r * g * ps + c, ps, vbb);
+        }
+        o_store(orow);
+    }
+
+    // out = bf16(O / d), dims back in order
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int m = 0; m < N; m++) {
+        const float *om = o + (int64_t)m * 64;
+        __m512 iv = _mm512_set1_ps(inv[m]);
+        uint16_t *dst = out + ((int64_t)(i0 + m / g) * nh + head0 + m % g) * 64;
+        for (int half = 0; half < 2; half++) {
+            __m512 t0 = _mm512_loadu_ps(om + 32 * half), t1 = _mm512_loadu_ps(om + 32 * half + 16);
+            _mm256_storeu_si256((__m256i *)(dst + 32 * half), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(t0, lo, t1), iv)));
+            _mm256_storeu_si256((__m256i *)(dst + 32 * half + 16), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(t0, hi, t1), iv)));
+        }
+    }
+}
+
+// The team's share of the (kv head, up to 16 / g rows) tasks. A plain step's one row leaves 3 tasks
+// for 2 threads; splitting them by query head (as the vector kernel does) measured slower here, each
+// head then scoring and packing its kv head's keys and values again.
+// work: this thread's attn_amx_work floats. Leaves the GEMM's tile shapes configured (amx_begin).
+void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
+                        int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
+                        uint16_t *out, int n, int nh, int kvh, int64_t L, float scale, float *work) {
+    int g = nh / kvh, per = QMAX / g, groups = (n + per - 1) / per;
+    int64_t slots = L + tree_slots(na, anc, anc_stride, n);
+    int64_t ps = (most_keys(na, n, L) + 31) / 32 * 32 + 32;
+    int ran = 0;
+#pragma omp for schedule(static)
+    for (int unit = 0; unit < kvh * groups; unit++) {
+        int kh_i = unit / groups, i0 = unit % groups * per, R = n - i0 < per ? n - i0 : per;
+        task(q, qs_row, qs_head, k + kh_i * kv_head, v + kh_i * kv_head, kv_pos, anc, anc_stride, na, out, nh, g,
+             kh_i, i0, R, L, slots, ps, scale, work);
+        ran = 1;
+    }
+    if (ran) amx_begin();
+}
+#endif
