@@ -228,17 +228,17 @@ def _random_tree(gen: torch.Generator, rows: int) -> list[int]:
     return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, rows)]
 
 
-@pytest.fixture(params=["avx512", "amx"])
+@pytest.fixture(params=["avx512", "amx", "mixed"])
 def attention_kernel(request):
-    """Each attention kernel this machine has; the AMX one (csrc/attention_amx.c) where tiles serve."""
+    """Each attention kernel this machine has: the vector one; the AMX one (csrc/attention_amx.c)
+    for every row, where tiles serve; both ("mixed": the test sets from how many keys tiles serve)."""
     if not native.status().available:
         pytest.skip("native kernels unavailable")
-    before = native.status().amx_attention
-    if not native.set_amx_attention(request.param == "amx"):
-        if request.param == "amx":
-            pytest.skip("no AMX tiles here")
+    st = native.status()
+    if not native.set_amx_attention(request.param != "avx512", from_keys=0) and request.param != "avx512":
+        pytest.skip("no AMX tiles here")
     yield request.param
-    native.set_amx_attention(before)
+    native.set_amx_attention(st.amx_attention, from_keys=st.amx_attention_from)
 
 
 @pytest.mark.parametrize("n_ctx", [0, 5, 31, 32, 33, 63, 64, 100, 161])
@@ -246,7 +246,10 @@ def test_a_tree_rows_attention_is_plain_decodings_bit_for_bit(attention_kernel, 
     """Row i of a tree (its ancestors scattered over the tree's slots, beside other rows) computes the
     bits plain decoding computes for the same token: the context and its ancestors laid out one after
     the other, the row alone. Contexts around the AMX kernel's 16- and 32-key blocks, trees of up to
-    19 rows (more than one AMX task of 5 rows), SmolLM2's 9 query heads over 3 kv heads."""
+    19 rows (more than one AMX task of 5 rows), SmolLM2's 9 query heads over 3 kv heads; "mixed":
+    rows from n_ctx + 3 keys on tiles, the shallower ones on the vector kernel, in the same calls."""
+    if attention_kernel == "mixed":
+        native.set_amx_attention(True, from_keys=n_ctx + 3)
     gen = torch.Generator().manual_seed(n_ctx)
     nh, kvh, hd = 9, 3, 64
     for rows in (1, 4, 19):
@@ -283,15 +286,21 @@ def test_the_amx_attention_serves_only_head_dim_64_and_stays_close_to_the_vector
     try:
         outs = {}
         for on in (False, True):
-            native.set_amx_attention(on)
+            native.set_amx_attention(on, from_keys=0)
             outs[on] = [native.attention(*_tree_case(n_ctx, nh, kvh, hd, seed=7)[:3], n_ctx,
                                          *_tree_case(n_ctx, nh, kvh, hd, seed=7)[3:], hd ** -0.5)
                         for n_ctx, nh, kvh, hd in ((300, 9, 3, 64), (40, 8, 2, 128))]
         a, b = outs[False][0].float(), outs[True][0].float()
         assert not torch.equal(a, b) and torch.allclose(a, b, rtol=2e-2, atol=1e-2)
         assert torch.equal(outs[False][1], outs[True][1])  # head_dim 128: the vector kernel either way
+        # from a threshold on: rows with at least that many keys are the tiles', the others the vector kernel's
+        q, key, value, anc, counts = _tree_case(300, 9, 3, 64, seed=7)
+        native.set_amx_attention(True, from_keys=303)
+        mixed = native.attention(q, key, value, 300, anc, counts, 0.125)
+        for i, c in enumerate(counts.tolist()):
+            assert torch.equal(mixed[i], (outs[True] if 300 + c >= 303 else outs[False])[0][i]), i
     finally:
-        native.set_amx_attention(before)
+        native.set_amx_attention(before, from_keys=native.status().amx_attention_from)
 
 
 def test_attention_usable_only_for_what_the_kernel_computes():

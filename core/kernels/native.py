@@ -74,13 +74,15 @@ class NativeStatus:
     available: bool
     reason: str  # what runs, or why the kernel does not
     amx: bool = False  # GEMMs with K % 32 == 0 and N % 16 == 0 run on AMX tiles (csrc/gemm_amx.c)
-    amx_attention: bool = False  # attention with head_dim 64 runs on AMX tiles (csrc/attention_amx.c)
+    amx_attention: bool = False  # rows of head_dim 64 with enough keys attend on AMX tiles (csrc/attention_amx.c)
+    amx_attention_from: int = 0  # ... from this many keys (a row's context and ancestors)
 
     def describe(self) -> str:
         if not self.available:
             return f"torch kernels ({self.reason})"
         if self.amx and self.amx_attention:
-            return "AMX bf16 GEMM and attention (head_dim 64), AVX-512 RMSNorm (core/kernels/csrc)"
+            return (f"AMX bf16 GEMM, attention on AMX tiles from {self.amx_attention_from} keys (head_dim 64), "
+                    "AVX-512 below and RMSNorm (core/kernels/csrc)")
         if self.amx:
             return "AMX bf16 GEMM, AVX-512 attention and RMSNorm (core/kernels/csrc)"
         return "AVX-512 bf16 GEMM, attention and RMSNorm (core/kernels/csrc)"  # as before AMX: autotune keys hold it
@@ -278,7 +280,8 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     problem = _self_test(kernels)
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")
-    return kernels, NativeStatus(True, "built and self-tested", amx=amx, amx_attention=attention_amx)
+    return kernels, NativeStatus(True, "built and self-tested", amx=amx, amx_attention=attention_amx,
+                                 amx_attention_from=int(kernels.attn_amx_min_keys(-1)))
 
 
 def amx_wanted() -> bool:
@@ -292,10 +295,13 @@ def amx_attention_wanted() -> bool:
     return os.environ.get(AMX_ATTENTION_ENV, "").lower() not in ("0", "off", "false", "no")
 
 
-def set_amx_attention(on: bool) -> bool:
-    """Attention on AMX tiles on or off (tests compare the two kernels; numerics differ, so an engine
-    must not switch between calls). Returns whether the tiles serve head_dim 64 now."""
+def set_amx_attention(on: bool, from_keys: int | None = None) -> bool:
+    """Attention on AMX tiles on or off, for rows with at least `from_keys` keys (None: as it is;
+    tests compare the kernels and use small thresholds; numerics differ, so an engine must not switch
+    between calls). Returns whether the tiles serve head_dim 64 now."""
     k, st = _library()
+    if k and from_keys is not None:
+        k.attn_amx_min_keys(int(from_keys))
     return bool(k and k.attn_amx_enable(int(on and st.amx)))
 
 

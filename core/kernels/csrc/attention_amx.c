@@ -35,6 +35,20 @@ int amx_serves(int N, int K);
 void amx_begin(void);
 
 static int attn_amx = 0;
+static int64_t attn_amx_min = 256;  // a row's keys (its context and its ancestors) from which tiles serve it
+
+// Where AMX attention serves at all, from how many keys a row is computed on tiles (keys >= 0: set
+// it first). A row's kernel depends on its own key count only, as its bits must: the same token has
+// the same count alone (a plain step) or in a tree. Below it the vector kernel is faster: using the
+// tiles at all slows the cores (measured: one tile product per layer made a one-row forward at 128
+// keys 10-25% slower), which attention's saving pays for only over a longer context.
+// ctypes: attn_amx_min_keys(i64 keys) -> i64
+int64_t attn_amx_min_keys(int64_t keys) {
+    if (keys >= 0) attn_amx_min = keys;
+    return attn_amx_min;
+}
+
+int64_t attn_amx_threshold(void) { return attn_amx_min; }
 
 #ifndef __AMX_TILE__
 int attn_amx_enable(int want) { (void)want; return 0; }
@@ -45,8 +59,9 @@ int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride,
 }
 void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
-                        uint16_t *out, int n, int nh, int kvh, int64_t L, float scale, float *work) {
-    (void)q; (void)qs_row; (void)qs_head; (void)k; (void)v; (void)kv_head; (void)kv_pos; (void)anc;
+                        uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
+                        float *work) {
+    (void)rows; (void)nr; (void)q; (void)qs_row; (void)qs_head; (void)k; (void)v; (void)kv_head; (void)kv_pos; (void)anc;
     (void)anc_stride; (void)na; (void)out; (void)n; (void)nh; (void)kvh; (void)L; (void)scale; (void)work;
 }
 #else
@@ -196,11 +211,12 @@ static inline void o_store(float *o) {
     _tile_stored(1, o, 256); _tile_stored(2, o + 16, 256); _tile_stored(3, o + 32, 256); _tile_stored(4, o + 48, 256);
 }
 
-// One task: kv head kh, rows i0 .. i0 + R - 1 (their g query heads each: N = R g queries).
+// One task: kv head kh, rows rows[0 .. R - 1] (their g query heads each: N = R g queries).
 static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *kh, const uint16_t *vh,
                  int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na, uint16_t *out, int nh,
-                 int g, int kh_i, int i0, int R, int64_t L, int64_t slots, int64_t ps, float scale, float *work) {
-    int N = R * g, head0 = kh_i * g;  // query m: row i0 + m / g, head head0 + m % g
+                 int g, int kh_i, const int *rows, int R, int64_t L, int64_t slots, int64_t ps, float scale,
+                 float *work) {
+    int N = R * g, head0 = kh_i * g;  // query m: row rows[m / g], head head0 + m % g
     int64_t ss = (slots + 31) / 32 * 32;
     float *sq = work;                                 // (16, ss) fp32 raw scores by slot, a row per query
     uint16_t *pb = (uint16_t *)(sq + QMAX * ss);      // (16, ps) bf16 p in logical key order
@@ -213,7 +229,7 @@ static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint1
 
     // Q^T: qt[half][pair][m] = the dims (32 half + 2 pair, + 1) of query m
     for (int m = 0; m < N; m++) {
-        const uint32_t *qm = (const uint32_t *)(q + (int64_t)(i0 + m / g) * qs_row + (int64_t)(head0 + m % g) * qs_head);
+        const uint32_t *qm = (const uint32_t *)(q + (int64_t)rows[m / g] * qs_row + (int64_t)(head0 + m % g) * qs_head);
         for (int pr = 0; pr < 32; pr++) ((uint32_t *)qt)[(pr / 16) * 256 + (pr % 16) * 16 + m] = qm[pr];
     }
     config_scores(N);
@@ -248,7 +264,7 @@ static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint1
     int64_t shared = L / 32 * 32;  // keys in blocks wholly inside the context
     __m512 sc = _mm512_set1_ps(scale);
     for (int m = 0; m < N; m++) {
-        int i = i0 + m / g;
+        int i = rows[m / g];
         const int64_t *ar = anc + (int64_t)i * anc_stride;
         int64_t count = L + na[i];
         const float *sm = sq + m * ss;
@@ -282,7 +298,7 @@ static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint1
     o_store(o);
     if (N != g) config_pv(g);
     for (int r = 0; r < R; r++) {
-        int i = i0 + r;
+        int i = rows[r];
         const int64_t *ar = anc + (int64_t)i * anc_stride;
         int64_t count = L + na[i];
         float *orow = o + (int64_t)r * g * 64;
@@ -306,7 +322,7 @@ static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint1
     for (int m = 0; m < N; m++) {
         const float *om = o + (int64_t)m * 64;
         __m512 iv = _mm512_set1_ps(inv[m]);
-        uint16_t *dst = out + ((int64_t)(i0 + m / g) * nh + head0 + m % g) * 64;
+        uint16_t *dst = out + ((int64_t)rows[m / g] * nh + head0 + m % g) * 64;
         for (int half = 0; half < 2; half++) {
             __m512 t0 = _mm512_loadu_ps(om + 32 * half), t1 = _mm512_loadu_ps(om + 32 * half + 16);
             _mm256_storeu_si256((__m256i *)(dst + 32 * half), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(t0, lo, t1), iv)));
@@ -315,22 +331,24 @@ static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint1
     }
 }
 
-// The team's share of the (kv head, up to 16 / g rows) tasks. A plain step's one row leaves 3 tasks
-// for 2 threads; splitting them by query head (as the vector kernel does) measured slower here, each
-// head then scoring and packing its kv head's keys and values again.
-// work: this thread's attn_amx_work floats. Leaves the GEMM's tile shapes configured (amx_begin).
+// The team's share of the (kv head, up to 16 / g rows) tasks over rows[0 .. nr - 1] (of the call's
+// n). A plain step's one row leaves 3 tasks for 2 threads; splitting them by query head (as the
+// vector kernel does) measured slower here, each head then scoring and packing its kv head's keys
+// and values again. work: this thread's attn_amx_work floats. Leaves the GEMM's tile shapes
+// configured (amx_begin).
 void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
-                        uint16_t *out, int n, int nh, int kvh, int64_t L, float scale, float *work) {
-    int g = nh / kvh, per = QMAX / g, groups = (n + per - 1) / per;
+                        uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
+                        float *work) {
+    int g = nh / kvh, per = QMAX / g, groups = (nr + per - 1) / per;
     int64_t slots = L + tree_slots(na, anc, anc_stride, n);
     int64_t ps = (most_keys(na, n, L) + 31) / 32 * 32 + 32;
     int ran = 0;
 #pragma omp for schedule(static)
     for (int unit = 0; unit < kvh * groups; unit++) {
-        int kh_i = unit / groups, i0 = unit % groups * per, R = n - i0 < per ? n - i0 : per;
+        int kh_i = unit / groups, first = unit % groups * per, R = nr - first < per ? nr - first : per;
         task(q, qs_row, qs_head, k + kh_i * kv_head, v + kh_i * kv_head, kv_pos, anc, anc_stride, na, out, nh, g,
-             kh_i, i0, R, L, slots, ps, scale, work);
+             kh_i, rows + first, R, L, slots, ps, scale, work);
         ran = 1;
     }
     if (ran) amx_begin();

@@ -18,7 +18,9 @@ int attn_amx_serves(int hd, int g);
 int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g);
 void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
-                        uint16_t *out, int n, int nh, int kvh, int64_t L, float scale, float *work);
+                        uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
+                        float *work);
+int64_t attn_amx_threshold(void);
 void amx_end(void);
 int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g,
                                   int hd);
@@ -74,22 +76,28 @@ static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
 // One team's share of the (row, kv head) units; call from every thread of a parallel region (or
 // alone). s: this thread's attention_work_per_thread floats, cap >= L + max(na) + 16 of them per
 // query head of a kv head, then inv: g floats. Where this machine runs attention on AMX tiles
-// (attn_amx_serves: by head_dim and heads per kv head, never by row count) the call goes there.
+// (attn_amx_serves: by head_dim and heads per kv head), the rows with at least attn_amx_threshold()
+// keys go there (a row's kernel follows from its own key count, never from the rows beside it).
 void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                     uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
                     float *inv) {
     int g = nh / kvh, chunks = hd / 32, ov = hd / 16;
-    if (attn_amx_serves(hd, g)) {
-        attention_amx_team(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out, n, nh, kvh, L, scale, s);
-        return;
+    int vrows[n], arows[n], nv = 0, nr = 0;  // rows for the vector kernel, for the tiles
+    int64_t from = attn_amx_serves(hd, g) ? attn_amx_threshold() : INT64_MAX;
+    for (int i = 0; i < n; i++) {
+        if (L + na[i] >= from) arows[nr++] = i;
+        else vrows[nv++] = i;
     }
-    int hg = n * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
+    if (nr) attention_amx_team(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out, n, arows, nr, nh,
+                               kvh, L, scale, s);
+    if (!nv) return;
+    int hg = nv * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
     int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass, <= 16
     {
 #pragma omp for schedule(static)
-        for (int unit = 0; unit < n * (nh / hg); unit++) {
-            int i = unit / (nh / hg), h0 = unit % (nh / hg) * hg, kh_i = h0 / g;
+        for (int unit = 0; unit < nv * (nh / hg); unit++) {
+            int i = vrows[unit / (nh / hg)], h0 = unit % (nh / hg) * hg, kh_i = h0 / g;
             int64_t count = L + na[i];
             const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
             for (int t = 0; t < hg; t++) {
