@@ -15,15 +15,17 @@
 #include "common.h"
 
 int attn_amx_serves(int hd, int g);
-int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g);
+int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh, int kvh,
+                      int nthreads);
 void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                         uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
                         float *work);
 int64_t attn_amx_threshold(void);
 void amx_end(void);
-int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g,
-                                  int hd);
+int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh,
+                                  int kvh, int hd, int nthreads);
+static int64_t score_cap(const int64_t *na, int n, int64_t L);
 
 // Cache slot of row i's j-th key: the context, then its ancestors and itself.
 static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
@@ -74,14 +76,14 @@ static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
 // third of the time), one task per (row, head) instead: the same bits, spread evenly.
 //
 // One team's share of the (row, kv head) units; call from every thread of a parallel region (or
-// alone). s: this thread's attention_work_per_thread floats, cap >= L + max(na) + 16 of them per
-// query head of a kv head, then inv: g floats. Where this machine runs attention on AMX tiles
+// alone). work: the team's attention_work_per_thread floats per thread, per_thread apart (the vector
+// kernel's: a thread's own g rows of cap >= L + max(na) + 16 scores, then g sums). Where this machine runs attention on AMX tiles
 // (attn_amx_serves: by head_dim and heads per kv head), the rows with at least attn_amx_threshold()
 // keys go there (a row's kernel follows from its own key count, never from the rows beside it).
 void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
-                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
-                    float *inv) {
+                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *work,
+                    int64_t per_thread) {
     int g = nh / kvh, chunks = hd / 32, ov = hd / 16;
     int vrows[n], arows[n], nv = 0, nr = 0;  // rows for the vector kernel, for the tiles
     int64_t from = attn_amx_serves(hd, g) ? attn_amx_threshold() : INT64_MAX;
@@ -90,8 +92,10 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
         else vrows[nv++] = i;
     }
     if (nr) attention_amx_team(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out, n, arows, nr, nh,
-                               kvh, L, scale, s);
+                               kvh, L, scale, work);
     if (!nv) return;
+    int64_t cap = score_cap(na, n, L);
+    float *s = work + omp_get_thread_num() * per_thread, *inv = s + g * cap;
     int hg = nv * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
     int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass, <= 16
     {
@@ -177,26 +181,26 @@ static int64_t score_cap(const int64_t *na, int n, int64_t L) {
 int attention_bf16(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                    int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, int nthreads) {
-    int g = nh / kvh;
-    int64_t per = attention_work_per_thread(na, anc, anc_stride, n, L, g, hd), cap = (per - g) / g;
+    int64_t per = attention_work_per_thread(na, anc, anc_stride, n, L, nh, kvh, hd, nthreads);
     float *work = (float *)malloc((size_t)nthreads * per * sizeof(float));
     if (!work) return -1;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *mine = work + omp_get_thread_num() * per;
         attention_team(q, qs_row, qs_head, k, v, kv_head, kv_pos, anc, anc_stride, na, out, n, nh, kvh, hd, L, scale,
-                       mine, cap, mine + g * cap);
+                       work, per);
         amx_end();  // the tiles' state, where the AMX kernel served
     }
     free(work);
     return 0;
 }
 
-// One thread's work floats for a call: the vector kernel's g * cap + g, or the AMX kernel's need.
-int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g,
-                                  int hd) {
+// One thread's work floats for a call on a team of nthreads: the vector kernel's g * cap + g, or
+// the AMX kernel's need.
+int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh,
+                                  int kvh, int hd, int nthreads) {
+    int g = nh / kvh;
     int64_t vec = g * score_cap(na, n, L) + g;
     if (!attn_amx_serves(hd, g)) return vec;
-    int64_t amx = attn_amx_work(na, anc, anc_stride, n, L, g);
+    int64_t amx = attn_amx_work(na, anc, anc_stride, n, L, nh, kvh, nthreads);
     return amx > vec ? amx : vec;
 }

@@ -22,10 +22,10 @@ void rotary_bf16(const uint16_t *x, int64_t ldx, const uint16_t *cos, const uint
                  uint16_t *out, int n, int heads, int hd);
 void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
-                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *s, int64_t cap,
-                    float *inv);
-int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int g,
-                                  int hd);
+                    uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *work,
+                    int64_t per_thread);
+int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh,
+                                  int kvh, int hd, int nthreads);
 void silu_mul_team(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *out, int64_t ldo,
                    int M, int H);
 
@@ -78,7 +78,7 @@ typedef struct {  // the step's activations, n rows each
 // round: after the draft nodes fed before it). ln1 NULL: no input norm (the EAGLE heads' layer).
 static int layer_team(const step_model *m, const step_layer *L, const acts *t, const int64_t *positions, int n,
                       int64_t committed, int64_t at, const int64_t *anc, int64_t anc_stride, const int64_t *counts,
-                      uint16_t *pack, uint16_t *scratch, float *scores, int64_t cap) {
+                      uint16_t *pack, uint16_t *scratch, float *attn_work, int64_t attn_per_thread) {
     int H = m->hidden, nh = m->heads, kvh = m->kv_heads, hd = m->head_dim, F = m->ffn;
     int64_t qw = (int64_t)nh * hd, kw = (int64_t)kvh * hd;
     const uint16_t *in = t->x;
@@ -100,7 +100,7 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
         }
     }
     attention_team(t->qr, qw, hd, L->kc, L->vc, L->kv_head, hd, anc, anc_stride, counts, t->q, n, nh, kvh, hd,
-                   committed, m->scale, scores, cap, scores + (int64_t)(nh / kvh) * cap);  // q: attention out
+                   committed, m->scale, attn_work, attn_per_thread);  // q: attention out
     gemm_job o = {&L->o, NULL, t->o, H};
     if (gemm_team(t->q, qw, &o, 1, n, (int)qw, pack, scratch)) return -1;
     add_team(t->x, t->o, (int64_t)n * H);
@@ -119,21 +119,21 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
 typedef struct {
     acts t;
     uint16_t *work, *pack, *scratch;
-    float *scores;
+    float *scores;            // attention's work, per_thread floats a thread (the team's, for attention_team)
     int kmax;
-    int64_t per_thread, cap;  // scores per thread; keys one query head may score
+    int64_t per_thread;
     float *screen;            // lm_screen_team's shared work, or NULL
 } step_mem;
 
 static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int64_t committed, const int64_t *anc,
                           int64_t anc_stride, const int64_t *counts, int nthreads, int screened) {
-    int H = m->hidden, F = m->ffn, g = m->heads / m->kv_heads;
+    int H = m->hidden, F = m->ffn;
     int64_t qw = (int64_t)m->heads * m->head_dim, kw = (int64_t)m->kv_heads * m->head_dim;
     s->kmax = kin > F ? kin : F;
     s->kmax = s->kmax > qw ? s->kmax : (int)qw;
     int64_t act = 3 * (int64_t)H + 2 * qw + 3 * kw + 3 * (int64_t)F;
-    s->per_thread = attention_work_per_thread(counts, anc, anc_stride, n, committed, g, m->head_dim);
-    s->cap = (s->per_thread - g) / g;
+    s->per_thread = attention_work_per_thread(counts, anc, anc_stride, n, committed, m->heads, m->kv_heads,
+                                              m->head_dim, nthreads);
     s->work = (uint16_t *)malloc((size_t)n * act * 2);
     s->pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(n, s->kmax) * 2);
     s->scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(s->kmax) * 2);
@@ -181,7 +181,6 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
         {
             int me = omp_get_thread_num(), bad = 0;
             uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
-            float *sc = s.scores + me * s.per_thread;
             amx_begin();
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t->x + (int64_t)i * H);
@@ -191,7 +190,7 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
             }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
                 bad = layer_team(m, &m->layer[l], t, positions, n, committed, committed, anc, anc_stride, counts,
-                                 s.pack, mine, sc, s.cap);
+                                 s.pack, mine, s.scores, s.per_thread);
                 if (features) {
 #pragma omp single
                     keep_features(t->x, n, H, l + 1, feature_ids, nf, features);
@@ -237,13 +236,12 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
         {
             int me = omp_get_thread_num(), bad = 0;
             uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
-            float *sc = s.scores + me * s.per_thread;
             amx_begin();
             gemm_job in = {fc, fc_bias, t->x, H};
             bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, s.pack, mine);
             for (int l = 0; l < m->layers && !bad; l++)
                 bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack, mine,
-                                 sc, s.cap);
+                                 s.scores, s.per_thread);
             amx_end();
             if (bad) {
 #pragma omp atomic write
