@@ -26,6 +26,10 @@
 //           depend on where each product sits: measured, a zero moved inside a block changes the
 //           result, so logical blocks are what makes this exact, not zeros.)
 //   out     bf16(O * (1 / d)).
+// Keys go in segments of SEG logical keys from key 0, a task each (kv head, up to 16 / g rows,
+// segment), so one row's long context spreads over the team; where a row has several, each keeps
+// its own max m_s and sum d_s, and the merge takes M = max m_s, O = sum O_s e^(m_s - M), d = sum
+// d_s e^(m_s - M) in segment order (from 0 with fused multiply-adds: one segment is left as it is).
 // So a token's row is bit-identical alone (a plain step) or inside any tree, at any thread count.
 // The numbers differ from the vector kernel's (the tile's own summation, p rounded to bf16 for the
 // product as bf16 attention does): a row's kernel follows from its key count alone.
@@ -65,7 +69,8 @@ void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, cons
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                         uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
                         float *work) {
-    (void)rows; (void)nr; (void)q; (void)qs_row; (void)qs_head; (void)k; (void)v; (void)kv_head; (void)kv_pos; (void)anc;
+    (void)rows; (void)nr; (void)q; (void)qs_row; (void)qs_head; (void)k; (void)v; (void)kv_head; (void)kv_pos;
+    (void)anc;
     (void)anc_stride; (void)na; (void)out; (void)n; (void)nh; (void)kvh; (void)L; (void)scale; (void)work;
 }
 #else
@@ -113,7 +118,10 @@ static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { r
 static int64_t tree_slots(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n) {
     int64_t most = 0;
     for (int i = 0; i < n; i++)
-        for (int64_t a = 0; a < na[i]; a++) most = anc[i * anc_stride + a] + 1 > most ? anc[i * anc_stride + a] + 1 : most;
+        for (int64_t a = 0; a < na[i]; a++) {
+            int64_t slot = anc[i * anc_stride + a] + 1;
+            most = slot > most ? slot : most;
+        }
     return most;
 }
 
@@ -333,7 +341,8 @@ static void task(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint1
             continue;
         }
         __m512 vmax = _mm512_set1_ps(-INFINITY), dsum = _mm512_setzero_ps();
-        for (int64_t j0 = s0; j0 < end; j0 += 16) vmax = _mm512_max_ps(vmax, logical16(sm, j0, end, s0, L, tcol, ar, sc));
+        for (int64_t j0 = s0; j0 < end; j0 += 16)
+            vmax = _mm512_max_ps(vmax, logical16(sm, j0, end, s0, L, tcol, ar, sc));
         float mx = _mm512_reduce_max_ps(vmax);
         for (int64_t j0 = s0; j0 < s1; j0 += 16) {
             __m256i pv = _mm256_setzero_si256();

@@ -77,9 +77,10 @@ static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
 //
 // One team's share of the (row, kv head) units; call from every thread of a parallel region (or
 // alone). work: the team's attention_work_per_thread floats per thread, per_thread apart (the vector
-// kernel's: a thread's own g rows of cap >= L + max(na) + 16 scores, then g sums). Where this machine runs attention on AMX tiles
-// (attn_amx_serves: by head_dim and heads per kv head), the rows with at least attn_amx_threshold()
-// keys go there (a row's kernel follows from its own key count, never from the rows beside it).
+// kernel's: a thread's own g rows of cap >= L + max(na) + 16 scores, then g sums). Where this machine
+// runs attention on AMX tiles (attn_amx_serves: by head_dim and heads per kv head), the rows with at
+// least attn_amx_threshold() keys go there (a row's kernel follows from its own key count, never
+// from the rows beside it: csrc/attention_amx.c).
 void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                     uint16_t *out, int n, int nh, int kvh, int hd, int64_t L, float scale, float *work,
