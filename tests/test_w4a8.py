@@ -182,8 +182,13 @@ def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
     """A process's thread count follows how busy the machine is at start (core.threads), so a
     plain run and a speculative run started a minute apart can get 1 and 2 threads: their texts
     stay equal only if no logit depends on the thread count (columns are split among threads,
-    never the sum over K), nor on AMX-INT8 vs VNNI. The probe passes on every combination too."""
-    from core.decoding.probe import run_probe
+    never the sum over K), nor on AMX-INT8 vs VNNI. The probe passes on every combination too, at
+    its short context and at the one it runs at (where attention moves to AMX tiles from 256 keys,
+    its tree's rows straddle that: both kernels in one call)."""
+    from core.decoding.probe import probe_context, run_probe
+
+    st = native.status()
+    assert probe_context() == (st.amx_attention_from - 2 if st.amx_attention else 62)
 
     step = smollm2_w4a8.step
     ids = torch.tensor(smollm2_w4a8.encode("Name three rivers in Europe and the seas they flow into."))
@@ -201,8 +206,9 @@ def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
                     for i, token in enumerate((504, 28, 1034)):  # three plain steps after the prompt
                         rows.append(plain_forward(step, token, cache, len(ids) + i)[1].reshape(-1))
                 seen[threads, amx] = torch.stack(rows)
-                result = run_probe(step)
-                assert result.exact, (threads, amx, result.reason)
+                for context in sorted({62, probe_context()}):
+                    result = run_probe(step, context=context)
+                    assert result.exact, (threads, amx, context, result.reason)
     finally:
         torch.set_num_threads(before)
         native.set_x8_amx(had)

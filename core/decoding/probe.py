@@ -100,6 +100,13 @@ def _preorder(parents: list[int]) -> list[int]:
     return order
 
 
+def probe_context() -> int:
+    """62 tokens of context; where rows from a number of keys on attend on AMX tiles (csrc/attention_amx.c),
+    2 below it, so the tree's rows (depths 0-4) straddle it: both kernels, mixed in one call."""
+    st = native.status()
+    return max(62, st.amx_attention_from - 2) if st.amx_attention else 62
+
+
 def run_probe(model, context: int = 62, seed: int = 0) -> ProbeResult:
     """Compare tree-verified logits with plain-step logits for every node of a random tree."""
     t0 = time.perf_counter()
@@ -138,7 +145,7 @@ def probe(model, dtype: torch.dtype, attention: str, device, refresh: bool = Fal
             return ProbeResult(**(json.loads(path.read_text()) | {"cached": True}))
         except (ValueError, TypeError):
             pass  # unreadable: probe again
-    result = run_probe(model)
+    result = run_probe(model, context=probe_context())
     try:
         write_atomic(path, json.dumps(asdict(result) | {"cached": False}))
     except OSError:
