@@ -241,18 +241,21 @@ def attention_kernel(request):
     native.set_amx_attention(st.amx_attention, from_keys=st.amx_attention_from)
 
 
-@pytest.mark.parametrize("n_ctx", [0, 5, 31, 32, 33, 63, 64, 100, 161, 505, 512, 1100])
-def test_a_tree_rows_attention_is_plain_decodings_bit_for_bit(attention_kernel, n_ctx):
+@pytest.mark.parametrize("n_ctx,nh,kvh", [(0, 9, 3), (5, 9, 3), (31, 9, 3), (32, 9, 3), (33, 9, 3), (63, 9, 3),
+                                         (64, 9, 3), (100, 9, 3), (161, 9, 3), (505, 9, 3), (512, 9, 3),
+                                         (1100, 9, 3), (40, 14, 2), (40, 4, 4), (40, 16, 1)])
+def test_a_tree_rows_attention_is_plain_decodings_bit_for_bit(attention_kernel, n_ctx, nh, kvh):
     """Row i of a tree (its ancestors scattered over the tree's slots, beside other rows) computes the
     bits plain decoding computes for the same token: the context and its ancestors laid out one after
     the other, the row alone. Contexts around the AMX kernel's 16- and 32-key blocks, trees of up to
     19 rows (more than one AMX task of 5 rows), SmolLM2's 9 query heads over 3 kv heads, and across
     the AMX kernel's 512-key segments (rows of one and of two or three segments in one call); "mixed":
-    rows from n_ctx + 3 keys on tiles, the shallower ones on the vector kernel, in the same calls."""
+    rows from n_ctx + 3 keys on tiles, the shallower ones on the vector kernel, in the same calls.
+    Other head layouts: 7 query heads a kv head (2 rows a task, as Qwen2-0.5B), 1 (16 rows), 16 (1 row)."""
     if attention_kernel == "mixed":
         native.set_amx_attention(True, from_keys=n_ctx + 3)
-    gen = torch.Generator().manual_seed(n_ctx)
-    nh, kvh, hd = 9, 3, 64
+    gen = torch.Generator().manual_seed(n_ctx + nh)
+    hd = 64
     for rows in (1, 4, 19):
         parents = _random_tree(gen, rows)
         chains = []
