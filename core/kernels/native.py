@@ -25,8 +25,10 @@ instruction sequence (csrc/attention_bf16.c), so it needs none of core.kernels.i
 and its dozens of small torch ops per layer. On AMX machines a row with at least 256 keys (head_dim 64)
 attends on tiles instead (csrc/attention_amx.c: 512-key segments of logical keys, the rows and query
 heads of a kv head sharing every tile product); the kernel follows from the row's own key count, the
-same for a token alone or in a tree. `EAGLE_CHAT_AMX_ATTENTION=0` keeps the vector kernel. RMSNorm (`rms_norm`, csrc/rmsnorm_bf16.c): the
-formula of transformers' LlamaRMSNorm in one call instead of eight torch ops.
+same for a token alone or in a tree. `EAGLE_CHAT_AMX_ATTENTION=0` keeps the vector kernel.
+
+RMSNorm (`rms_norm`, csrc/rmsnorm_bf16.c): the formula of transformers' LlamaRMSNorm in one call
+instead of eight torch ops.
 
 Built once per machine with gcc into `cache_home()/kernels`, loaded with ctypes, and checked
 (against fp32 references, and row by row against a batch) before first use. Where any step

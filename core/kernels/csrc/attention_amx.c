@@ -40,6 +40,7 @@
 
 int amx_serves(int N, int K);
 void amx_begin(void);
+void amx_config(const int rows[8], const int colsb[8]);
 
 static int attn_amx = 0;
 static int64_t attn_amx_min = 256;  // a row's keys (its context and its ancestors) from which tiles serve it
@@ -54,8 +55,6 @@ int64_t attn_amx_min_keys(int64_t keys) {
     if (keys >= 0) attn_amx_min = keys;
     return attn_amx_min;
 }
-
-int64_t attn_amx_threshold(void) { return attn_amx_min; }
 
 #ifndef __AMX_TILE__
 int attn_amx_enable(int want) { (void)want; return 0; }
@@ -84,35 +83,18 @@ int attn_amx_enable(int want) {
 
 int attn_amx_serves(int hd, int g) { return attn_amx && hd == 64 && g >= 1 && g <= 16; }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-static void load_config(int rows[8], int colsb[8]) {
-    tile_config c __attribute__((aligned(64)));
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = (uint16_t)colsb[t]; }
-    __asm__ __volatile__("" : : "r"(&c) : "memory");  // see amx_begin: keep the stores to c
-    _tile_loadconfig(&c);
-}
-
 // Scores, two blocks of 16 slots at a time: tiles 0-1 and 5-6 K (16 slots x 32 dims), 2-3 Q^T
 // (16 dim pairs x N queries), 4 and 7 S^T (16 x N).
 static void config_scores(int N) {
-    int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16}, colsb[8] = {64, 64, 4 * N, 4 * N, 4 * N, 64, 64, 4 * N};
-    load_config(rows, colsb);
+    const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16}, colsb[8] = {64, 64, 4 * N, 4 * N, 4 * N, 64, 64, 4 * N};
+    amx_config(rows, colsb);
 }
 
 // p @ V for M queries: tile 0 P (M x 32 keys), 1-4 O (M x 16 dims each), 5-7 V (16 key pairs x 16 dims).
 static void config_pv(int M) {
-    int rows[8] = {M, M, M, M, M, 16, 16, 16}, colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
-    load_config(rows, colsb);
+    const int rows[8] = {M, M, M, M, M, 16, 16, 16}, colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_config(rows, colsb);
 }
-
-static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
 
 // The cache slots a call's rows read past L: 1 + the largest ancestor offset.
 static int64_t tree_slots(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n) {
@@ -137,16 +119,15 @@ enum { QMAX = 16, SEG = 512 };  // queries a task holds; keys a segment holds (a
 // SEG .. 2 SEG - 1, ...): a task scores, weighs and sums one segment for up to 16 / g rows of one kv
 // head, so a long context spreads over the team whatever the rows; a row's segments then merge.
 typedef struct {
-    int g, per, groups, segs;  // heads per kv head, rows per task, row groups, segments of the longest row
+    int g, per, groups, segs;  // heads per kv head, rows per task, row groups (of all n), segments of the longest row
     int64_t L, tree, ss;       // context, tree slots past it, a task's score row length
 } shape;
 
-static shape shape_of(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int nr, int64_t L, int nh,
-                      int kvh) {
+static shape shape_of(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh, int kvh) {
     shape c;
     c.g = nh / kvh;
     c.per = QMAX / c.g;
-    c.groups = (nr + c.per - 1) / c.per;
+    c.groups = (n + c.per - 1) / c.per;
     c.L = L;
     c.tree = tree_slots(na, anc, anc_stride, n);
     c.segs = (int)((most_keys(na, n, L) + SEG - 1) / SEG);
@@ -164,7 +145,7 @@ static int64_t partial_floats(const shape *c, int kvh) {
 // One thread's work floats on a team of nthreads (the partials spread over the team, then its own).
 int64_t attn_amx_work(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh, int kvh,
                       int nthreads) {
-    shape c = shape_of(na, anc, anc_stride, n, n, L, nh, kvh);
+    shape c = shape_of(na, anc, anc_stride, n, L, nh, kvh);
     return (partial_floats(&c, kvh) + nthreads - 1) / nthreads + private_floats(&c);
 }
 
@@ -439,14 +420,13 @@ void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, cons
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                         uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
                         float *work) {
-    shape c = shape_of(na, anc, anc_stride, n, nr, L, nh, kvh);
-    shape whole = shape_of(na, anc, anc_stride, n, n, L, nh, kvh);  // the layout attn_amx_work sized
-    float *part = work, *mine = work + partial_floats(&whole, kvh) + omp_get_thread_num() * private_floats(&whole);
+    shape c = shape_of(na, anc, anc_stride, n, L, nh, kvh);  // the layout attn_amx_work sized
+    float *part = work, *mine = work + partial_floats(&c, kvh) + omp_get_thread_num() * private_floats(&c);
     mine = (float *)(((uintptr_t)mine + 63) & ~(uintptr_t)63);
-    int per = c.per, ran = 0;
+    int per = c.per, groups = (nr + per - 1) / per, ran = 0;  // this call's row groups (of rows[])
 #pragma omp for schedule(static)
-    for (int unit = 0; unit < kvh * c.groups * c.segs; unit++) {
-        int seg = unit % c.segs, grp = unit / c.segs % c.groups, kh_i = unit / c.segs / c.groups, first = grp * per;
+    for (int unit = 0; unit < kvh * groups * c.segs; unit++) {
+        int seg = unit % c.segs, grp = unit / c.segs % groups, kh_i = unit / c.segs / groups, first = grp * per;
         int R = nr - first < per ? nr - first : per;
         float *pp = c.segs > 1 ? part + (((int64_t)kh_i * c.groups + grp) * c.segs + seg) * QMAX * 66 : NULL;
         task(q, qs_row, qs_head, k + kh_i * kv_head, v + kh_i * kv_head, kv_pos, anc, anc_stride, na, out, nh, kh_i,

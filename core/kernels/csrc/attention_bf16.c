@@ -21,14 +21,12 @@ void attention_amx_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, cons
                         int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
                         uint16_t *out, int n, const int *rows, int nr, int nh, int kvh, int64_t L, float scale,
                         float *work);
-int64_t attn_amx_threshold(void);
+int64_t attn_amx_min_keys(int64_t keys);
 void amx_end(void);
 int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh,
                                   int kvh, int hd, int nthreads);
 static int64_t score_cap(const int64_t *na, int n, int64_t L);
 
-// Cache slot of row i's j-th key: the context, then its ancestors and itself.
-static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
 
 // p @ V for tn heads x cn value vectors (16 lanes each, tn * cn <= 16, cn even) over keys
 // 0 .. count-1: o[t * cn + c] += e_t[j] * v_j[...] in key order (s: tn rows of e, `cap` apart).
@@ -79,7 +77,7 @@ static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
 // alone). work: the team's attention_work_per_thread floats per thread, per_thread apart (the vector
 // kernel's: a thread's own g rows of cap >= L + max(na) + 16 scores, then g sums). Where this machine
 // runs attention on AMX tiles (attn_amx_serves: by head_dim and heads per kv head), the rows with at
-// least attn_amx_threshold() keys go there (a row's kernel follows from its own key count, never
+// least attn_amx_min_keys(-1) keys go there (a row's kernel follows from its own key count, never
 // from the rows beside it: csrc/attention_amx.c).
 void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
                     int64_t kv_head, int64_t kv_pos, const int64_t *anc, int64_t anc_stride, const int64_t *na,
@@ -87,7 +85,7 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     int64_t per_thread) {
     int g = nh / kvh, chunks = hd / 32, ov = hd / 16;
     int vrows[n], arows[n], nv = 0, nr = 0;  // rows for the vector kernel, for the tiles
-    int64_t from = attn_amx_serves(hd, g) ? attn_amx_threshold() : INT64_MAX;
+    int64_t from = attn_amx_serves(hd, g) ? attn_amx_min_keys(-1) : INT64_MAX;
     for (int i = 0; i < n; i++) {
         if (L + na[i] >= from) arows[nr++] = i;
         else vrows[nv++] = i;

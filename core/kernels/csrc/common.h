@@ -13,6 +13,10 @@ static inline uint16_t to_bf16(float f) {
 }
 static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
+// Attention: the cache slot of a row's j-th key, the context (slots 0 .. L-1), then its ancestors
+// and itself (slots L + anc_row[0 ..], root first).
+static inline int64_t key_slot(int64_t j, int64_t L, const int64_t *anc_row) { return j < L ? j : L + anc_row[j - L]; }
+
 // 16 accumulators -> their 16 lane sums, one per lane: acc a = 4l + j lands in lane 4j + l.
 // Every accumulator's 16 lanes are added in the same halving tree (8, 4, 2, 1 apart).
 static inline __m512 reduce16(const __m512 *a) {

@@ -55,19 +55,25 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
+// Tiles 0-7 shaped rows[t] x colsb[t] bytes (palette 1); also csrc/attention_amx.c's shapes.
+void amx_config(const int rows[8], const int colsb[8]) {
+    tile_config c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = (uint16_t)colsb[t]; }
+    // gcc's _tile_loadconfig tells the compiler it reads 8 bytes of c: without this barrier the
+    // stores to rows and colsb can be dropped as dead (seen with gcc 12)
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
 // Every tile is 16 rows of 64 bytes. One 16-row block of x: tiles 0-3 C (four 16 x 16 fp32
 // blocks of y.T), 4 B (x packed), 5-6 A (weight blocks). Two blocks of x (17-32 rows, each
 // weight block loaded once for both): 0-3 C (2 weight blocks x 2 x blocks), 4-5 B, 6-7 A.
 void amx_begin(void) {
     if (!amx_on) return;
-    tile_config c __attribute__((aligned(64)));
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
-    // gcc's _tile_loadconfig tells the compiler it reads 8 bytes of c: without this barrier the
-    // stores to rows and colsb can be dropped as dead (seen with gcc 12)
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16}, colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_config(rows, colsb);
 }
 
 void amx_end(void) {
