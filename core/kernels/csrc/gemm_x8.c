@@ -59,6 +59,16 @@ static inline void nibble_codes(const uint8_t *codes, __m512i *ops) {
     }
 }
 
+// A thread reads its share of a layer's 4-bit weights front to back, group after group; each block
+// asks for the bytes PREFETCH_AHEAD further on, so the stream runs ahead of the integer work.
+// Measured (Intel AMX VM, 2 threads, 36 hand-written prompts, processes alternating): plain
+// decoding 195.5 / 193.6 -> 240.5 / 247.8 tok/s, eagle 231.3 / 234.4 -> 274.2 / 272.1; 8 KB as
+// 4, 2 KB less; the hardware prefetcher alone leaves the stream short of the memory's bandwidth.
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_ahead(const uint8_t *p, int n) {
+    for (int l = 0; l < n; l += 64) _mm_prefetch((const char *)p + PREFETCH_AHEAD + l, _MM_HINT_T0);
+}
+
 // Bring n bytes at p into L2 ahead of the stream (the LM head's next groups).
 static inline void prefetch_bytes(const void *p, int64_t n) {
     for (int64_t off = 0; off < n; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T1);
@@ -186,6 +196,7 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
     for (int h = 0; h < 4; h++) memset(b[h] + (h % 2 ? 0 : 512), 0, 512);  // the halves that stay zero
     for (int kb = 0; kb < KB; kb += 4) {
         int n = KB - kb < 4 ? KB - kb : 4;
+        if (w->type == WT_Q4_X8) prefetch_ahead(wg + (int64_t)kb * gb, 4 * gb);
         for (int h = 0; h < 4; h++) {
             uint8_t *half = b[h] + (h % 2 ? 512 : 0);
             if (h < n) b_rows(w, g, kb + h, wg + (int64_t)(kb + h) * gb, half);
@@ -229,6 +240,7 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
 static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = w + (int64_t)kb * 320;
+        prefetch_ahead(b, 320);
         __m512i ops[8];  // low nibbles: K positions 0-15, high: 16-31
         nibble_codes(b, ops);
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
