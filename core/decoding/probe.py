@@ -101,8 +101,8 @@ def _preorder(parents: list[int]) -> list[int]:
 
 
 def probe_context() -> int:
-    """62 tokens of context; where rows from a number of keys on attend on AMX tiles (csrc/attention_amx.c),
-    2 below it, so the tree's rows (depths 0-4) straddle it: both kernels, mixed in one call."""
+    """The probe's context length: 62 tokens, or, where rows with at least N keys attend on AMX tiles
+    (csrc/attention_amx.c), N - 2, so the tree's rows (depths 0-4) straddle N: both kernels in one call."""
     st = native.status()
     return max(62, st.amx_attention_from - 2) if st.amx_attention else 62
 
