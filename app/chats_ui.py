@@ -136,20 +136,6 @@ class ChatsHandlers:
         return tuple(updates)
 
 
-    def settings_reopen(self, names: tuple[str, ...]):
-        """An accordion's expand event: its controls (`names`, ChatSettings fields) shown as kept in
-        this browser, nothing changed when nothing is kept. Gradio mounts a closed accordion's
-        controls when it opens, and one mounted just as the page load's update arrived showed its
-        first value for good (once in CI: max new tokens 256 where the browser kept 60); the kept
-        settings follow every change (settings_save), so re-applying them undoes nothing."""
-        def reopen(stored, *values):
-            if not isinstance(stored, dict):
-                return tuple(gr.skip() for _ in names)
-            kept = ChatSettings.stored(stored, ChatSettings(*values))
-            return tuple(getattr(kept, name) for name in names)
-        return reopen
-
-
 def stores() -> tuple[gr.BrowserState, gr.BrowserState]:
     secret = browser_secret()
     return (gr.BrowserState(None, storage_key=STORE_KEY, secret=secret),

@@ -142,7 +142,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                           **props["depth"])
                         tree_note = gr.Markdown(tree_limit(tree.depth, tree.total_tokens), elem_id="tree-limit")
                         tree_origin = gr.Markdown(manager.tree_markdown(), elem_id="tree-origin")
-                        with gr.Accordion("Advanced speculation", open=False) as advanced_box:
+                        with gr.Accordion("Advanced speculation", open=False):
                             top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k",
                                               **props["top_k"])
                             tree_size = gr.Slider(2, 96, tree.total_tokens, step=1, label="Tree size (nodes verified)",
@@ -154,7 +154,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                         highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts",
                                                 elem_id="highlight", **props["highlight"])
                         tokens = gr.HTML(elem_id="tokens")
-                        with gr.Accordion("Sampling", open=False, elem_id="sampling") as sampling_box:
+                        with gr.Accordion("Sampling", open=False, elem_id="sampling"):
                             temperature = gr.Slider(0, 2, gen.sampling.temperature, step=0.05,
                                                     label="Temperature (0 = greedy)", elem_id="temperature")
                             top_p = gr.Slider(0.05, 1, gen.sampling.top_p, step=0.05, label="Top-p", elem_id="top-p")
@@ -218,13 +218,12 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         stop.click(h.stop, None, None, queue=False, api_name="stop")
         clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save)
         chat_events(h, listing, store, chats_out)
+        # every setting is kept with all the others, as they are when it runs; "always_last": a change
+        # made while the last one is still being kept runs after it (Gradio's default for input
+        # events, "once", drops it: a second setting typed quickly, a slider's last position)
         keep = dict(fn=h.settings_save, inputs=[system] + settings, outputs=kept_settings, queue=False,
-                    api_visibility="private", js=in_range_js([system] + settings))
+                    api_visibility="private", js=in_range_js([system] + settings), trigger_mode="always_last")
         gr.on([c.input for c in [system] + settings], **keep)
-        for box, inside in ((advanced_box, [top_k, tree_size]), (sampling_box, [temperature, top_p, max_new, seed])):
-            names = tuple(ChatSettings.names()[settings.index(c)] for c in inside)
-            box.expand(h.settings_reopen(names), [kept_settings] + settings, inside, queue=False,
-                       api_visibility="private", show_progress="hidden")
         compare_go.change(h.compare, [prompt, system] + settings[:3] + [depth, top_k, tree_size, seed],
                           [plain_out, spec_out, summary, compare_json], api_name="compare",
                           validator=h.check_compare, trigger_mode="once", **lane)
@@ -252,7 +251,9 @@ def chat_events(h: Handlers, listing: dict, store, chats_out: list) -> None:
     """The chat list's buttons; each shows its result through the same outputs (CHATS_VIEW)."""
     private = dict(outputs=chats_out, api_visibility="private", queue=False, show_progress="hidden")
     listing["new"].click(h.chats_new, store, **private)
-    listing["picker"].input(h.chats_select, [listing["picker"], store], **private)
+    # a chat picked while the last pick is still loading loads after it ("once" would drop it and
+    # leave the picker naming one chat over another's messages)
+    listing["picker"].input(h.chats_select, [listing["picker"], store], trigger_mode="always_last", **private)
     listing["rename"].click(h.chats_rename, [listing["title"], store], **private)
     listing["title"].submit(h.chats_rename, [listing["title"], store], **private)
     listing["delete"].click(h.chats_delete, store, **private)

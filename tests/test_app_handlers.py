@@ -558,16 +558,6 @@ def test_a_seed_gives_one_sampled_answer_and_each_answer_shows_its_seed(bigram):
         assert answer(h, "w5 w9", [], hot._replace(seed=1.5))[4].startswith("Invalid setting: the seed must be")
 
 
-def test_an_opened_accordion_shows_its_controls_as_kept(bigram):
-    """settings_reopen (an accordion's expand event): the kept values of the controls inside it,
-    each checked; nothing kept, nothing changed."""
-    values = tuple(ChatSettings(max_new=256).__dict__.values())
-    reopen = handlers_for(Engine(*bigram)).settings_reopen(("temperature", "top_p", "max_new"))
-    assert reopen({"max_new": 60, "temperature": 0.3, "top_p": "x"}, *values) == (0.3, ChatSettings().top_p, 60)
-    assert all(isinstance(u, type(gr.skip())) for u in reopen(None, *values))
-    assert handlers_for(Engine(*bigram)).settings_reopen(("tree_size",))({"tree_size": 12}, *values) == (12,)
-
-
 def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_when_nothing_is_kept(bigram):
     """A fresh browser has nothing kept: the load must not write back the page's first values over a
     slider the visitor moved meanwhile (the browser test set 60 new tokens, then saw 512 come back);
