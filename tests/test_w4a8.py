@@ -249,3 +249,37 @@ def test_greedy_steps_screen_the_lm_head_and_choose_what_the_full_head_chooses(s
                 _, logits = plain_forward(step, token, cache, pos)
                 token, pos = int(native.argmax(logits[None])[0]), pos + 1
     assert np.mean(computed) < 0.5, np.mean(computed)
+
+
+def test_w4a8_training_features_are_the_served_steps_bit_for_bit(smollm2_w4a8, tmp_path):
+    """`features --feature-weights w4a8` (core.train.features.native_features): a two-turn chat's
+    features where the last answer is served: the text before it prefilled through transformers,
+    each answer token's row bit for bit what a plain decode step on the native step computes (its
+    feature, and the greedy next token); a folder of bf16 features is not continued in w4a8."""
+    from core.train.data import DataError, assistant_mask
+    from core.train.features import FeatureConfig, build_features, native_features
+
+    eng = smollm2_w4a8
+    conv = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Danube."},
+            {"role": "user", "content": "And a sea?"}, {"role": "assistant", "content": "The Black Sea, where "
+                                                                                        "the Danube ends."}]
+    ids, mask = assistant_mask(eng.target.tokenizer, conv)
+    hidden, top = native_features(eng.step, ids, mask)
+    assert hidden.shape == (len(ids), eng.target.model.config.hidden_size) and hidden.dtype == torch.float16
+    start = int(torch.nonzero(mask)[-1])  # where the last answer starts
+    while mask[start - 1]:
+        start -= 1
+    with torch.inference_mode():
+        cache = kv.new_cache(eng.step)
+        before, _ = prefill(eng.step, ids[:start], cache)
+        assert torch.equal(before.to(torch.float16), hidden[:start])
+        for j in range(start, len(ids)):
+            feature, logits = plain_forward(eng.step, int(ids[j]), cache, j)
+            assert torch.equal(feature[0].to(torch.float16), hidden[j]), f"row {j}"
+            assert int(logits.float().argmax()) == int(top[j]), f"row {j}"
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]]
+    build_features(eng.target, convs, tmp_path, FeatureConfig())
+    with pytest.raises(DataError, match="caches features in bf16 numerics, not w4a8"):
+        build_features(eng.target, convs + convs, tmp_path, FeatureConfig(weights="w4a8"), eng.step)
+    with pytest.raises(DataError, match="EAGLE-1"):
+        build_features(eng.target, convs, tmp_path / "e3", FeatureConfig(weights="w4a8", layer_ids=(1, 2)), eng.step)

@@ -156,6 +156,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--feature-dtype", default="bfloat16",
                    help="target dtype for the feature pass (bf16 is ~1.7x cheaper on a CPU with "
                         "avx512_bf16; features are stored as fp16 either way)")
+    g.add_argument("--feature-weights", choices=["bf16", "w4a8"], default="bf16",
+                   help="features: the numerics of the answers' features. bf16: transformers' forward; w4a8: "
+                        "the native decode step on the GGUF's 4-bit weights x 8-bit activations, the numerics "
+                        "the embedded model is served in (the prompt prefilled through transformers, as "
+                        "served); EAGLE-1 only. A --work folder holds one kind")
     g.add_argument("--out", type=Path, default=None,
                    help=f"where the trained head is written (default {DEFAULT_HEAD_DIR.name}; "
                         f"eagle3: {EAGLE3_DIR.name})")
@@ -329,10 +334,19 @@ def stage_features(args) -> None:
     from core.train.data import DataError, drop_contained, read_conversations
     from core.train.features import FeatureConfig, build_features
 
-    target = load_target(args.target, dtype=args.feature_dtype)
+    step = None
+    if args.feature_weights == "bf16":
+        target = load_target(args.target, dtype=args.feature_dtype)
+    else:  # the served numerics: the native step on the GGUF's blocks (the start-up probe checks it)
+        from core.decoding.numerics import load_numerics
+
+        target, numerics, step = load_numerics(args.target, dtype="auto", attention="auto", device="cpu",
+                                               load_in_4bit=False, check=True, weights=args.feature_weights)
+        print(f"features: {numerics.step}", flush=True)
     train = [(p, feature_dir(args) / source_name(p)) for p in conversation_files(args)]
     held = [(p, feature_dir(args, "heldout")) for p in conversation_files(args, "heldout")]
-    fcfg = FeatureConfig(shard_tokens=args.shard_tokens, layer_ids=layer_ids(args, target.model.config))
+    fcfg = FeatureConfig(shard_tokens=args.shard_tokens, layer_ids=layer_ids(args, target.model.config),
+                         weights=args.feature_weights)
     jobs = train[:1] + held + train[1:]  # held-out early: it is small and training reports on it
     for path, folder in jobs:
         if not Path(path).is_file():
@@ -342,7 +356,7 @@ def stage_features(args) -> None:
         print(report.summary() + (f"; {contained} are the opening of a longer (follow-up) conversation "
                                   "and train inside it" if contained else ""), flush=True)
         if convs:
-            man = build_features(target, convs, folder, fcfg)
+            man = build_features(target, convs, folder, fcfg, step)
             tokens = sum(s["tokens"] for s in man["shards"])
             answer = sum(s["assistant_tokens"] for s in man["shards"])
             print(f"features[{folder.name}]: {man['conversations']} conversations, {tokens} tokens "

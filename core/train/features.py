@@ -32,6 +32,7 @@ class FeatureConfig:
     batch_tokens: int = 0  # > 0: consecutive conversations run together, right-padded (0: one at a
     # time, which measured fastest on a CPU: 415 vs 345 tok/s of CPU time in bf16, batch 1 vs 4)
     layer_ids: tuple[int, ...] | None = None  # EAGLE-3: fuse these `output_hidden_states` entries
+    weights: str = "bf16"  # the numerics of the answers' features: "bf16" (transformers) or "w4a8" (native_features)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,35 @@ def target_features(model, seqs: list[torch.Tensor], layer_ids: tuple[int, ...] 
              None if layer_ids is None else last[i, :len(s)].to(torch.float16)) for i, s in enumerate(seqs)]
 
 
+@torch.inference_mode()
+def native_features(step, seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One conversation's EAGLE-1 features in the numerics a served answer has: the text before its
+    last answer prefilled through transformers (as the engine prefills a chat), the answer's tokens
+    through the native decode step (`step`, core.kernels.step.NativeStep, e.g. 4-bit weights x
+    8-bit activations) as one chain; its rows are row-invariant, so each is bit for bit the decode
+    step that verified that token. seq, mask (n,) -> (hidden (n, H) fp16, (n,) greedy next tokens)."""
+    from core.decoding import cache as kv
+    from core.decoding.forward import forward_tree
+    from core.decoding.tree import DraftTree
+
+    answer = torch.nonzero(mask).flatten()
+    start = int(answer[-1]) if len(answer) else len(seq)
+    while start > 0 and bool(mask[start - 1]):  # back to where the last answer's run starts
+        start -= 1
+    start = max(start, 1)  # a prefill needs a token
+    cache = kv.new_cache(step)
+    before = step.hf.model(input_ids=seq[None, :start], cache=cache, use_cache=True).last_hidden_state[0]  # (start, H)
+    top = [step.hf.lm_head(before).argmax(-1)]
+    hidden = [before]
+    n = len(seq) - start
+    if n:
+        chain = DraftTree(tokens=seq[start:], parents=torch.arange(-1, n - 1), depths=torch.arange(n))
+        feats, logits = forward_tree(step, chain, cache, start)  # (n, H), (n, V)
+        hidden.append(feats)
+        top.append(logits.argmax(-1))
+    return torch.cat(hidden).to(torch.float16), torch.cat(top)
+
+
 def tokenize_all(tokenizer, convs: list[list[dict]], max_len: int) -> tuple[list, int]:
     """(ids, mask) per conversation (None where it has no assistant token) and that count."""
     out, empty = [], 0
@@ -84,8 +114,14 @@ def tokenize_all(tokenizer, convs: list[list[dict]], max_len: int) -> tuple[list
     return out, empty
 
 
-def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureConfig) -> dict:
-    """Write shards for every conversation not yet covered by the manifest; returns the manifest."""
+def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureConfig, step=None) -> dict:
+    """Write shards for every conversation not yet covered by the manifest; returns the manifest.
+    `step` (cfg.weights "w4a8"): the native decode step the answers' features come from (native_features)."""
+    if (step is None) != (cfg.weights == "bf16"):
+        raise ValueError(f"features in {cfg.weights} numerics need {'no' if step is None else 'the'} native step")
+    if step is not None and cfg.layer_ids is not None:
+        raise DataError("native-step features are EAGLE-1's (the last hidden state); build EAGLE-3 features "
+                        "with --feature-weights bf16")
     folder.mkdir(parents=True, exist_ok=True)
     man = read_manifest(folder)
     start = man["conversations"]
@@ -97,6 +133,10 @@ def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureCo
         raise DataError(f"{folder} caches features of layers {man.get('layer_ids')}, not {layers} (another head "
                         "kind); use another folder")
     man["layer_ids"] = layers
+    if man["shards"] and man.get("weights", "bf16") != cfg.weights:
+        raise DataError(f"{folder} caches features in {man.get('weights', 'bf16')} numerics, not {cfg.weights}; "
+                        "use another --work folder")
+    man["weights"] = cfg.weights
     todo = convs[start:]
     if not todo:
         print(f"features: all {start} conversations already cached in {folder}")
@@ -110,7 +150,10 @@ def build_features(target, convs: list[list[dict]], folder: Path, cfg: FeatureCo
     bar = tqdm(total=sum(len(t[0]) for t in tokenized if t), unit="tok", desc="features")
     order = _length_batches(tokenized, cfg.batch_tokens)
     for batch in order:
-        feats = target_features(target.model, [tokenized[i][0] for i in batch], cfg.layer_ids)
+        if step is None:
+            feats = target_features(target.model, [tokenized[i][0] for i in batch], cfg.layer_ids)
+        else:
+            feats = [(*native_features(step, *tokenized[i]), None) for i in batch]
         for i, (h, top, final) in zip(batch, feats):
             pending.append((i, Sequence(tokenized[i][0], tokenized[i][1], h, top, final)))
         bar.update(sum(len(tokenized[i][0]) for i in batch))
