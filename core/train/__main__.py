@@ -154,8 +154,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab-size", type=int, default=8192)
     g.add_argument("--shard-tokens", type=int, default=50_000)
     g.add_argument("--feature-dtype", default="bfloat16",
-                   help="target dtype for the feature pass (bf16 is ~1.7x cheaper on a CPU with "
-                        "avx512_bf16; features are stored as fp16 either way)")
+                   help="target dtype for the feature pass with --feature-weights bf16 (bf16 is ~1.7x cheaper "
+                        "on a CPU with avx512_bf16; features are stored as fp16 either way); w4a8 runs in the "
+                        "served numerics and ignores it")
     g.add_argument("--feature-weights", choices=["bf16", "w4a8"], default="bf16",
                    help="features: the numerics of the answers' features. bf16: transformers' forward; w4a8: "
                         "the native decode step on the GGUF's 4-bit weights x 8-bit activations, the numerics "
