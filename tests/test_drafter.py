@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import TreeConfig
-from core.decoding.drafter import DraftModel
+from core.decoding.drafter import OPTIONAL, DraftModel
 from core.decoding.head import HeadCache, HeadConfig, TreeRows
 from core.decoding.head3 import Drafter3, drafter_for, new_head3
-from core.decoding.tree import Drafter, catch_up, draft, log_probs, top_log_probs
+from core.decoding.tree import Drafter, catch_up, catch_up_top, draft, log_probs, top_log_probs
 from tests.tiny import random_head, tiny_target
 
 CORE = Path(__file__).resolve().parents[1] / "core"
@@ -43,7 +43,7 @@ def drafter_attributes(path: Path) -> set[str]:
 
 def test_the_library_asks_a_drafter_only_for_protocol_members():
     """The loop, the tree builders and the commands: a new head kind needs nothing else."""
-    used = {str(p.relative_to(CORE)): drafter_attributes(p) - MEMBERS for p in sorted(CORE.rglob("*.py"))}
+    used = {str(p.relative_to(CORE)): drafter_attributes(p) - MEMBERS - OPTIONAL for p in sorted(CORE.rglob("*.py"))}
     assert {name: extra for name, extra in used.items() if extra} == {}
     assert drafter_attributes(CORE / "decoding" / "tree.py") >= METHODS  # the scan sees what drafting calls
 
@@ -115,3 +115,8 @@ def test_a_new_head_kind_is_one_class(tree, tokens, parents):
     out = draft(drafter, cache, 5, root_hidden, tree)
     assert out.tokens.tolist() == tokens and out.parents.tolist() == parents
     assert cache.length == 3, "draft entries are temporary"
+    # without the optional fused member, catch_up_top is feed then top_log_probs
+    other = HeadCache(drafter.head.config, torch.float32, torch.device("cpu"))
+    hidden, (lp, idx) = catch_up_top(drafter, other, torch.tensor([3, 4, 5]), torch.zeros(3, Bigram.V), 2)
+    assert other.length == 3 and torch.equal(hidden, root_hidden) and idx.tolist() == [[6, 7]]
+    assert torch.equal(lp, drafter.top_log_probs(root_hidden[None], 2)[0])

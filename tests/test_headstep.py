@@ -73,6 +73,36 @@ def test_native_head_equals_the_python_head_on_its_blocks_in_catch_ups_and_draft
         assert a.length == b.length == committed + 5
 
 
+def test_catch_up_top_is_the_catch_up_then_the_draft_top_k_bit_for_bit():
+    """head_step_top (one C call) = head_step, then the int8 draft LM head on the last row, then
+    its k best log-probabilities: the same output, the same proposals, the same cache entries."""
+    from core.decoding.tree import top_log_probs
+
+    head = random_head()
+    fused = NativeHead(head)
+    lm = native.Int8Weight(*_int8(torch.randn(100, 128, generator=torch.Generator().manual_seed(1)).bfloat16()))
+    gen = torch.Generator().manual_seed(3)
+    a, b = HeadCache(CONFIG, torch.bfloat16, "cpu", capacity=4), HeadCache(CONFIG, torch.bfloat16, "cpu", capacity=4)
+    with torch.inference_mode():
+        for n, k in ((6, 8), (1, 1), (3, 64), (9, 5)):  # catch-ups; the caches grow past their capacity of 4
+            emb, feat = torch.randn(n, 128, generator=gen).bfloat16(), torch.randn(n, 128, generator=gen).bfloat16()
+            positions = torch.arange(a.length, a.length + n)
+            out = fused.forward(emb, feat, positions, KeyLayout.causal(n, a.length, "cpu"), a)
+            lp, idx = top_log_probs(native.linear_s8(out[-1:], lm), k)
+            hidden, lp2, idx2 = fused.catch_up_top(emb, feat, b, lm, k)
+            assert torch.equal(hidden, out[-1]) and torch.equal(lp2, lp[0]) and torch.equal(idx2, idx[0]), (n, k)
+            assert a.length == b.length
+            assert torch.equal(a.layer_keys[0][:, :, :a.length], b.layer_keys[0][:, :, :b.length])
+            assert torch.equal(a.layer_values[0][:, :, :a.length], b.layer_values[0][:, :, :b.length])
+        with pytest.raises(ValueError, match="k must be in 1..64"):
+            fused.catch_up_top(emb, feat, b, lm, 65)
+
+
+def _int8(weight: torch.Tensor):
+    q = native._quantize(native._library()[0], weight)
+    return q.q, q.scale, q.sums
+
+
 def test_native_head_grows_its_rotary_table_and_stays_equal():
     head = random_head()
     fused = NativeHead(head)
@@ -109,6 +139,9 @@ def test_engine_drafts_through_the_native_head_and_keeps_plain_output(monkeypatc
     target = tiny_target(dtype=torch.bfloat16, hidden=128, mix=0.5, seed=3)  # head_dim 32: the kernels' minimum
     make_invariant(target.model)
     trees = (TreeConfig(depth=3, top_k=3, total_tokens=8), TreeConfig(depth=1, top_k=4, total_tokens=3, lookup=8))
+    fused = []
+    real = NativeHead.catch_up_top
+    monkeypatch.setattr(NativeHead, "catch_up_top", lambda self, *a: fused.append(1) or real(self, *a))
     for env in ("1", "0"):
         monkeypatch.setenv(NATIVE_HEAD_ENV, env)
         engine = Engine(target, tiny_head(target, seed=1))
@@ -120,3 +153,32 @@ def test_engine_drafts_through_the_native_head_and_keeps_plain_output(monkeypatc
                 events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=tree)))
                 assert [t for ev in events for t in ev.token_ids] == plain, (env, prompt, tree)
                 assert any(ev.tree_size > 1 for ev in events)  # it did speculate
+        assert bool(fused) == (env == "1"), "greedy catch-ups propose the root's children in one native call"
+        fused.clear()
+
+
+def test_a_draft_from_the_fused_catch_up_is_the_draft_from_the_separate_calls():
+    """The engine's greedy steps draft from catch_up_top's proposal (root_top): the same tree, node
+    for node and score for score, as catch_up then draft."""
+    from core.config import TreeConfig
+    from core.decoding.head3 import drafter_for
+    from core.decoding.tree import catch_up, catch_up_top, draft
+    from tests.tiny import random_head as tiny_head, tiny_target
+
+    target = tiny_target(dtype=torch.bfloat16, hidden=128, mix=0.5, seed=3)
+    head = tiny_head(target, seed=1)
+    drafter = drafter_for(head, target.model)
+    assert drafter.native is not None and drafter.lm_int8 is not None
+    gen = torch.Generator().manual_seed(7)
+    tokens, features = torch.randint(0, 90, (5,), generator=gen), torch.randn(5, 128, generator=gen).bfloat16()
+    with torch.inference_mode():
+        a, b = (HeadCache(head.config, torch.bfloat16, "cpu") for _ in range(2))
+        hidden = catch_up(drafter, a, tokens, features)
+        fused_hidden, top = catch_up_top(drafter, b, tokens, features, 8)
+        assert torch.equal(hidden, fused_hidden) and top[1].shape == (1, 8)
+        for tree in (TreeConfig(depth=3, top_k=8, total_tokens=10), TreeConfig(depth=1, top_k=4, total_tokens=2),
+                     TreeConfig(depth=4, top_k=2, total_tokens=6)):
+            x = draft(drafter, a, 3, hidden, tree)
+            y = draft(drafter, b, 3, fused_hidden, tree, root_top=top)
+            assert (torch.equal(x.tokens, y.tokens) and torch.equal(x.parents, y.parents)
+                    and torch.equal(x.scores, y.scores)), tree

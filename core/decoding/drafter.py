@@ -26,6 +26,13 @@ from torch import nn
 
 from core.decoding.head import HeadCache, TreeRows
 
+# Members a drafter MAY have, which the library uses where present and composes from the protocol
+# where absent:
+#   catch_up_top(cache, tokens, features, k) -> (hidden (H,), (log-probs (1, k), draft ids (1, k))) | None
+#       core.decoding.tree.catch_up_top in one call (feed, then top_log_probs on the last row), or
+#       None where this call cannot be fused (the EAGLE-1/2 drafter's native head: one C call)
+OPTIONAL = frozenset({"catch_up_top"})
+
 
 @runtime_checkable
 class DraftModel(Protocol):

@@ -38,7 +38,7 @@ from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
 from core.decoding.gumbel import DraftNoise, sample_at
-from core.decoding.tree import catch_up, draft
+from core.decoding.tree import catch_up, catch_up_top, draft
 from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
 from core.decoding.verify import Verification, greedy_tokens, verify_greedy, verify_sampled
 
@@ -215,6 +215,7 @@ class _Run:
         self.eos = set(engine.target.eos_ids)
         self.n_out = self.forwards = 0
         self.token, self.root_hidden = None, None
+        self.root_top: tuple[torch.Tensor, torch.Tensor] | None = None  # the root's best children (catch_up)
         self._draft_carry = 0.0  # head catch-up time, reported with the next step's draft
         # GenerationConfig.adaptive: the measured speeds (core.decoding.adaptive), the
         # (tokens, features) the head has not caught up on (the prompt past a plain cap, plain
@@ -255,8 +256,15 @@ class _Run:
         return event
 
     def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The head catches up on the accepted tokens; returns its output at the new root. A greedy
+        dynamic tree's first level (the root's best children) comes out of the same call
+        (self.root_top, read by the next draft)."""
         t = self.now()
-        hidden = catch_up(self.e.drafter, self.head_cache, tokens, features)
+        tree = self.cfg.tree
+        if self.cfg.sampling.greedy and not tree.is_static:
+            hidden, self.root_top = catch_up_top(self.e.drafter, self.head_cache, tokens, features, tree.top_k)
+        else:
+            hidden, self.root_top = catch_up(self.e.drafter, self.head_cache, tokens, features), None
         self._draft_carry = self.now() - t  # reported with the next step's draft
         return hidden
 
@@ -322,7 +330,8 @@ class _Run:
         shape = shape.with_chain() if chain else shape
         s = self.cfg.sampling
         noise = None if s.greedy else DraftNoise(s.temperature, self.seed, committed + 1)
-        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape, noise)
+        tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape, noise, self.root_top)
+        self.root_top = None
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()

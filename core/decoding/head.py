@@ -192,6 +192,13 @@ class TreeRows:
                          torch.tensor([len(row) for row in self.rows], dtype=torch.long, device=device))
 
 
+def native_rows(n: int, dtype: torch.dtype, config: "HeadConfig", device) -> bool:
+    """Whether a head call on n rows runs the native attention kernel (head_mask then gives a KeyLayout)."""
+    return (n <= NATIVE_ROWS and not torch.is_grad_enabled()
+            and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
+                                        config.num_key_value_heads))
+
+
 def head_mask(allowed: "torch.Tensor | TreeRows | None", past: int, n: int, dtype: torch.dtype, config: "HeadConfig",
               device: torch.device):
     """The mask of a head call on n new rows after `past` cached keys.
@@ -204,9 +211,7 @@ def head_mask(allowed: "torch.Tensor | TreeRows | None", past: int, n: int, dtyp
     on the CPU): at 1-8 rows sdpa took 60-260 us a call, the kernel a fifth to a half of that.
     Longer calls (the prompt's catch-up) and training keep sdpa.
     """
-    kernel = (n <= NATIVE_ROWS and not torch.is_grad_enabled()
-              and native.attention_serves(dtype, device, config.dim_per_head, config.num_attention_heads,
-                                          config.num_key_value_heads))
+    kernel = native_rows(n, dtype, config, device)
     if isinstance(allowed, TreeRows):
         if kernel:
             return allowed.layout(past + n - allowed.width, device)

@@ -23,7 +23,7 @@ from core.kernels import native
 from core.config import TreeConfig
 from core.decoding.drafter import DraftModel
 from core.decoding.gumbel import DraftNoise
-from core.decoding.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask
+from core.decoding.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask, native_rows
 
 if TYPE_CHECKING:
     from core.kernels.headstep import NativeHead
@@ -125,6 +125,21 @@ class Drafter:
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab is None else self.vocab[idx]
 
+    def catch_up_top(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
+                     k: int) -> "tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None":
+        """core.decoding.tree.catch_up_top in one native call (csrc/decode_step.c's head_step_top: the
+        same bits as feed, then top_log_probs), where the native head, the int8 draft LM head and
+        the native top-k all serve this call; else None (the caller composes them)."""
+        m = tokens.shape[0]
+        if (self.native is None or self.lm_int8 is None or features.dtype is not torch.bfloat16
+                or not 1 <= k <= min(self.lm_int8.q.shape[0], native.TOPK_MAX)
+                or not native_rows(m, features.dtype, self.head.config, features.device)
+                or not native.linear_s8_usable(features[-1:], self.lm_int8)):
+            return None
+        emb = self.embed(tokens).to(features.dtype)  # (m, H)
+        hidden, lp, idx = self.native.catch_up_top(emb, features, cache, self.lm_int8, k)
+        return hidden, (lp[None], idx[None])
+
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, allowed: "torch.Tensor | TreeRows | None" = None) -> torch.Tensor:
         """Run the head on m new inputs; tokens (m,), features (m, H) -> next features (m, H).
@@ -152,8 +167,22 @@ def catch_up(drafter: DraftModel, cache: HeadCache, tokens: torch.Tensor, featur
     return drafter.feed(cache, tokens, features, positions)[-1]
 
 
+def catch_up_top(drafter: DraftModel, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """catch_up, then the root's k best children: (hidden (H,), (log-probabilities (1, k), draft ids
+    (1, k))), what draft_dynamic's first level reads. A drafter with a fused `catch_up_top` (the
+    native EAGLE-1/2 head: one call) serves it where it can; else feed, then top_log_probs."""
+    fused = getattr(drafter, "catch_up_top", None)
+    out = fused(cache, tokens, features, k) if fused is not None else None
+    if out is not None:
+        return out
+    hidden = catch_up(drafter, cache, tokens, features)
+    return hidden, drafter.top_log_probs(hidden[None], k)
+
+
 def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
-                  cfg: TreeConfig, *, prune: bool = True, noise: DraftNoise | None = None) -> DraftTree:
+                  cfg: TreeConfig, *, prune: bool = True, noise: DraftNoise | None = None,
+                  root_top: tuple[torch.Tensor, torch.Tensor] | None = None) -> DraftTree:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, then keep the best overall.
 
     root_hidden: (H,) head output predicting the root's children. The head's cache is
@@ -167,7 +196,8 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
     nodes are not fed, and when no frontier node is left drafting stops early. The tree is
     the one drafting every level would select; a deep tree costs a head call per level only
     while the head is confident enough for deeper nodes to make the cut. `prune=False`
-    drafts every level (the reference the tests compare with).
+    drafts every level (the reference the tests compare with). `root_top`: the root's best children
+    as catch_up_top computed them ((1, k') each, k' >= top_k; unperturbed, so greedy answers only).
 
     The head calls are tensor work; the bookkeeping around them (a few dozen candidates) runs
     on Python lists, which costs less than the small tensor ops it would otherwise take.
@@ -178,7 +208,10 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
     def top(hidden: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:  # (m, H) at depth -> (m, k) each
         return drafter.top_log_probs(hidden, k) if noise is None else noise.top_log_probs(drafter, hidden, depth, k)
 
-    lp, idx = top(root_hidden[None], 0)  # (1, k) each
+    if root_top is not None and noise is None and root_top[1].shape[1] >= k:
+        lp, idx = root_top[0][:, :k], root_top[1][:, :k]  # best first: the first k are the top k
+    else:
+        lp, idx = top(root_hidden[None], 0)  # (1, k) each
     score_dtype = lp.dtype
     # candidates, in the order drafted: target token, parent candidate (-1 = root), score, depth
     tokens = drafter.to_target_ids(idx[0]).tolist()
@@ -288,6 +321,9 @@ def draft_static(drafter: DraftModel, cache: HeadCache, root_token: int, root_hi
 
 
 def draft(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,
-          cfg: TreeConfig, noise: DraftNoise | None = None) -> DraftTree:
-    fn = draft_static if cfg.is_static else draft_dynamic
-    return fn(drafter, cache, root_token, root_hidden, cfg, noise=noise)
+          cfg: TreeConfig, noise: DraftNoise | None = None,
+          root_top: tuple[torch.Tensor, torch.Tensor] | None = None) -> DraftTree:
+    """The tree `cfg` describes; `root_top` (catch_up_top's, a dynamic tree's greedy first level) saves a head call."""
+    if cfg.is_static:
+        return draft_static(drafter, cache, root_token, root_hidden, cfg, noise=noise)
+    return draft_dynamic(drafter, cache, root_token, root_hidden, cfg, noise=noise, root_top=root_top)

@@ -107,12 +107,9 @@ class NativeHead:
         self._cos, self._sin = rotary_table(self.head.rotary, self.head.fc.weight.new_empty(0), size)
         self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: KeyLayout,
-                cache: HeadCache) -> torch.Tensor:
-        """embeds, features (n, H) bf16; positions (n,); row i sees head-cache slots [0,
-        mask.committed) and mask.committed + mask.ancestors[i, :mask.counts[i]] -> (n, H), the
-        head's outputs; the rows' keys and values are appended to `cache`."""
-        n, H = features.shape
+    def _bind(self, positions: torch.Tensor, cache: HeadCache, n: int) -> int:
+        """Grow the rotary table to `positions`, make room for n rows in `cache` and point the layers
+        at its buffers (it grows by reallocation); returns the slot the rows' keys go to."""
         top = int(positions.max())
         if top >= self._m.max_pos:
             self._tables(max(2 * self._m.max_pos, top + 1))
@@ -121,6 +118,15 @@ class NativeHead:
         for i in range(len(self.head.layers)):
             k, v = cache.layer_keys[i], cache.layer_values[i]  # (1, kvh, capacity, hd)
             self._layers[i].kc, self._layers[i].vc, self._layers[i].kv_head = k.data_ptr(), v.data_ptr(), k.stride(1)
+        return at
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: KeyLayout,
+                cache: HeadCache) -> torch.Tensor:
+        """embeds, features (n, H) bf16; positions (n,); row i sees head-cache slots [0,
+        mask.committed) and mask.committed + mask.ancestors[i, :mask.counts[i]] -> (n, H), the
+        head's outputs; the rows' keys and values are appended to `cache`."""
+        n, H = features.shape
+        at = self._bind(positions, cache, n)
         xin = torch.cat([embeds, features], dim=-1).to(torch.bfloat16).contiguous()  # (n, 2H)
         positions = positions.to(torch.int64).contiguous()
         anc, counts = mask.ancestors.to(torch.int64).contiguous(), mask.counts.to(torch.int64).contiguous()
@@ -133,6 +139,32 @@ class NativeHead:
             raise StepError(f"the native head failed (code {code})")
         cache.length = at + n
         return out
+
+    def catch_up_top(self, embeds: torch.Tensor, features: torch.Tensor, cache: HeadCache, lm: native.Int8Weight,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A catch-up and the next root's proposal in one call (csrc/decode_step.c's head_step_top):
+        embeds, features (n, H) bf16, causal after the cache -> (the last row's output (H,), the k best
+        draft log-probabilities (k,) fp32 of the LM head `lm` on it, best first, and their draft ids
+        (k,)); the same bits as `forward`, native.linear_s8 and native.topk_log_probs in turn."""
+        n, H = features.shape
+        vocab = lm.q.shape[0]
+        if not 1 <= k <= min(vocab, native.TOPK_MAX):
+            raise ValueError(f"the proposal's k must be in 1..{min(vocab, native.TOPK_MAX)}, got {k}")
+        at = cache.length
+        positions = torch.arange(at, at + n)
+        self._bind(positions, cache, n)
+        xin = torch.cat([embeds, features], dim=-1).to(torch.bfloat16).contiguous()  # (n, 2H)
+        out = torch.empty(n, H, dtype=torch.bfloat16)
+        logits = torch.empty(vocab, dtype=torch.bfloat16)  # scratch
+        vals, idx = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
+        code = native._library()[0].head_step_top(
+            ctypes.byref(self._m), ctypes.byref(self._fc), None if self._fc_bias is None else self._fc_bias.data_ptr(),
+            xin.data_ptr(), positions.data_ptr(), n, at, out.data_ptr(), lm.q.data_ptr(), lm.scale.data_ptr(),
+            lm.sums.data_ptr(), vocab, logits.data_ptr(), vals.data_ptr(), idx.data_ptr(), k, torch.get_num_threads())
+        if code:
+            raise StepError(f"the native head failed (code {code})")
+        cache.length = at + n
+        return out[-1], vals, idx
 
 
 def native_head(head) -> NativeHead | None:
