@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     engine = loop.Engine.load()
     tree = replace(engine.default_tree, lookup=0)
     seconds: dict[str, list[float]] = defaultdict(list)
-    drafted, forward, plain = loop.draft, loop.forward_tree, loop.plain_forward
+    drafted, forward, plain = loop.draft, loop.forward_tree_greedy, loop.plain_forward_greedy
     turn = [0]
 
     def every_other_root_alone(*a, **k) -> DraftTree:
@@ -58,8 +58,8 @@ def main(argv=None) -> None:
         return call
 
     loop.draft = every_other_root_alone
-    loop.forward_tree = timed(lambda a: f"speculative run, {a[1].size} row(s)", forward)
-    loop.plain_forward = timed(lambda a: "plain decoding, 1 row", plain)
+    loop.forward_tree_greedy = timed(lambda a: f"speculative run, {a[1].size} row(s)", forward)
+    loop.plain_forward_greedy = timed(lambda a: "plain decoding, 1 row", plain)
     try:
         rows = [json.loads(line) for line in open(args.prompts, encoding="utf-8")][:args.limit]
         for row in rows:
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
                                                                     tree=tree)):
                     pass
     finally:
-        loop.draft, loop.forward_tree, loop.plain_forward = drafted, forward, plain
+        loop.draft, loop.forward_tree_greedy, loop.plain_forward_greedy = drafted, forward, plain
     for label, values in sorted(seconds.items()):
         print(f"{label:32s} {len(values):5d} forwards, median {1000 * statistics.median(values):.3f} ms")
 

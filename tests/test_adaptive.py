@@ -88,16 +88,15 @@ class FakeClock:
 
     def __init__(self, monkeypatch, tree_s: float, plain_s: float):
         self.t = 0.0
-        forward_tree, plain_forward = engine_mod.forward_tree, engine_mod.plain_forward
-
         def timed(fn, cost):
             def call(*a, **k):
                 self.t += cost
                 return fn(*a, **k)
             return call
         monkeypatch.setattr(engine_mod, "now", lambda device=None: self.t)
-        monkeypatch.setattr(engine_mod, "forward_tree", timed(forward_tree, tree_s))
-        monkeypatch.setattr(engine_mod, "plain_forward", timed(plain_forward, plain_s))
+        for name, cost in (("forward_tree", tree_s), ("forward_tree_greedy", tree_s), ("plain_forward", plain_s),
+                           ("plain_forward_greedy", plain_s)):  # sampled answers, greedy ones
+            monkeypatch.setattr(engine_mod, name, timed(getattr(engine_mod, name), cost))
 
 
 @pytest.fixture(scope="module")

@@ -344,3 +344,38 @@ def test_rotary_tables_are_computed_on_one_thread(monkeypatch):
     emb = model.get_input_embeddings().weight
     cos, sin = original(rotary, emb[:0], torch.arange(4096)[None])
     assert torch.equal(step._cos, cos[0]) and torch.equal(step._sin, sin[0])
+
+
+def test_greedy_forwards_return_the_argmax_of_the_same_logits_from_the_step_and_from_transformers():
+    """forward_tree_greedy / plain_forward_greedy: the native step finds each row's argmax inside its call;
+    they are greedy_tokens of the logits forward_tree gives (random trees, rows 1-2 screened or not, more
+    rows), on the step and on the transformers path alike; a malformed choices buffer is refused."""
+    from core.decoding.forward import forward_tree_greedy, plain_forward_greedy
+    from core.decoding.verify import greedy_tokens
+
+    model, blocks = quantized_llama("Q4_1", True)
+    step = NativeStep(model, blocks, "test")
+    gen = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for case, size in enumerate((1, 2, 3, 9, 17)):
+            context = int(torch.randint(3, 60, (1,), generator=gen))
+            ids = torch.randint(0, 512, (context,), generator=gen)
+            tree = random_tree(gen, size, 512)
+            for forwarder in (step, model):
+                a, b = kv.new_cache(model), kv.new_cache(model)
+                prefill(forwarder, ids, a)
+                prefill(forwarder, ids, b)
+                feat, logits = forward_tree(forwarder, tree, a, context, None, True)
+                feat2, choices = forward_tree_greedy(forwarder, tree, b, context)
+                assert choices == greedy_tokens(logits).tolist() and torch.equal(feat, feat2), (case, forwarder)
+                kv.keep(a, context, [])
+                kv.keep(b, context, [])
+                feat, row = plain_forward(forwarder, int(tree.tokens[0]), a, context, None, True)
+                feat2, choice = plain_forward_greedy(forwarder, int(tree.tokens[0]), b, context)
+                assert choice == int(greedy_tokens(row)) and torch.equal(feat, feat2), (case, forwarder)
+        cache = kv.new_cache(model)
+        prefill(step, ids, cache)
+        one = torch.ones(1, dtype=torch.long)
+        with pytest.raises(StepError, match="choices must be a contiguous CPU int64 tensor of 1 elements"):
+            step.forward(torch.tensor([5]), torch.tensor([len(ids)]), len(ids), one[:, None] - 1, one, cache,
+                         None, True, torch.empty(1, dtype=torch.int32))

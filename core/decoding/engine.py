@@ -29,7 +29,8 @@ from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
 from core.decoding.drafter import DraftModel
-from core.decoding.forward import forward_tree, plain_forward, prefill, uses_exact_kernels
+from core.decoding.forward import (forward_tree, forward_tree_greedy, plain_forward, plain_forward_greedy, prefill,
+                                   uses_exact_kernels)
 from core.decoding.head import HeadCache
 from core.decoding.head3 import drafter_for, load_any_head
 from core.decoding.lookup import graft, lookup_chain
@@ -40,7 +41,7 @@ from core.decoding.text import TextStream
 from core.decoding.gumbel import DraftNoise, sample_at
 from core.decoding.tree import catch_up, catch_up_top, draft
 from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
-from core.decoding.verify import Verification, greedy_tokens, verify_greedy, verify_sampled
+from core.decoding.verify import Verification, accept_greedy, greedy_tokens, verify_sampled
 
 
 @dataclass(frozen=True)
@@ -305,10 +306,14 @@ class _Run:
     def plain_step(self) -> StepEvent:
         t0 = self.now()
         committed = kv.cache_length(self.cache)
-        features, logits = plain_forward(self.model, self.token, self.cache, committed,
-                                         self.layers if self.speeds is not None else None, self.cfg.sampling.greedy)
-        t1 = self.now()
-        self.token = self.choose(logits, committed + 1)
+        layers = self.layers if self.speeds is not None else None
+        if self.cfg.sampling.greedy:  # the argmax comes out of the forward's own call
+            features, self.token = plain_forward_greedy(self.model, self.token, self.cache, committed, layers)
+            t1 = self.now()
+        else:
+            features, logits = plain_forward(self.model, self.token, self.cache, committed, layers)
+            t1 = self.now()
+            self.token = self.choose(logits, committed + 1)
         if self.speeds is not None:  # for the head, should a later step speculate
             self.pending.append((torch.tensor([self.token], device=self.device), features))
         self.forwards += 1
@@ -335,10 +340,14 @@ class _Run:
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()
-        features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers, s.greedy)
-        t2 = self.now()
-        result: Verification = (verify_greedy(tree, logits) if s.greedy
-                                else verify_sampled(tree, logits, s, self.seed, committed))
+        if s.greedy:  # each row's argmax comes out of the forward's own call
+            features, choices = forward_tree_greedy(self.model, tree, self.cache, committed, self.layers)
+            t2 = self.now()
+            result: Verification = accept_greedy(tree, choices)
+        else:
+            features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
+            t2 = self.now()
+            result = verify_sampled(tree, logits, s, self.seed, committed)
         if self.on_step is not None:
             self.on_step(tree, result)
         path = torch.tensor(result.path, device=self.device)

@@ -17,6 +17,7 @@ from core.decoding.head import additive
 from core.decoding.head3 import target_features
 from core.kernels.step import NativeStep
 from core.decoding.tree import DraftTree
+from core.decoding.verify import greedy_tokens
 
 
 def uses_exact_kernels(model) -> bool:
@@ -82,6 +83,34 @@ def plain_forward(model, token: int, cache, position: int, feature_layers=None,
                       position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True,
                       output_hidden_states=feature_layers is not None, **kwargs)
     return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1])
+
+
+def forward_tree_greedy(model, tree: DraftTree, cache, committed: int,
+                        feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """forward_tree for a greedy caller, which reads each row's argmax alone -> (features (n, F), the
+    rows' argmaxes). The native step finds them inside its call (the kernel greedy_tokens runs, on the
+    same logits: the same choices); elsewhere greedy_tokens runs on forward_tree's logits."""
+    if isinstance(model, NativeStep):
+        ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
+        choices = torch.empty(tree.size, dtype=torch.int64)
+        features, _ = model.forward(tree.tokens, tree.positions(committed), committed, ancestors, tree.depths + 1,
+                                    cache, feature_layers, True, choices)
+        return features, choices.tolist()
+    features, logits = forward_tree(model, tree, cache, committed, feature_layers, True)
+    return features, greedy_tokens(logits).tolist()
+
+
+def plain_forward_greedy(model, token: int, cache, position: int,
+                         feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
+    """plain_forward for greedy decoding -> (features (1, F), the argmax), as forward_tree_greedy."""
+    if isinstance(model, NativeStep):
+        one = torch.ones(1, dtype=torch.long)
+        choice = torch.empty(1, dtype=torch.int64)
+        features, _ = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
+                                    one, cache, feature_layers, True, choice)
+        return features, int(choice[0])
+    features, logits = plain_forward(model, token, cache, position, feature_layers, True)
+    return features, int(greedy_tokens(logits))
 
 
 def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:

@@ -64,7 +64,14 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verification:
     """tree of n nodes, logits (n, V) of the target at every node -> accepted path + bonus:
     the target's choice at a node is its argmax."""
     assert logits.shape[0] == tree.size
-    return walk(tree, greedy_tokens(logits).tolist().__getitem__)
+    return accept_greedy(tree, greedy_tokens(logits).tolist())
+
+
+def accept_greedy(tree: DraftTree, choices: list[int]) -> Verification:
+    """verify_greedy from the argmaxes themselves (n,), as the native step finds them in its call
+    (core.decoding.forward.forward_tree_greedy)."""
+    assert len(choices) == tree.size
+    return walk(tree, choices.__getitem__)
 
 
 def verify_sampled(tree: DraftTree, logits: torch.Tensor, s: SamplingConfig, seed: int,

@@ -237,14 +237,15 @@ class NativeStep:
             self._cache_key = key
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, committed: int, ancestors: torch.Tensor,
-                counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None, only_max: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None, only_max: bool = False,
+                choices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions (n,) int64; row i sees cache slots [0, committed) and committed +
         ancestors[i, :counts[i]] (root first, itself last) -> (features (n, F), logits (n, V) bf16).
         Features: the last hidden state (after the final norm), or the fused layers
         `feature_layers` (transformers' output_hidden_states indices) for an EAGLE-3 head.
         only_max: the caller takes each row's argmax only (greedy); with a screen, logits that
-        cannot be a row's maximum come back -inf (the argmax is the full head's, exactly)."""
+        cannot be a row's maximum come back -inf (the argmax is the full head's, exactly). choices: an
+        (n,) int64 tensor the call writes each row's argmax into (core.decoding.verify.greedy_tokens' kernel)."""
         n = tokens.shape[0]
         assert committed == cache.get_seq_length(), "the cache must hold exactly the committed tokens"
         top = int(positions.max())
@@ -266,12 +267,20 @@ class NativeStep:
             ctypes.byref(self._m), tokens.data_ptr(), positions.data_ptr(), n, committed, ancestors.data_ptr(),
             ancestors.stride(0), counts.data_ptr(), None if ids is None else ids.data_ptr(),
             0 if ids is None else ids.shape[0], None if feats is None else feats.data_ptr(), hidden.data_ptr(),
-            logits.data_ptr(), int(only_max and n <= SCREEN_ROWS), torch.get_num_threads())
+            logits.data_ptr(), None if choices is None else _choices_ptr(choices, n),
+            int(only_max and n <= SCREEN_ROWS), torch.get_num_threads())
         if code:
             raise StepError(f"the native step failed: {_ERRORS.get(code, code)}")
         for layer in cache.layers:
             layer._set_length(committed + n)
         return (hidden if feats is None else feats), logits
+
+
+def _choices_ptr(choices: torch.Tensor, n: int) -> int:
+    if not (choices.dtype is torch.int64 and choices.is_cpu and choices.is_contiguous() and choices.numel() == n):
+        raise StepError(f"choices must be a contiguous CPU int64 tensor of {n} elements, got {choices.dtype} "
+                        f"{tuple(choices.shape)}")
+    return choices.data_ptr()
 
 
 def screen_wanted() -> bool:

@@ -26,6 +26,7 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     int64_t per_thread);
 int64_t attention_work_per_thread(const int64_t *na, const int64_t *anc, int64_t anc_stride, int n, int64_t L, int nh,
                                   int kvh, int hd, int nthreads);
+void argmax_bf16(const uint16_t *x, int64_t ldx, int64_t *out, int M, int N, int nthreads);
 void silu_mul_team(const uint16_t *g, int64_t ldg, const uint16_t *u, int64_t ldu, uint16_t *out, int64_t ldo,
                    int M, int H);
 
@@ -160,13 +161,16 @@ static void step_mem_free(step_mem *s) {
 // stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
 // (n, vocab) or NULL. only_max: the caller reads only each row's argmax (greedy), so a screened LM
 // head (m->screen) may leave -inf where a logit cannot be the row's maximum (lm_screen_team).
-// One OpenMP team for the whole forward. Returns STEP_OK or a STEP_* error.
+// choices (n,) or NULL: each row's argmax of its logits (argmax_bf16, the kernel greedy decoding's
+// choice runs on), found in this call while the logits are in cache. One OpenMP team for the whole
+// forward. Returns STEP_OK or a STEP_* error.
 // ctypes: decode_step(ptr m, ptr tokens, ptr positions, i32 n, i64 committed, ptr anc, i64 anc_stride,
 //                     ptr counts, ptr feature_ids, i32 nf, ptr features, ptr hidden, ptr logits,
-//                     i32 only_max, i32 nthreads) -> i32
+//                     ptr choices, i32 only_max, i32 nthreads) -> i32
 int decode_step(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
                 const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids, int nf,
-                uint16_t *features, uint16_t *hidden, uint16_t *logits, int only_max, int nthreads) {
+                uint16_t *features, uint16_t *hidden, uint16_t *logits, int64_t *choices, int only_max,
+                int nthreads) {
     int H = m->hidden;
     for (int i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= m->embed.N) return STEP_BAD_TOKEN;
@@ -211,6 +215,7 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
         }
     }
     step_mem_free(&s);
+    if (status == STEP_OK && logits && choices) argmax_bf16(logits, m->vocab, choices, n, m->vocab, nthreads);
     return status;
 }
 
