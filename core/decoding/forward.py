@@ -40,21 +40,23 @@ def _window_masks(model, allowed: torch.Tensor, positions: torch.Tensor, key_pos
 
 
 def forward_tree(model, tree: DraftTree, cache, committed: int, feature_layers: tuple[int, ...] | None = None,
-                 only_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 only_max: bool = False, choices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the tree's n nodes -> (features (n, F), logits (n, V)).
 
     Each node sees the committed context and its own ancestors; its position is the
     context length plus its depth. The forward appends n entries to `cache`. Features are
     the last hidden state, or the fused layers an EAGLE-3 head reads. only_max: the caller
     reads each row's argmax only (greedy), so the native step may screen its LM head
-    (core.kernels.screen: -inf where a logit cannot be the maximum).
+    (core.kernels.screen: -inf where a logit cannot be the maximum). choices: an (n,) int64 CPU
+    tensor that receives each row's argmax (greedy_tokens of the logits; the native step finds
+    them inside its own call).
     """
     device = tree.tokens.device
     positions = tree.positions(committed)  # (n,)
     if isinstance(model, NativeStep):
         ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
         return model.forward(tree.tokens, positions, committed, ancestors, tree.depths + 1, cache, feature_layers,
-                             only_max)
+                             only_max, choices)
     kwargs = {}
     if uses_exact_kernels(model):
         kwargs["tree_layout"] = invariant.TreeLayout.from_tree(tree.parents, tree.depths, committed)
@@ -65,52 +67,47 @@ def forward_tree(model, tree: DraftTree, cache, committed: int, feature_layers: 
                                                  model.get_input_embeddings().weight.dtype)
     out = model.model(input_ids=tree.tokens[None], position_ids=positions[None], cache=cache, use_cache=True,
                       output_hidden_states=feature_layers is not None, **kwargs)
-    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0])
+    logits = model.lm_head(out.last_hidden_state[0])
+    if choices is not None:
+        choices.copy_(greedy_tokens(logits))
+    return target_features(out, feature_layers)[0], logits
 
 
 def plain_forward(model, token: int, cache, position: int, feature_layers=None,
-                  only_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  only_max: bool = False, choices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row
-    (only_max as forward_tree's)."""
+    (only_max and choices, here (1,), as forward_tree's)."""
     if isinstance(model, NativeStep):
         one = torch.ones(1, dtype=torch.long)
         features, logits = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
-                                         one, cache, feature_layers, only_max)
+                                         one, cache, feature_layers, only_max, choices)
         return features, logits[0]
     device = model.get_input_embeddings().weight.device
     kwargs = {"tree_layout": invariant.TreeLayout.single(position, device)} if uses_exact_kernels(model) else {}
     out = model.model(input_ids=torch.tensor([[token]], device=device),
                       position_ids=torch.tensor([[position]], device=device), cache=cache, use_cache=True,
                       output_hidden_states=feature_layers is not None, **kwargs)
-    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1])
+    logits = model.lm_head(out.last_hidden_state[0, -1])
+    if choices is not None:
+        choices.copy_(greedy_tokens(logits))
+    return target_features(out, feature_layers)[0], logits
 
 
 def forward_tree_greedy(model, tree: DraftTree, cache, committed: int,
                         feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, list[int]]:
     """forward_tree for a greedy caller, which reads each row's argmax alone -> (features (n, F), the
-    rows' argmaxes). The native step finds them inside its call (the kernel greedy_tokens runs, on the
-    same logits: the same choices); elsewhere greedy_tokens runs on forward_tree's logits."""
-    if isinstance(model, NativeStep):
-        ancestors = invariant.tree_ancestors(tree.parents, tree.depths)
-        choices = torch.empty(tree.size, dtype=torch.int64)
-        features, _ = model.forward(tree.tokens, tree.positions(committed), committed, ancestors, tree.depths + 1,
-                                    cache, feature_layers, True, choices)
-        return features, choices.tolist()
-    features, logits = forward_tree(model, tree, cache, committed, feature_layers, True)
-    return features, greedy_tokens(logits).tolist()
+    rows' argmaxes)."""
+    choices = torch.empty(tree.size, dtype=torch.int64)
+    features, _ = forward_tree(model, tree, cache, committed, feature_layers, True, choices)
+    return features, choices.tolist()
 
 
 def plain_forward_greedy(model, token: int, cache, position: int,
                          feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
     """plain_forward for greedy decoding -> (features (1, F), the argmax), as forward_tree_greedy."""
-    if isinstance(model, NativeStep):
-        one = torch.ones(1, dtype=torch.long)
-        choice = torch.empty(1, dtype=torch.int64)
-        features, _ = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
-                                    one, cache, feature_layers, True, choice)
-        return features, int(choice[0])
-    features, logits = plain_forward(model, token, cache, position, feature_layers, True)
-    return features, int(greedy_tokens(logits))
+    choice = torch.empty(1, dtype=torch.int64)
+    features, _ = plain_forward(model, token, cache, position, feature_layers, True, choice)
+    return features, int(choice[0])
 
 
 def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
