@@ -38,16 +38,41 @@ label:has(> input[type=checkbox]:disabled) { cursor: not-allowed; }
 /* a number outside its slider's range is marked while typed; see PAGE_JS for the note */
 input[type=number]:invalid { outline: 2px solid #dc2626; }
 .range-note { color: #b45309; font-size: 0.85em; margin-top: 2px; }
+/* an accordion built open so its controls mount with the page (MOUNTED_CLOSED), until the page closes it */
+.mounted-closed:not([data-closed]) [data-testid="accordion-content"] { display: none !important; }
 """
+# Gradio mounts a closed accordion's controls only when it opens, and an update that arrives while
+# they mount can be lost: a control then shows its first value (CI: max new tokens 256 where the
+# browser kept 60, about 1 run in 8), and the next save keeps that. The accordions whose controls
+# the page load sets (the kept settings) are built open, so their controls mount with the page
+# before any event, and PAGE_JS closes them at once (CSS hides their content until then).
+MOUNTED_CLOSED = ("advanced", "sampling")  # elem_ids
 MAX_DEPTH = 16  # the depth slider's range is 1..MAX_DEPTH; the tree size slider reaches 96 > MAX_DEPTH + 1
 
 # Runs once when the page loads.
+# The MOUNTED_CLOSED accordions are closed as soon as they are in the page.
 # Esc stops the answer (or the race) being written, like the Stop button of the tab in view.
 # Gradio clamps a typed number to its slider's range when the box loses focus, silently, and an
 # empty box (or one holding no number) becomes the minimum. This says what was changed, under the
 # slider (capture phase: before Gradio's own blur handler).
 PAGE_JS = """
 () => {
+  const MOUNTED_CLOSED = __IDS__;
+  const closeMounted = () => {  // true once every one is closed
+    return MOUNTED_CLOSED.every((id) => {
+      const box = document.getElementById(id), label = box?.querySelector("button.label-wrap");
+      if (!label) return false;
+      if (!box.dataset.closed) {
+        if (label.classList.contains("open")) label.click();
+        box.dataset.closed = "1";
+      }
+      return true;
+    });
+  };
+  if (!closeMounted()) {
+    const watch = new MutationObserver(() => { if (closeMounted()) watch.disconnect(); });
+    watch.observe(document.body, {childList: true, subtree: true});
+  }
   document.addEventListener("keydown", (event) => {
     if (event.key !== "Escape" || event.defaultPrevented) return;
     const stop = [...document.querySelectorAll("#stop, #compare-stop")].find((b) => b.offsetParent !== null);
@@ -68,7 +93,7 @@ PAGE_JS = """
     note.textContent = `${name}: ${what}, so ${used} is used.`;
   }, true);
 }
-"""
+""".replace("__IDS__", json.dumps(MOUNTED_CLOSED))
 HEADER = "## eagle-chat"
 ABOUT = ("Local chat with lossless EAGLE speculative decoding: a small draft head guesses a tree of tokens, "
          "the model checks them all in one pass, and the answer is exactly what the model alone would write — "
@@ -142,7 +167,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                           **props["depth"])
                         tree_note = gr.Markdown(tree_limit(tree.depth, tree.total_tokens), elem_id="tree-limit")
                         tree_origin = gr.Markdown(manager.tree_markdown(), elem_id="tree-origin")
-                        with gr.Accordion("Advanced speculation", open=False):
+                        with gr.Accordion("Advanced speculation", open=True, elem_id="advanced", elem_classes=["mounted-closed"]):
                             top_k = gr.Slider(1, 16, tree.top_k, step=1, label="Top-k per node", elem_id="top-k",
                                               **props["top_k"])
                             tree_size = gr.Slider(2, 96, tree.total_tokens, step=1, label="Tree size (nodes verified)",
@@ -154,7 +179,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                         highlight = gr.Checkbox(True, label="Show which tokens came from accepted drafts",
                                                 elem_id="highlight", **props["highlight"])
                         tokens = gr.HTML(elem_id="tokens")
-                        with gr.Accordion("Sampling", open=False, elem_id="sampling"):
+                        with gr.Accordion("Sampling", open=True, elem_id="sampling", elem_classes=["mounted-closed"]):
                             temperature = gr.Slider(0, 2, gen.sampling.temperature, step=0.05,
                                                     label="Temperature (0 = greedy)", elem_id="temperature")
                             top_p = gr.Slider(0.05, 1, gen.sampling.top_p, step=0.05, label="Top-p", elem_id="top-p")
