@@ -379,3 +379,49 @@ def test_greedy_forwards_return_the_argmax_of_the_same_logits_from_the_step_and_
         with pytest.raises(StepError, match="choices must be a contiguous CPU int64 tensor of 1 elements"):
             step.forward(torch.tensor([5]), torch.tensor([len(ids)]), len(ids), one[:, None] - 1, one, cache,
                          None, True, torch.empty(1, dtype=torch.int32))
+
+
+def test_one_row_calls_follow_caches_that_grow_and_alternate():
+    """The step keeps a cache's buffer addresses between calls (core.decoding.cache.buffers_epoch says
+    when to read them again): two caches taken in turns, each growing past its first buffer (256
+    positions), then one emptied and filled again: the one-row call without argument tensors
+    (forward_one, plain and greedy) gives the transformers path's logits and features at every
+    step, and its argmax."""
+    from core.decoding.forward import plain_forward_greedy
+    from core.decoding.verify import greedy_tokens
+
+    model, blocks = quantized_llama("Q4_1", True)
+    step = NativeStep(model, blocks, "test")
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        prompts = [torch.randint(0, 512, (n,), generator=gen) for n in (250, 244)]
+        ours, ref = [kv.new_cache(model) for _ in prompts], [kv.new_cache(model) for _ in prompts]
+        for i, ids in enumerate(prompts):
+            prefill(step, ids, ours[i])
+            prefill(model, ids, ref[i])
+        token = [5, 7]
+        for n in range(16):  # past 256 positions: both caches reallocate their buffers
+            for i, ids in enumerate(prompts):
+                at = len(ids) + n
+                ref_feat, ref_logits = plain_forward(model, token[i], ref[i], at)
+                if n % 2:
+                    feat, choice = plain_forward_greedy(step, token[i], ours[i], at)
+                    assert choice == int(greedy_tokens(ref_logits)), (n, i)
+                else:
+                    feat, logits = plain_forward(step, token[i], ours[i], at)
+                    assert torch.equal(logits, ref_logits), (n, i)
+                assert torch.equal(feat, ref_feat), (n, i)
+                token[i] = int(greedy_tokens(ref_logits))
+        assert all(l._k.shape[-2] > 256 for c in ours for l in c.layers), "the buffers grew"
+        for a, b in zip(ref[0].layers, ours[0].layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        # the cache the step served last, emptied and filled again: new buffers, within the room it had
+        ids = torch.randint(0, 512, (40,), generator=gen)
+        for c, forwarder in ((ours[1], step), (ref[1], model)):
+            c.reset()
+            prefill(forwarder, ids, c)
+        for n in range(3):
+            ref_feat, ref_logits = plain_forward(model, token[1], ref[1], len(ids) + n)
+            feat, logits = plain_forward(step, token[1], ours[1], len(ids) + n)
+            assert torch.equal(logits, ref_logits) and torch.equal(feat, ref_feat), n
+            token[1] = int(greedy_tokens(ref_logits))

@@ -17,6 +17,18 @@ from transformers.cache_utils import DynamicLayer
 from core.kernels import native
 
 MIN_CAPACITY = 256  # first buffer, in positions; it doubles when full
+_epoch = 0  # counts every change of any BufferedLayer's buffers (see buffers_epoch)
+
+
+def buffers_epoch() -> int:
+    """A number that changes whenever any BufferedLayer's buffers are replaced (a layer initialized,
+    grown or reset): whoever keeps their addresses (core.kernels.step) reads them again then."""
+    return _epoch
+
+
+def _buffers_changed() -> None:
+    global _epoch
+    _epoch += 1
 
 
 class _BufferView:
@@ -47,6 +59,7 @@ class BufferedLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
         self.length = 0
+        _buffers_changed()
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
         cap = 0 if self._k is None else self._k.shape[-2]
@@ -59,6 +72,7 @@ class BufferedLayer(DynamicLayer):
             k[..., :self.length, :] = self._k[..., :self.length, :]
             v[..., :self.length, :] = self._v[..., :self.length, :]
         self._k, self._v = k, v
+        _buffers_changed()
 
     def reserve(self, need: int) -> None:
         """Room for `need` positions (an initialized layer; core.kernels.step writes into the buffers)."""
@@ -103,6 +117,7 @@ class BufferedLayer(DynamicLayer):
     def reset(self) -> None:
         self._k = self._v = None
         self.length = 0
+        _buffers_changed()
         super().reset()
 
 

@@ -78,6 +78,9 @@ def plain_forward(model, token: int, cache, position: int, feature_layers=None,
     """One plain decoding step -> (features (1, F), logits (V,)); the same kernels as a tree row
     (only_max and choices, here (1,), as forward_tree's)."""
     if isinstance(model, NativeStep):
+        if not only_max and choices is None:  # the one-row call without argument tensors
+            features, logits, _ = model.forward_one(token, position, cache, feature_layers)
+            return features, logits[0]
         one = torch.ones(1, dtype=torch.long)
         features, logits = model.forward(torch.tensor([token]), torch.tensor([position]), position, one[:, None] - 1,
                                          one, cache, feature_layers, only_max, choices)
@@ -105,6 +108,9 @@ def forward_tree_greedy(model, tree: DraftTree, cache, committed: int,
 def plain_forward_greedy(model, token: int, cache, position: int,
                          feature_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, int]:
     """plain_forward for greedy decoding -> (features (1, F), the argmax), as forward_tree_greedy."""
+    if isinstance(model, NativeStep):
+        features, _, choice = model.forward_one(token, position, cache, feature_layers, greedy=True)
+        return features, choice
     choice = torch.empty(1, dtype=torch.int64)
     features, _ = plain_forward(model, token, cache, position, feature_layers, True, choice)
     return features, int(choice[0])

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 
 from core.kernels import native
 from core.threads import one_torch_thread
-from core.decoding.cache import BufferedLayer
+from core.decoding.cache import BufferedLayer, buffers_epoch
 from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
 from core.kernels.quant import SPLIT, X8
 
@@ -168,7 +169,12 @@ class NativeStep:
         self.screen = None  # core.kernels.screen.Screen once set_screen gives one
         self._lm_name = lm_name
         self._tables(4096)
-        self._cache_key = None
+        self._bound = None  # (weakref to the cache, its room in positions, buffers_epoch()) once bound
+        self._feature_ids: dict[tuple[int, ...], torch.Tensor] = {}
+        # one plain row's arguments (forward_one): token, position, ancestor offset 0, count 1, its argmax
+        self._one = (ctypes.c_int64 * 5)(0, 0, 0, 1, 0)
+        self._one_at = ctypes.addressof(self._one)
+        self._scratch_logits = torch.empty(1, self._m.vocab, dtype=torch.bfloat16)
         names = {b.type_name for b in blocks.values()}
         streamed = sum(blocks[n].nbytes if n in blocks else params[n].numel() * 2
                        for n in params if n.endswith("proj.weight")) + (
@@ -223,18 +229,21 @@ class NativeStep:
         self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
 
     def _bind_cache(self, cache, need: int) -> None:
+        """Room for `need` positions in every layer of `cache`, and its buffers' addresses in the
+        step's layer table; read again only when the cache, its room or any buffer changed."""
+        bound = self._bound
+        if bound is not None and bound[0]() is cache and need <= bound[1] and bound[2] == buffers_epoch():
+            return
         layers = cache.layers
         assert len(layers) == self._m.layers and all(isinstance(l, BufferedLayer) and l.is_initialized for l in layers), \
             "prefill the cache (core.decoding.forward.prefill) before native steps"
         for layer in layers:
             layer.reserve(need)
-        key = tuple(l._k.data_ptr() for l in layers) + tuple(l._v.data_ptr() for l in layers)
-        if key != self._cache_key:
-            for i, l in enumerate(layers):
-                assert l._k.is_contiguous() and l._v.is_contiguous() and l._k.dtype is torch.bfloat16
-                self._layers[i].kc, self._layers[i].vc = l._k.data_ptr(), l._v.data_ptr()
-                self._layers[i].kv_head = l._k.stride(1)
-            self._cache_key = key
+        for i, l in enumerate(layers):
+            assert l._k.is_contiguous() and l._v.is_contiguous() and l._k.dtype is torch.bfloat16
+            self._layers[i].kc, self._layers[i].vc = l._k.data_ptr(), l._v.data_ptr()
+            self._layers[i].kv_head = l._k.stride(1)
+        self._bound = (weakref.ref(cache), min(l._k.shape[-2] for l in layers), buffers_epoch())
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, committed: int, ancestors: torch.Tensor,
                 counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None, only_max: bool = False,
@@ -247,32 +256,56 @@ class NativeStep:
         cannot be a row's maximum come back -inf (the argmax is the full head's, exactly). choices: an
         (n,) int64 tensor the call writes each row's argmax into (core.decoding.verify.greedy_tokens' kernel)."""
         n = tokens.shape[0]
-        assert committed == cache.get_seq_length(), "the cache must hold exactly the committed tokens"
         top = int(positions.max())
+        tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        ancestors, counts = ancestors.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+        return self._run(n, committed, top, tokens.data_ptr(), positions.data_ptr(), ancestors.data_ptr(),
+                         ancestors.stride(0), counts.data_ptr(), cache, feature_layers, only_max,
+                         None if choices is None else _choices_ptr(choices, n), None)
+
+    def forward_one(self, token: int, committed: int, cache, feature_layers: tuple[int, ...] | None = None,
+                    greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """A plain decoding step: `token` at position `committed` (the cache's length), as forward's one
+        row (the same call) without building its argument tensors -> (features (1, F), logits (1, V),
+        the row's argmax with `greedy`, else None). greedy: only_max, and the logits are a buffer the
+        next call overwrites (the caller reads the argmax alone)."""
+        one = self._one
+        one[0], one[1] = token, committed
+        at, size = self._one_at, ctypes.sizeof(ctypes.c_int64)
+        features, logits = self._run(1, committed, committed, at, at + size, at + 2 * size, 1, at + 3 * size, cache,
+                                     feature_layers, greedy, at + 4 * size if greedy else None,
+                                     self._scratch_logits if greedy else None)
+        return features, logits, (one[4] if greedy else None)
+
+    def _run(self, n: int, committed: int, top: int, tokens: int, positions: int, ancestors: int, stride: int,
+             counts: int, cache, feature_layers, only_max: bool, choices: int | None,
+             logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_step over n rows given by address (forward's contract); `top` is the largest position."""
+        assert committed == cache.get_seq_length(), "the cache must hold exactly the committed tokens"
         if top >= self._m.max_pos:
             self._tables(max(2 * self._m.max_pos, top + 1))
         self._bind_cache(cache, committed + n)
-        tokens, positions = tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-        ancestors, counts = ancestors.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
         H = self._m.hidden
         hidden = torch.empty(n, H, dtype=torch.bfloat16)
-        logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
+        if logits is None:
+            logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
         ids = feats = None
         if feature_layers is not None:
-            if max(feature_layers) >= self._m.layers or min(feature_layers) < 0:  # the last entry is transformers' normed one
-                raise StepError(f"feature layers {feature_layers} outside 0..{self._m.layers - 1}")
-            ids = torch.tensor(feature_layers, dtype=torch.int32)
+            ids = self._feature_ids.get(feature_layers)
+            if ids is None:
+                if max(feature_layers) >= self._m.layers or min(feature_layers) < 0:  # the last entry is transformers' normed one
+                    raise StepError(f"feature layers {feature_layers} outside 0..{self._m.layers - 1}")
+                ids = self._feature_ids[feature_layers] = torch.tensor(feature_layers, dtype=torch.int32)
             feats = torch.empty(n, len(feature_layers) * H, dtype=torch.bfloat16)
         code = native._library()[0].decode_step(
-            ctypes.byref(self._m), tokens.data_ptr(), positions.data_ptr(), n, committed, ancestors.data_ptr(),
-            ancestors.stride(0), counts.data_ptr(), None if ids is None else ids.data_ptr(),
-            0 if ids is None else ids.shape[0], None if feats is None else feats.data_ptr(), hidden.data_ptr(),
-            logits.data_ptr(), None if choices is None else _choices_ptr(choices, n),
+            ctypes.byref(self._m), tokens, positions, n, committed, ancestors, stride, counts,
+            None if ids is None else ids.data_ptr(), 0 if ids is None else ids.shape[0],
+            None if feats is None else feats.data_ptr(), hidden.data_ptr(), logits.data_ptr(), choices,
             int(only_max and n <= SCREEN_ROWS), torch.get_num_threads())
         if code:
             raise StepError(f"the native step failed: {_ERRORS.get(code, code)}")
         for layer in cache.layers:
-            layer._set_length(committed + n)
+            layer.length = committed + n
         return (hidden if feats is None else feats), logits
 
 
