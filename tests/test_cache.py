@@ -29,8 +29,8 @@ def test_updates_and_keeps_match_a_concatenating_cache(mover, monkeypatch):
     if mover == "torch":
         monkeypatch.setattr(native, "move_rows_usable", lambda buffers: False)
     else:
-        move = native.move_rows
-        monkeypatch.setattr(native, "move_rows", lambda *a: calls.append(1) or move(*a))
+        move = native.RowMover.move
+        monkeypatch.setattr(native.RowMover, "move", lambda self, *a: calls.append(1) or move(self, *a))
     mine, ref = kv.new_cache(None), DynamicCache()
     k, v = _entries(200, 0)
     for cache in (mine, ref):

@@ -9,6 +9,7 @@ import torch
 from core.kernels import native
 from core.decoding.head import EagleHead, HeadCache, HeadConfig, KeyLayout, TreeRows, head_mask
 from core.kernels.headstep import NATIVE_HEAD_ENV, NativeHead, native_head, unsupported
+from core.kernels.step import StepError
 from core.kernels.invariant import BlockLinear
 
 pytestmark = pytest.mark.skipif(not native.status().available,
@@ -74,8 +75,9 @@ def test_native_head_equals_the_python_head_on_its_blocks_in_catch_ups_and_draft
 
 
 def test_catch_up_top_is_the_catch_up_then_the_draft_top_k_bit_for_bit():
-    """head_step_top (one C call) = head_step, then the int8 draft LM head on the last row, then
-    its k best log-probabilities: the same output, the same proposals, the same cache entries."""
+    """head_step_top (one C call, gathering the rows' embeddings itself) = head_step on the looked-up
+    embeddings, then the int8 draft LM head on the last row, then its k best log-probabilities: the
+    same output, the same proposals, the same cache entries; a token id outside the embedding is refused."""
     from core.decoding.tree import top_log_probs
 
     head = random_head()
@@ -83,19 +85,25 @@ def test_catch_up_top_is_the_catch_up_then_the_draft_top_k_bit_for_bit():
     lm = native.Int8Weight(*_int8(torch.randn(100, 128, generator=torch.Generator().manual_seed(1)).bfloat16()))
     gen = torch.Generator().manual_seed(3)
     a, b = HeadCache(CONFIG, torch.bfloat16, "cpu", capacity=4), HeadCache(CONFIG, torch.bfloat16, "cpu", capacity=4)
+    table = torch.randn(300, 128, generator=gen).bfloat16()  # the target's embedding
     with torch.inference_mode():
         for n, k in ((6, 8), (1, 1), (3, 64), (9, 5)):  # catch-ups; the caches grow past their capacity of 4
-            emb, feat = torch.randn(n, 128, generator=gen).bfloat16(), torch.randn(n, 128, generator=gen).bfloat16()
+            tokens = torch.randint(0, 300, (n,), generator=gen)
+            emb, feat = table[tokens], torch.randn(n, 128, generator=gen).bfloat16()
             positions = torch.arange(a.length, a.length + n)
             out = fused.forward(emb, feat, positions, KeyLayout.causal(n, a.length, "cpu"), a)
             lp, idx = top_log_probs(native.linear_s8(out[-1:], lm), k)
-            hidden, lp2, idx2 = fused.catch_up_top(emb, feat, b, lm, k)
+            hidden, lp2, idx2 = fused.catch_up_top(tokens, table, feat, b, lm, k)
             assert torch.equal(hidden, out[-1]) and torch.equal(lp2, lp[0]) and torch.equal(idx2, idx[0]), (n, k)
             assert a.length == b.length
             assert torch.equal(a.layer_keys[0][:, :, :a.length], b.layer_keys[0][:, :, :b.length])
             assert torch.equal(a.layer_values[0][:, :, :a.length], b.layer_values[0][:, :, :b.length])
         with pytest.raises(ValueError, match="k must be in 1..64"):
-            fused.catch_up_top(emb, feat, b, lm, 65)
+            fused.catch_up_top(tokens, table, feat, b, lm, 65)
+        length = b.length
+        with pytest.raises(StepError, match="a token id outside the embedding"):  # refused, not read out of bounds
+            fused.catch_up_top(torch.tensor([3, 300]), table, feat[:2], b, lm, 4)
+        assert b.length == length, "a refused catch-up adds nothing to the cache"
 
 
 def _int8(weight: torch.Tensor):

@@ -136,34 +136,36 @@ def cache_length(cache: DynamicCache) -> int:
 def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) -> None:
     """Keep entries [0, committed) and committed + path[i], in that order; drop the rest.
 
-    CPU caches move the kept rows of every layer in one native call (core.kernels.native.move_rows:
+    CPU caches move the kept rows of every layer in one native call (core.kernels.native.RowMover:
     about 20 us against 0.5 ms for two indexed copies per layer); elsewhere each layer gathers.
     """
-    path = torch.as_tensor(path, dtype=torch.long).cpu()  # a few ints: decide on the host
-    n = path.shape[0]
-    layers = [layer for layer in cache.layers if layer.is_initialized]
-    assert all(isinstance(layer, BufferedLayer) for layer in cache.layers), "keep() serves caches from new_cache()"
-    if not torch.equal(path, torch.arange(n)):  # else the accepted nodes are already in place: just cut
-        buffers = [t for layer in layers for t in (layer._k, layer._v)]
-        if _native_moves(cache, buffers):
-            native.move_rows(buffers, committed + path, committed + torch.arange(n))
+    path = path.tolist() if isinstance(path, torch.Tensor) else [int(p) for p in path]  # a few ints: on the host
+    n = len(path)
+    layers, mover = _layers_and_mover(cache)
+    if path != list(range(n)):  # else the accepted nodes are already in place: just cut
+        if mover is not None:
+            mover.move(torch.tensor(path) + committed, torch.arange(committed, committed + n))
         else:
             slots = {}  # device -> the kept entries' cache slots
             for layer in layers:
                 device = layer.keys.device
                 if device not in slots:
-                    slots[device] = (committed + path).to(device)
+                    slots[device] = (committed + torch.tensor(path)).to(device)
                 layer.keep(committed, slots[device])
     for layer in layers:
-        layer._set_length(committed + n)
+        layer.length = committed + n
 
 
-def _native_moves(cache: DynamicCache, buffers: list[torch.Tensor]) -> bool:
-    """native.move_rows_usable(buffers), checked again only when a buffer was reallocated (the
-    check compares 60-odd shapes and strides: a fifth of keep()'s time when run every step)."""
-    key = tuple(b.data_ptr() for b in buffers)
+def _layers_and_mover(cache: DynamicCache) -> tuple[list[BufferedLayer], native.RowMover | None]:
+    """The cache's initialized layers and the native mover of their rows (None where it cannot
+    serve), found again only when a buffer changed (buffers_epoch): the check compares 60-odd
+    shapes and strides, a fifth of keep()'s time when run every step."""
     seen = getattr(cache, "_native_moves", None)
-    if seen is None or seen[0] != key:
-        seen = (key, native.move_rows_usable(buffers))
-        cache._native_moves = seen
-    return seen[1]
+    if seen is not None and seen[0] == _epoch and len(seen[1]) == len(cache.layers):
+        return seen[1], seen[2]
+    assert all(isinstance(layer, BufferedLayer) for layer in cache.layers), "keep() serves caches from new_cache()"
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    buffers = [t for layer in layers for t in (layer._k, layer._v)]
+    mover = native.RowMover.over(buffers) if native.move_rows_usable(buffers) else None
+    cache._native_moves = (_epoch, layers, mover)
+    return layers, mover

@@ -350,15 +350,16 @@ class _Run:
             result = verify_sampled(tree, logits, s, self.seed, committed)
         if self.on_step is not None:
             self.on_step(tree, result)
-        path = torch.tensor(result.path, device=self.device)
-        kv.keep(self.cache, committed, path)
+        kv.keep(self.cache, committed, result.path)
         self.forwards += 1
         carry = self._draft_carry  # spent before t0, so the step starts that much earlier
         event = self.emit(list(result.tokens), result.accepted, tree.size, (t1 - t0) + carry, t2 - t1, t0 - carry)
         self._draft_carry = 0.0
         self.token = result.bonus
         if not event.finished:  # the head catches up only when another step follows
-            self.root_hidden = self.catch_up(torch.tensor(result.tokens, device=self.device), features[path])
+            path = result.path
+            kept = features[:len(path)] if path == tuple(range(len(path))) else features[list(path)]  # (m, F)
+            self.root_hidden = self.catch_up(torch.tensor(result.tokens, device=self.device), kept)
         return event
 
     def emit(self, tokens: list[int], n_draft: int, tree_size: int, draft_s: float, verify_s: float,

@@ -130,14 +130,14 @@ class Drafter:
         """core.decoding.tree.catch_up_top in one native call (csrc/decode_step.c's head_step_top: the
         same bits as feed, then top_log_probs), where the native head, the int8 draft LM head and
         the native top-k all serve this call; else None (the caller composes them)."""
-        m = tokens.shape[0]
+        m, table = tokens.shape[0], self.embed.weight
         if (self.native is None or self.lm_int8 is None or features.dtype is not torch.bfloat16
+                or table.dtype is not torch.bfloat16 or not table.is_contiguous() or tokens.device != table.device
                 or not 1 <= k <= min(self.lm_int8.q.shape[0], native.TOPK_MAX)
                 or not native_rows(m, features.dtype, self.head.config, features.device)
                 or not native.linear_s8_usable(features[-1:], self.lm_int8)):
             return None
-        emb = self.embed(tokens).to(features.dtype)  # (m, H)
-        hidden, lp, idx = self.native.catch_up_top(emb, features, cache, self.lm_int8, k)
+        hidden, lp, idx = self.native.catch_up_top(tokens, table, features, cache, self.lm_int8, k)  # embed(tokens) in C
         return hidden, (lp[None], idx[None])
 
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,

@@ -97,6 +97,7 @@ class NativeHead:
                          kv_heads=c.num_key_value_heads, head_dim=hd, ffn=c.intermediate_size, vocab=0,
                          eps=head.layers[0].post_attention_layernorm.eps, scale=hd ** -0.5, layer=layers)
         self._tables(_TABLE)
+        self._logits: torch.Tensor | None = None  # catch_up_top's scratch: the draft LM head's row
 
     @property
     def weight_bytes(self) -> int:
@@ -107,10 +108,9 @@ class NativeHead:
         self._cos, self._sin = rotary_table(self.head.rotary, self.head.fc.weight.new_empty(0), size)
         self._m.cos, self._m.sin, self._m.max_pos = self._cos.data_ptr(), self._sin.data_ptr(), size
 
-    def _bind(self, positions: torch.Tensor, cache: HeadCache, n: int) -> int:
-        """Grow the rotary table to `positions`, make room for n rows in `cache` and point the layers
-        at its buffers (it grows by reallocation); returns the slot the rows' keys go to."""
-        top = int(positions.max())
+    def _bind(self, top: int, cache: HeadCache, n: int) -> int:
+        """Grow the rotary table to position `top`, make room for n rows in `cache` and point the
+        layers at its buffers (it grows by reallocation); returns the slot the rows' keys go to."""
         if top >= self._m.max_pos:
             self._tables(max(2 * self._m.max_pos, top + 1))
         at = cache.length
@@ -126,7 +126,7 @@ class NativeHead:
         mask.committed) and mask.committed + mask.ancestors[i, :mask.counts[i]] -> (n, H), the
         head's outputs; the rows' keys and values are appended to `cache`."""
         n, H = features.shape
-        at = self._bind(positions, cache, n)
+        at = self._bind(int(positions.max()), cache, n)
         xin = torch.cat([embeds, features], dim=-1).to(torch.bfloat16).contiguous()  # (n, 2H)
         positions = positions.to(torch.int64).contiguous()
         anc, counts = mask.ancestors.to(torch.int64).contiguous(), mask.counts.to(torch.int64).contiguous()
@@ -140,29 +140,36 @@ class NativeHead:
         cache.length = at + n
         return out
 
-    def catch_up_top(self, embeds: torch.Tensor, features: torch.Tensor, cache: HeadCache, lm: native.Int8Weight,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def catch_up_top(self, tokens: torch.Tensor, embed: torch.Tensor, features: torch.Tensor, cache: HeadCache,
+                     lm: native.Int8Weight, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A catch-up and the next root's proposal in one call (csrc/decode_step.c's head_step_top):
-        embeds, features (n, H) bf16, causal after the cache -> (the last row's output (H,), the k best
-        draft log-probabilities (k,) fp32 of the LM head `lm` on it, best first, and their draft ids
-        (k,)); the same bits as `forward`, native.linear_s8 and native.topk_log_probs in turn."""
+        tokens (n,) int64 whose rows of `embed` (the target's input embedding (V, H) bf16) are the
+        head's embeddings, features (n, H) bf16, causal after the cache -> (the last row's output (H,),
+        the k best draft log-probabilities (k,) fp32 of the LM head `lm` on it, best first, and their
+        draft ids (k,)); the same bits as `forward` on embed[tokens], native.linear_s8 and
+        native.topk_log_probs in turn. The C gathers the embeddings and numbers the positions."""
         n, H = features.shape
         vocab = lm.q.shape[0]
         if not 1 <= k <= min(vocab, native.TOPK_MAX):
             raise ValueError(f"the proposal's k must be in 1..{min(vocab, native.TOPK_MAX)}, got {k}")
-        at = cache.length
-        positions = torch.arange(at, at + n)
-        self._bind(positions, cache, n)
-        xin = torch.cat([embeds, features], dim=-1).to(torch.bfloat16).contiguous()  # (n, 2H)
+        if not (embed.dtype is torch.bfloat16 and embed.is_contiguous() and embed.shape[1] == H
+                and features.dtype is torch.bfloat16 and tokens.shape == (n,)):
+            raise StepError(f"catch_up_top needs bf16 embeddings (V, {H}) and features (n, {H}) and n token ids; got "
+                            f"{embed.dtype} {tuple(embed.shape)}, {features.dtype} {tuple(features.shape)}, "
+                            f"{tuple(tokens.shape)}")
+        at = self._bind(cache.length + n - 1, cache, n)
+        tokens, features = tokens.to(torch.int64).contiguous(), features.contiguous()
+        if self._logits is None or self._logits.shape[0] != vocab:
+            self._logits = torch.empty(vocab, dtype=torch.bfloat16)  # the call's scratch
         out = torch.empty(n, H, dtype=torch.bfloat16)
-        logits = torch.empty(vocab, dtype=torch.bfloat16)  # scratch
         vals, idx = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
         code = native._library()[0].head_step_top(
             ctypes.byref(self._m), ctypes.byref(self._fc), None if self._fc_bias is None else self._fc_bias.data_ptr(),
-            xin.data_ptr(), positions.data_ptr(), n, at, out.data_ptr(), lm.q.data_ptr(), lm.scale.data_ptr(),
-            lm.sums.data_ptr(), vocab, logits.data_ptr(), vals.data_ptr(), idx.data_ptr(), k, torch.get_num_threads())
+            tokens.data_ptr(), embed.data_ptr(), embed.shape[0], features.data_ptr(), n, at, out.data_ptr(),
+            lm.q.data_ptr(), lm.scale.data_ptr(), lm.sums.data_ptr(), vocab, self._logits.data_ptr(), vals.data_ptr(),
+            idx.data_ptr(), k, torch.get_num_threads())
         if code:
-            raise StepError(f"the native head failed (code {code})")
+            raise StepError(f"the native head failed (code {code}{': a token id outside the embedding' if code == -2 else ''})")
         cache.length = at + n
         return out[-1], vals, idx
 

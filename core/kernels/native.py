@@ -742,18 +742,36 @@ def move_rows_usable(buffers: list[torch.Tensor]) -> bool:
 def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """In every buffer (1, heads, capacity, head_dim) and head, row src[i] -> row dst[i], in place,
     in order of i (safe when dst[i] <= src[i] and src ascends: KV cache compaction)."""
-    k = _library()[0]
-    assert k is not None, "check native.move_rows_usable(buffers) first"
-    _expect(move_rows_usable(buffers) and src.dim() == dst.dim() == 1 and src.shape == dst.shape
-            and not src.is_floating_point() and not dst.is_floating_point(),
-            lambda: "move_rows needs CPU buffers (1, heads, capacity, head_dim) of one shape, stride and dtype, "
-            f"each head's rows contiguous, and integer src, dst (n,); got {_about(*buffers[:2], src, dst)}")
-    first = buffers[0]
-    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
-    item = first.element_size()
-    k.move_rows(bases.data_ptr(), len(buffers), first.shape[1], first.stride(1) * item, first.shape[-1] * item,
-                src.data_ptr(), dst.data_ptr(), src.shape[0])
+    assert _library()[0] is not None, "check native.move_rows_usable(buffers) first"
+    _expect(move_rows_usable(buffers), lambda: "move_rows needs CPU buffers (1, heads, capacity, head_dim) of one "
+            f"shape, stride and dtype, each head's rows contiguous; got {_about(*buffers[:2])}")
+    RowMover.over(buffers).move(src, dst)
+
+
+@dataclass(frozen=True)
+class RowMover:
+    """move_rows over buffers checked once (move_rows_usable) and their addresses gathered once: a
+    KV cache's layers, for as long as its buffers stay (core.decoding.cache keeps one per cache
+    until core.decoding.cache.buffers_epoch changes). It holds addresses, not the buffers."""
+
+    bases: torch.Tensor  # (buffers,) int64 data pointers
+    heads: int
+    head_bytes: int      # stride between heads
+    row_bytes: int
+
+    @classmethod
+    def over(cls, buffers: list[torch.Tensor]) -> "RowMover":
+        first = buffers[0]
+        item = first.element_size()
+        return cls(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64), first.shape[1],
+                   first.stride(1) * item, first.shape[-1] * item)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        _expect(src.dim() == dst.dim() == 1 and src.shape == dst.shape and not src.is_floating_point()
+                and not dst.is_floating_point(), lambda: f"move_rows needs integer src, dst (n,); got {_about(src, dst)}")
+        src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+        _library()[0].move_rows(self.bases.data_ptr(), self.bases.shape[0], self.heads, self.head_bytes,
+                                self.row_bytes, src.data_ptr(), dst.data_ptr(), src.shape[0])
 
 
 class WMat(ctypes.Structure):

@@ -268,23 +268,39 @@ int topk_logprobs_bf16(const uint16_t *x, int64_t ldx, float *vals, int64_t *idx
 // the draft LM head (int8 rows with per-row scales, gemm_s8) on the last row, and that row's k best
 // log-probabilities (topk_logprobs_bf16). The same kernels in the same order as the three calls
 // from Python, so the same bits (tests/test_headstep.py); it saves their dispatch, about a third of
-// a catch-up. logits (vocab,) bf16 is the caller's scratch; vals (k,) fp32, idx (k,) int64.
-// ctypes: head_step_top(ptr m, ptr fc, ptr fc_bias, ptr xin, ptr positions, i32 n, i64 committed,
-//                       ptr out, ptr lm_q, ptr lm_scale, ptr lm_sums, i32 vocab, ptr logits, ptr vals,
-//                       ptr idx, i32 k, i32 nthreads) -> i32
-int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const uint16_t *xin,
-                  const int64_t *positions, int n, int64_t committed, uint16_t *out, const int8_t *lm_q,
-                  const float *lm_scale, const int32_t *lm_sums, int vocab, uint16_t *logits, float *vals,
-                  int64_t *idx, int k, int nthreads) {
+// a catch-up. Its inputs are gathered here: row i of xin is embed[tokens[i]] (the target's
+// embedding (n_embed, H) bf16: the bits Python's lookup gives), then features row i (n, H) bf16;
+// row i's position is committed + i. logits (vocab,) bf16 is the caller's scratch; vals (k,)
+// fp32, idx (k,) int64.
+// ctypes: head_step_top(ptr m, ptr fc, ptr fc_bias, ptr tokens, ptr embed, i64 n_embed, ptr features,
+//                       i32 n, i64 committed, ptr out, ptr lm_q, ptr lm_scale, ptr lm_sums, i32 vocab,
+//                       ptr logits, ptr vals, ptr idx, i32 k, i32 nthreads) -> i32
+int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const int64_t *tokens,
+                  const uint16_t *embed, int64_t n_embed, const uint16_t *features, int n, int64_t committed,
+                  uint16_t *out, const int8_t *lm_q, const float *lm_scale, const int32_t *lm_sums, int vocab,
+                  uint16_t *logits, float *vals, int64_t *idx, int k, int nthreads) {
     if (n < 1) return STEP_BAD_POSITION;
+    int H = m->hidden;
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= n_embed) return STEP_BAD_TOKEN;
     // causal: row i sees the new rows 0 .. i (KeyLayout.causal), one list read with stride 0
-    int64_t *slots = malloc((size_t)n * 2 * sizeof(int64_t));
-    if (!slots) return STEP_NO_MEMORY;
-    for (int i = 0; i < n; i++) slots[i] = i, slots[n + i] = i + 1;
+    int64_t *slots = malloc((size_t)n * 3 * sizeof(int64_t));
+    uint16_t *xin = malloc((size_t)n * 2 * H * sizeof(uint16_t));
+    if (!slots || !xin) {
+        free(slots);
+        free(xin);
+        return STEP_NO_MEMORY;
+    }
+    int64_t *positions = slots + 2 * n;
+    for (int i = 0; i < n; i++) {
+        slots[i] = i, slots[n + i] = i + 1, positions[i] = committed + i;
+        memcpy(xin + (int64_t)i * 2 * H, embed + tokens[i] * H, (size_t)H * 2);
+        memcpy(xin + (int64_t)i * 2 * H + H, features + (int64_t)i * H, (size_t)H * 2);
+    }
     int status = head_step(m, fc, fc_bias, xin, positions, n, committed, committed, slots, 0, slots + n, out, nthreads);
     free(slots);
+    free(xin);
     if (status != STEP_OK) return status;
-    int H = m->hidden;
     if (gemm_s8(out + (int64_t)(n - 1) * H, H, lm_q, lm_scale, lm_sums, NULL, logits, vocab, 1, vocab, H, nthreads))
         return STEP_NO_MEMORY;
     if (topk_logprobs_bf16(logits, vocab, vals, idx, 1, vocab, k, nthreads)) return STEP_BAD_WEIGHT;
