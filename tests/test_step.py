@@ -347,7 +347,8 @@ def test_rotary_tables_are_computed_on_one_thread(monkeypatch):
 
 
 def test_greedy_forwards_return_the_argmax_of_the_same_logits_from_the_step_and_from_transformers():
-    """forward_tree_greedy / plain_forward_greedy: the native step finds each row's argmax inside its call;
+    """forward_tree_greedy / plain_forward_greedy (the step's forward_rows / forward_one: arguments built on the
+    host): the native step finds each row's argmax inside its call;
     they are greedy_tokens of the logits forward_tree gives (random trees, rows 1-2 screened or not, more
     rows), on the step and on the transformers path alike; a malformed choices buffer is refused."""
     from core.decoding.forward import forward_tree_greedy, plain_forward_greedy
@@ -368,6 +369,14 @@ def test_greedy_forwards_return_the_argmax_of_the_same_logits_from_the_step_and_
                 feat, logits = forward_tree(forwarder, tree, a, context, None, True)
                 feat2, choices = forward_tree_greedy(forwarder, tree, b, context)
                 assert choices == greedy_tokens(logits).tolist() and torch.equal(feat, feat2), (case, forwarder)
+                if forwarder is step:  # the tree as lists, not greedy: forward's features and logits
+                    c, d = kv.new_cache(model), kv.new_cache(model)
+                    prefill(step, ids, c)
+                    prefill(step, ids, d)
+                    ref_feat, ref_logits = forward_tree(step, tree, c, context)
+                    feat3, logits3, none = step.forward_rows(tree.tokens.tolist(), tree.parents.tolist(),
+                                                             tree.depths.tolist(), context, d)
+                    assert torch.equal(feat3, ref_feat) and torch.equal(logits3, ref_logits) and none is None, case
                 kv.keep(a, context, [])
                 kv.keep(b, context, [])
                 feat, row = plain_forward(forwarder, int(tree.tokens[0]), a, context, None, True)

@@ -277,6 +277,30 @@ class NativeStep:
                                      self._scratch_logits if greedy else None)
         return features, logits, (one[4] if greedy else None)
 
+    def forward_rows(self, tokens: list[int], parents: list[int], depths: list[int], committed: int, cache,
+                     feature_layers: tuple[int, ...] | None = None,
+                     greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """A tree given as lists (topological order, parents[0] == -1; node i at position committed +
+        depths[i], seeing its ancestors), as forward's rows with its arguments built on the host in
+        one buffer -> (features (n, F), logits (n, V), each row's argmax with `greedy`, else None).
+        greedy: only_max, and the logits are a buffer the next call overwrites."""
+        n, width = len(tokens), max(depths) + 1
+        anc = [-1] * (n * width)  # row i: its ancestor at each depth, root first, itself last, -1 past it
+        for i in range(n):
+            node = i
+            while node >= 0:
+                anc[i * width + depths[node]] = node
+                node = parents[node]
+        buf = (ctypes.c_int64 * (n * (4 + width)))(*tokens, *[committed + d for d in depths], *[d + 1 for d in depths],
+                                                    *[0] * n, *anc)
+        at, row = ctypes.addressof(buf), n * ctypes.sizeof(ctypes.c_int64)  # tokens, positions, counts, choices, ancestors
+        if greedy and self._scratch_logits.shape[0] < n:
+            self._scratch_logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
+        features, logits = self._run(n, committed, committed + width - 1, at, at + row, at + 4 * row, width, at + 2 * row,
+                                     cache, feature_layers, greedy, at + 3 * row if greedy else None,
+                                     self._scratch_logits[:n] if greedy else None)
+        return features, logits, (buf[3 * n:4 * n] if greedy else None)
+
     def _run(self, n: int, committed: int, top: int, tokens: int, positions: int, ancestors: int, stride: int,
              counts: int, cache, feature_layers, only_max: bool, choices: int | None,
              logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
