@@ -403,3 +403,15 @@ def test_pruned_drafting_selects_the_full_tree_and_skips_rounds(shape, monkeypat
             torch.testing.assert_close(trees[True].scores, trees[False].scores, rtol=0, atol=0)
     if total - 1 > top_k:  # the cut exists after the first round: something was skipped
         assert rows[True] < rows[False], rows
+
+
+def test_a_tree_keeps_the_lists_it_was_built_from_and_reads_them_once_otherwise():
+    """DraftTree.host: (tokens, parents, depths) as lists, the ones from_lists was given (no copy read
+    back from the tensors), else read from the tensors once; the same values either way."""
+    lists = ([5, 9, 7, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
+    built = DraftTree.from_lists(*lists, scores=[0.0, -0.1, -0.5, -0.2])
+    assert built.host[0] is lists[0] and built.host == lists
+    assert built.tokens.tolist() == lists[0] and built.parents.tolist() == lists[1] and built.depths.tolist() == lists[2]
+    assert built.scores.dtype is torch.float32 and built.scores.tolist()[1] == pytest.approx(-0.1)
+    other = tree_from_parents(lists[0], lists[1])
+    assert other.host == lists and other.host is other.host  # read once

@@ -101,8 +101,7 @@ def forward_tree_greedy(model, tree: DraftTree, cache, committed: int,
     """forward_tree for a greedy caller, which reads each row's argmax alone -> (features (n, F), the
     rows' argmaxes)."""
     if isinstance(model, NativeStep):  # the tree's arguments built on the host, in one buffer
-        features, _, choices = model.forward_rows(tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist(),
-                                                  committed, cache, feature_layers, greedy=True)
+        features, _, choices = model.forward_rows(*tree.host, committed, cache, feature_layers, greedy=True)
         return features, choices
     choices = torch.empty(tree.size, dtype=torch.int64)
     features, _ = forward_tree(model, tree, cache, committed, feature_layers, True, choices)

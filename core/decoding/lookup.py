@@ -118,7 +118,7 @@ def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     """`tree` with `chain` as a path under the root: where the tree already holds the chain's
     next token as a child the path follows it, the rest is appended (topological order kept,
     siblings stay distinct). Appended nodes score -inf: no draft probability backs them."""
-    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    tokens, parents, depths = (list(x) for x in tree.host)
     n0 = len(tokens)
     node = 0
     for tok in chain:
@@ -136,5 +136,4 @@ def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     if tree.scores is not None:
         extra = torch.full((len(tokens) - n0,), float("-inf"), dtype=tree.scores.dtype, device=device)
         scores = torch.cat([tree.scores, extra])
-    return DraftTree(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
-                     depths=torch.tensor(depths, device=device), scores=scores)
+    return DraftTree.from_lists(tokens, parents, depths, scores, device=device)

@@ -45,6 +45,24 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @functools.cached_property
+    def host(self) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, depths) as Python lists, what verification and the native step's tree
+        call read; kept from the lists the tree was built from (`from_lists`), else read once."""
+        return self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
+
+    @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int], depths: list[int],
+                   scores: "list[float] | torch.Tensor | None" = None, score_dtype: torch.dtype = torch.float32,
+                   device=None) -> "DraftTree":
+        """A tree built from host lists, which it keeps as `host` (scores: a list, or a tensor as it is)."""
+        if scores is not None and not isinstance(scores, torch.Tensor):
+            scores = torch.tensor(scores, dtype=score_dtype, device=device)
+        tree = cls(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
+                   depths=torch.tensor(depths, device=device), scores=scores)
+        tree.__dict__["host"] = (tokens, parents, depths)  # functools.cached_property's slot
+        return tree
+
+    @functools.cached_property
     def mask(self) -> torch.Tensor:
         """bool (n, n): mask[i, j] iff node j is node i or one of its ancestors."""
         return ancestor_mask(self.parents)
@@ -261,10 +279,8 @@ def _select(tokens: list[int], parents: list[int], scores: list[float], depths: 
     chosen = sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:keep])  # topological order
     slot = {c: i + 1 for i, c in enumerate(chosen)}
     assert all(parents[c] < 0 or parents[c] in slot for c in chosen), "draft tree lost a parent"
-    return DraftTree(tokens=torch.tensor([root_token] + [tokens[c] for c in chosen], device=device),
-                     parents=torch.tensor([-1] + [slot.get(parents[c], 0) for c in chosen], device=device),
-                     depths=torch.tensor([0] + [depths[c] for c in chosen], device=device),
-                     scores=torch.tensor([0.0] + [scores[c] for c in chosen], dtype=score_dtype, device=device))
+    return DraftTree.from_lists([root_token] + [tokens[c] for c in chosen], [-1] + [slot.get(parents[c], 0) for c in chosen],
+                                [0] + [depths[c] for c in chosen], [0.0] + [scores[c] for c in chosen], score_dtype, device)
 
 
 def draft_static(drafter: DraftModel, cache: HeadCache, root_token: int, root_hidden: torch.Tensor,

@@ -82,7 +82,7 @@ def verify_sampled(tree: DraftTree, logits: torch.Tensor, s: SamplingConfig, see
     nodes the walk reaches: accepted + 1 draws where the tree has n nodes (a draw costs ~0.1 ms; a
     lookup chain adds up to 10 nodes)."""
     assert logits.shape[0] == tree.size
-    depths = tree.depths.tolist()
+    depths = tree.host[2]
     return walk(tree, lambda node: sample_at(logits[node:node + 1], [committed + depths[node] + 1], s, seed)[0])
 
 
@@ -93,7 +93,7 @@ def walk(tree: DraftTree, choice: Callable[[int], int]) -> Verification:
     those nodes form one path, and this descent finds it. It runs on Python lists: a tree is a
     few dozen nodes, and the small tensor ops the same logic takes cost more than the argmax.
     """
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents, _ = tree.host
     children: dict[int, dict[int, int]] = {}
     for i in range(1, len(tokens)):
         children.setdefault(parents[i], {})[tokens[i]] = i
