@@ -315,6 +315,7 @@ class NativeStep:
             logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
         ids = feats = None
         if feature_layers is not None:
+            feature_layers = tuple(feature_layers)
             ids = self._feature_ids.get(feature_layers)
             if ids is None:
                 if max(feature_layers) >= self._m.layers or min(feature_layers) < 0:  # the last entry is transformers' normed one
