@@ -93,14 +93,19 @@ class TreeLayout:
 def tree_ancestors(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     """parents, depths (n,) int64 (topological order, parents[0] == -1) -> (n, D + 1) int64: row
     i's ancestor at each depth, root first, itself at its own depth, -1 past it."""
-    par, dep = parents.tolist(), depths.tolist()
-    anc = [[-1] * (max(dep) + 1) for _ in par]
+    return torch.tensor(ancestor_rows(parents.tolist(), depths.tolist()), device=depths.device)
+
+
+def ancestor_rows(parents: list[int], depths: list[int]) -> list[list[int]]:
+    """tree_ancestors on host lists: row i's ancestor at each depth, root first, itself at its own
+    depth, -1 past it."""
+    anc = [[-1] * (max(depths) + 1) for _ in parents]
     for i, row in enumerate(anc):  # a few dozen nodes: a walk up on lists beats a tensor ancestry mask
         node = i
         while node >= 0:
-            row[dep[node]] = node
-            node = par[node]
-    return torch.tensor(anc, device=depths.device)
+            row[depths[node]] = node
+            node = parents[node]
+    return anc
 
 
 def _pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from core.kernels import native
+from core.kernels.invariant import ancestor_rows
 from core.threads import one_torch_thread
 from core.decoding.cache import BufferedLayer, buffers_epoch
 from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
@@ -285,12 +286,7 @@ class NativeStep:
         one buffer -> (features (n, F), logits (n, V), each row's argmax with `greedy`, else None).
         greedy: only_max, and the logits are a buffer the next call overwrites."""
         n, width = len(tokens), max(depths) + 1
-        anc = [-1] * (n * width)  # row i: its ancestor at each depth, root first, itself last, -1 past it
-        for i in range(n):
-            node = i
-            while node >= 0:
-                anc[i * width + depths[node]] = node
-                node = parents[node]
+        anc = [node for row in ancestor_rows(parents, depths) for node in row]  # (n, width), row by row
         buf = (ctypes.c_int64 * (n * (4 + width)))(*tokens, *[committed + d for d in depths], *[d + 1 for d in depths],
                                                     *[0] * n, *anc)
         at, row = ctypes.addressof(buf), n * ctypes.sizeof(ctypes.c_int64)  # tokens, positions, counts, choices, ancestors
