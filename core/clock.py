@@ -19,8 +19,14 @@ from typing import Callable
 import torch
 
 
+_CUDA: dict = {}  # device (as given) -> whether it is a CUDA device: now() runs several times a step
+
+
 def is_cuda(device) -> bool:
-    return torch.device(device).type == "cuda"
+    known = _CUDA.get(device)
+    if known is None:
+        known = _CUDA[device] = torch.device(device).type == "cuda"
+    return known
 
 
 def now(device) -> float:

@@ -9,8 +9,8 @@ import torch
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding.engine import Engine
 from core.kernels.invariant import make_invariant
-from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, chain_length,
-                                  chain_tree, default_tokens, graft, lookup_chain)
+from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, ContextIndex,
+                                  chain_length, chain_tree, default_tokens, graft, longest_repeat, lookup_chain)
 from core.decoding.tree import DraftTree, tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
@@ -33,6 +33,25 @@ def test_chain_literals():
     assert lookup_chain([4, 4, 4, 4, 4, 4], 5) == [4, 4, 4, 4, 4]
     assert lookup_chain([1, 2, 3, 4, 5, 1, 2, 3, 4, 5], 7) == [1, 2, 3, 4, 5, 1, 2]
     assert lookup_chain([1, 2, 3, 4], 5) == [] and lookup_chain([1, 2, 3, 4, 1, 2, 3, 4], 0) == []
+
+
+def test_the_context_index_finds_what_a_scan_of_the_context_finds():
+    """The engine's ContextIndex (positions per token, kept as tokens arrive) against the scan of the
+    whole context, token by token over random texts: small vocabularies (many repeats, loops, ties
+    between equal matches) and larger ones, every chain setting."""
+    gen = torch.Generator().manual_seed(7)
+    checked = 0
+    for vocab, length in ((2, 60), (3, 120), (5, 200), (40, 300), (400, 300)):
+        for _ in range(3):
+            text = torch.randint(vocab, (length,), generator=gen).tolist()
+            index = ContextIndex(text[:1])
+            for t in text[1:]:
+                index.append(t)
+                assert index.longest_repeat() == longest_repeat(index.tokens)
+                for max_tokens in (0, 1, 3, 10, 24):
+                    assert index.chain(max_tokens) == lookup_chain(index.tokens, max_tokens)
+                checked += 1
+    assert checked > 900 and len(ContextIndex()) == 0 and ContextIndex([5]).chain(8) == []
 
 
 def test_a_chain_follows_the_child_the_tree_already_holds():

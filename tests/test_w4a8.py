@@ -88,7 +88,7 @@ def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
         alone = torch.cat([native.linear_w(x[i:i + 1], w) for i in range(40)])
         had = native.set_x8_amx(True)  # True where this machine has AMX-INT8
         try:
-            for m in (2, 5, 9, 16, 17, 40):  # VNNI chunks of 8, AMX chunks of 16 (from 9 rows), and leftovers
+            for m in (2, 5, 9, 13, 16, 17, 40):  # chunks of 16 rows (AMX from 13 rows), and leftovers
                 for amx in {False, had}:
                     native.set_x8_amx(amx)
                     assert torch.equal(native.linear_w(x[:m], w), alone[:m]), (name, m, amx)

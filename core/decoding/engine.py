@@ -33,7 +33,7 @@ from core.decoding.forward import (forward_tree, forward_tree_greedy, plain_forw
                                    uses_exact_kernels)
 from core.decoding.head import HeadCache
 from core.decoding.head3 import drafter_for, load_any_head
-from core.decoding.lookup import graft, lookup_chain
+from core.decoding.lookup import ContextIndex, graft
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, resolve
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
@@ -204,7 +204,7 @@ class _Run:
         self.model, self.device = engine.forwarder, engine.target.device
         self.layers = engine.drafter.feature_layers if config.speculative else None
         self.ids = torch.tensor(ids, device=self.device)
-        self.context = list(ids)  # prompt + every emitted token: where context lookup searches
+        self.context = ContextIndex(ids)  # prompt + every emitted token: where context lookup searches
         self.cache = kv.new_cache(self.model)
         self.head_cache = (HeadCache(engine.head.config, engine.target.dtype, self.device)
                            if config.speculative else None)
@@ -284,7 +284,7 @@ class _Run:
         A plain stretch probes speculation at once where the context repeats (a lookup chain of
         COPY_PROBE tokens or more: the answer copies from the chat, where speculation pays most)."""
         if not self.speeds.speculative and self.cfg.tree.lookup and self.fits_tree():
-            chain = lookup_chain(self.context, self.lookup_room(kv.cache_length(self.cache)))
+            chain = self.context.chain(self.lookup_room(kv.cache_length(self.cache)))
             if len(chain) >= COPY_PROBE:
                 self.speeds = adaptive.probe_now(self.speeds, POLICY)
         speculate = self.speeds.speculative and self.fits_tree()
@@ -331,7 +331,7 @@ class _Run:
         t0 = self.now()
         committed = kv.cache_length(self.cache)
         shape = self.cfg.tree.at(committed)  # smaller trees for long contexts (TreeConfig.long_context)
-        chain = lookup_chain(self.context, self.lookup_room(committed)) if shape.lookup else []
+        chain = self.context.chain(self.lookup_room(committed)) if shape.lookup else []
         shape = shape.with_chain() if chain else shape
         s = self.cfg.sampling
         noise = None if s.greedy else DraftNoise(s.temperature, self.seed, committed + 1)

@@ -28,9 +28,11 @@
 #include "weights.h"
 #include <omp.h>
 
-#define ROWS_X8 8  // rows of x per pass over a group's weights (accumulators in registers)
-#define AMX_X8_MIN_ROWS 9  // from this many rows AMX-INT8 serves, where the CPU has it (measured: a
-                           // forward of 8 rows 5.9 ms on VNNI, 6.0 on AMX; 10 rows 6.8 and 6.5; 16 rows 9.7 and 7.8)
+#define ROWS_X8 8  // rows of x per pass in the LM head screen's first pass (accumulators in registers)
+#define AMX_X8_MIN_ROWS 13  // from this many rows AMX-INT8 serves, where the CPU has it. Measured (forward
+                            // ms): 2026-12-02, one Intel VM, VNNI 8 rows a pass: 8 rows 5.9 VNNI / 6.0 AMX,
+                            // 10 rows 6.8 / 6.5, 16 rows 9.7 / 7.8; 2026-12-05, another, VNNI 16 rows a pass:
+                            // 9 rows 14.0 / 17.5-19.4, 12 rows 17.2-18.3 / 20.5-21.5, 16 rows 22.1-22.6 / 21.5-23.8
 
 // WT_Q8_SPLIT (the LM head where core.kernels.step screens it): a Q8_X8 weight's unsigned codes
 // u = q + 128 split as u = 16 h + l into two arrays, so that a pass over h alone bounds every
@@ -141,7 +143,7 @@ static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
 
 // AMX-INT8 (Intel Sapphire Rapids and later) from AMX_X8_MIN_ROWS rows: one TDPBSUD multiplies
 // 16 rows of x by a block of 16 output rows, a 16th of VNNI's integer instructions per row (the
-// unpacking and the tile store / reload per block make it pay only from 9 rows). Its integer block sums are VNNI's exactly (integers), and the fp32 steps
+// unpacking and the tile store / reload per block make it pay only from AMX_X8_MIN_ROWS rows, and on some hosts not at all). Its integer block sums are VNNI's exactly (integers), and the fp32 steps
 // after them are the same instructions in the same order (block_q4_fp32 / block_q8_fp32): a row's bits do not
 // depend on which of the two computed it, so a plain step (1 row, VNNI) and a row of a large tree (AMX)
 // agree by construction.
@@ -238,7 +240,7 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
 }
 #endif
 
-// Rows [m0, m0 + rows) (rows <= ROWS_X8) of one 16-row group of a Q4_X8 weight -> acc[i]
+// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q4_X8 weight -> acc[i]
 static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = w + (int64_t)kb * 320;
@@ -296,13 +298,16 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
         prefetch_bytes(split_hi(w, g + 2, 0), KB * 288);
         prefetch_bytes(split_lo(w, g + 2, 0), KB * 256);
     }
-    int chunk = x8_amx && M >= AMX_X8_MIN_ROWS ? 16 : ROWS_X8;
+    // VNNI takes up to 16 rows a pass as AMX does: each pass unpacks the group's 4-bit codes again
+    // (a pass of 8 rows then one of 1 cost a 9-row forward 20% more than 8 rows on the Intel VM)
+    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS;
+    (void)amx;  // a build without AMX flags has only VNNI
     for (int m0 = 0; m0 < M; m0 += chunk) {
         int rows = M - m0 < chunk ? M - m0 : chunk;
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-        if (chunk == 16) group_amx(w, g, wg, KB, a, K, m0, rows, acc);
+        if (amx) group_amx(w, g, wg, KB, a, K, m0, rows, acc);
         else
 #endif
         if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
