@@ -9,6 +9,7 @@ from scipy.stats import chisquare, kstest
 from core.config import SamplingConfig
 from core.decoding import gumbel
 from core.decoding.gumbel import sample_at
+from core.decoding.lookup import graft
 from core.decoding.tree import DraftTree, ancestor_mask, tree_from_parents
 from core.decoding.verify import Verification, target_probs, verify_greedy, verify_sampled, walk
 from core.kernels import native
@@ -411,6 +412,17 @@ def test_a_tree_keeps_the_lists_it_was_built_from_and_reads_them_once_otherwise(
     lists = ([5, 9, 7, 3], [-1, 0, 0, 1], [0, 1, 1, 2])
     built = DraftTree.from_lists(*lists, scores=[0.0, -0.1, -0.5, -0.2])
     assert built.host[0] is lists[0] and built.host == lists
+    # the loop reads the lists alone: no tensor is made until one is read
+    grafted = graft(built, [9, 3, 8])
+    assert built.size == 4 and grafted.size == 5 and grafted.host[0] == [5, 9, 7, 3, 8]
+    assert grafted.host_scores[:4] == built.host_scores and grafted.host_scores[4] == float("-inf")
+    assert not {"tokens", "parents", "depths", "scores"} & (set(built.__dict__) | set(grafted.__dict__))
+    assert grafted.scores.dtype is torch.float32 and grafted.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert torch.equal(grafted.tokens, torch.tensor([5, 9, 7, 3, 8])) and grafted.depths.tolist() == [0, 1, 1, 2, 3]
+    assert "DraftTree(tokens=tensor([5, 9, 7, 3, 8])" in repr(grafted)
+    with pytest.raises(AttributeError, match="no attribute 'nodes'"):
+        built.nodes
+    assert DraftTree.from_lists([4], [-1], [0]).scores is None
     assert built.tokens.tolist() == lists[0] and built.parents.tolist() == lists[1] and built.depths.tolist() == lists[2]
     assert built.scores.dtype is torch.float32 and built.scores.tolist()[1] == pytest.approx(-0.1)
     other = tree_from_parents(lists[0], lists[1])

@@ -31,7 +31,9 @@ from core.decoding.head import HeadCache, TreeRows
 #   catch_up_top(cache, tokens, features, k) -> (hidden (H,), (log-probs (1, k), draft ids (1, k))) | None
 #       core.decoding.tree.catch_up_top in one call (feed, then top_log_probs on the last row), or
 #       None where this call cannot be fused (the EAGLE-1/2 drafter's native head: one C call)
-OPTIONAL = frozenset({"catch_up_top"})
+#   target_id_list(idx) -> list[int]
+#       to_target_ids(idx).flatten().tolist() without a tensor op (a host copy of the vocabulary)
+OPTIONAL = frozenset({"catch_up_top", "target_id_list"})
 
 
 @runtime_checkable

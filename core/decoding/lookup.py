@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-import torch
-
 from core.config import TreeConfig
 from core.decoding.tree import DraftTree
 
@@ -181,9 +179,7 @@ def graft(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
         node = child
     if len(tokens) == n0:
         return tree
-    device = tree.tokens.device
-    scores = None
-    if tree.scores is not None:
-        extra = torch.full((len(tokens) - n0,), float("-inf"), dtype=tree.scores.dtype, device=device)
-        scores = torch.cat([tree.scores, extra])
-    return DraftTree.from_lists(tokens, parents, depths, scores, device=device)
+    scores = tree.host_scores
+    if scores is not None:
+        scores = scores + [float("-inf")] * (len(tokens) - n0)
+    return DraftTree.from_lists(tokens, parents, depths, scores, tree.score_dtype, tree.device)

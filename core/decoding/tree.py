@@ -13,7 +13,7 @@ come in the head's order of preference (most likely first).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +34,9 @@ class DraftTree:
     tokens: torch.Tensor   # (n,) int64 token ids, tokens[0] is the root
     parents: torch.Tensor  # (n,) int64, parents[0] == -1
     depths: torch.Tensor   # (n,) int64, depths[0] == 0
-    scores: torch.Tensor | None = None  # (n,) cumulative draft log-prob (dynamic trees), root 0
+    # (n,) cumulative draft log-prob (dynamic trees), root 0; a factory, not a class attribute, so a tree
+    # from from_lists makes it on first reading (__getattr__)
+    scores: torch.Tensor | None = field(default_factory=lambda: None)
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -42,7 +44,7 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.host[0])
 
     @functools.cached_property
     def host(self) -> tuple[list[int], list[int], list[int]]:
@@ -50,17 +52,57 @@ class DraftTree:
         call read; kept from the lists the tree was built from (`from_lists`), else read once."""
         return self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
 
+    @functools.cached_property
+    def host_scores(self) -> list[float] | None:
+        """`scores` as a list (None without scores): kept from `from_lists`, else read once."""
+        return None if self.scores is None else self.scores.tolist()
+
+    @property
+    def score_dtype(self) -> torch.dtype:
+        lazy = self.__dict__.get("_lazy")
+        return lazy[0] if lazy is not None and "scores" not in self.__dict__ else (
+            self.scores.dtype if self.scores is not None else torch.float32)
+
+    @property
+    def device(self) -> torch.device:
+        lazy = self.__dict__.get("_lazy")
+        return lazy[1] if lazy is not None else self.tokens.device
+
     @classmethod
     def from_lists(cls, tokens: list[int], parents: list[int], depths: list[int],
                    scores: "list[float] | torch.Tensor | None" = None, score_dtype: torch.dtype = torch.float32,
                    device=None) -> "DraftTree":
-        """A tree built from host lists, which it keeps as `host` (scores: a list, or a tensor as it is)."""
-        if scores is not None and not isinstance(scores, torch.Tensor):
-            scores = torch.tensor(scores, dtype=score_dtype, device=device)
-        tree = cls(tokens=torch.tensor(tokens, device=device), parents=torch.tensor(parents, device=device),
-                   depths=torch.tensor(depths, device=device), scores=scores)
-        tree.__dict__["host"] = (tokens, parents, depths)  # functools.cached_property's slot
+        """A tree built from host lists, which it keeps as `host` (scores: a list, or a tensor as it
+        is). Its tensors are made when first read: the CPU decode loop reads the lists alone (the
+        native step's tree call, verification, grafting), and four small tensors a tree cost
+        ~20 us a step in the loop."""
+        n = len(tokens)
+        assert len(parents) == n and len(depths) == n and parents[0] == -1
+        tree = object.__new__(cls)  # the fields below are read lazily (__getattr__)
+        d = tree.__dict__
+        d["host"] = (tokens, parents, depths)  # functools.cached_property's slot
+        d["_lazy"] = (score_dtype if not isinstance(scores, torch.Tensor) else scores.dtype,
+                      torch.device(device) if device is not None else torch.device("cpu"))
+        if isinstance(scores, torch.Tensor):
+            d["scores"] = scores
+        else:
+            d["host_scores"] = scores
+            if scores is None:
+                d["scores"] = None
         return tree
+
+    def __getattr__(self, name: str):
+        """A field of a tree built by `from_lists`, made from its lists on first reading."""
+        lazy = self.__dict__.get("_lazy")
+        if lazy is None or name not in _LAZY:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        dtype, device = lazy
+        if name == "scores":
+            value = torch.tensor(self.__dict__["host_scores"], dtype=dtype, device=device)
+        else:
+            value = torch.tensor(self.host[_LAZY.index(name)], dtype=torch.int64, device=device)
+        object.__setattr__(self, name, value)
+        return value
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
@@ -69,6 +111,9 @@ class DraftTree:
 
     def positions(self, offset: int) -> torch.Tensor:
         return offset + self.depths
+
+
+_LAZY = ("tokens", "parents", "depths", "scores")  # DraftTree.from_lists' fields, in host order
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -142,6 +187,15 @@ class Drafter:
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab is None else self.vocab[idx]
+
+    @functools.cached_property
+    def _vocab_list(self) -> list[int] | None:
+        return None if self.vocab is None else self.vocab.tolist()
+
+    def target_id_list(self, idx: torch.Tensor) -> list[int]:
+        """to_target_ids(idx).flatten().tolist() through a host copy of the vocabulary (no tensor op)."""
+        ids, table = idx.flatten().tolist(), self._vocab_list
+        return ids if table is None else [table[i] for i in ids]
 
     def catch_up_top(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
                      k: int) -> "tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None":
@@ -232,7 +286,7 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
         lp, idx = top(root_hidden[None], 0)  # (1, k) each
     score_dtype = lp.dtype
     # candidates, in the order drafted: target token, parent candidate (-1 = root), score, depth
-    tokens = drafter.to_target_ids(idx[0]).tolist()
+    tokens = _target_ids(drafter, idx[0])
     scores = lp[0].tolist()
     parents, depths = [-1] * len(tokens), [1] * len(tokens)
     frontier = list(range(len(tokens)))  # candidates to feed next, best first
@@ -259,7 +313,7 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
         child_lp = lp.tolist()
         child_scores = [scores[c] + x for c, row in zip(frontier, child_lp) for x in row]  # (f * kk,)
         first = len(tokens)
-        tokens += drafter.to_target_ids(idx.flatten()).tolist()
+        tokens += _target_ids(drafter, idx)
         parents += [c for c in frontier for _ in range(kk)]
         scores += child_scores
         depths += [d + 1] * len(child_scores)
@@ -269,6 +323,12 @@ def draft_dynamic(drafter: DraftModel, cache: HeadCache, root_token: int, root_h
         frontier = [first + b for b in best]
     cache.truncate(committed)
     return _select(tokens, parents, scores, depths, root_token, keep, score_dtype, device)
+
+
+def _target_ids(drafter: DraftModel, idx: torch.Tensor) -> list[int]:
+    """Draft ids (any shape) -> target ids as a flat list (the drafter's `target_id_list` where it has one)."""
+    fast = getattr(drafter, "target_id_list", None)
+    return fast(idx) if fast is not None else drafter.to_target_ids(idx.flatten()).tolist()
 
 
 def _select(tokens: list[int], parents: list[int], scores: list[float], depths: list[int], root_token: int,
