@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from core.config import GenerationConfig, TreeConfig
 from core.decoding.engine import Engine
-from core.decoding.text import Detokenizer, TextStream
+from core.decoding.text import Detokenizer, TextStream, backend_decode
 from tests.tiny import oracle_head, tiny_target
 
 
@@ -43,6 +43,23 @@ def test_detokenizer_is_utf8_safe_and_incremental():
     assert "".join(pieces) + detok.flush() == text
     assert not any("\ufffd" in p for p in pieces)
     assert counting.longest <= 8  # a small window, not the whole answer (quadratic before)
+
+
+def test_the_stream_decodes_through_the_backend_only_where_transformers_adds_nothing():
+    """backend_decode: the `tokenizers` decoder itself where transformers' decode would return exactly
+    its text (random id windows, special tokens skipped), and None where it would change it (clean-up of
+    spaces) or where a tokenizer is not transformers' own (the counting wrapper above)."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"eos_token": "<eos>"})
+    fast = backend_decode(tok)
+    assert fast is not None and backend_decode(CountingTokenizer(tok)) is None
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        ids = torch.randint(len(tok), (int(torch.randint(0, 7, (1,), generator=gen)),), generator=gen).tolist()
+        assert fast(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    assert fast(tok("a<eos>b")["input_ids"]) == "ab"
+    tok.clean_up_tokenization_spaces = True
+    assert backend_decode(tok) is None
 
 
 def test_an_incomplete_final_character_is_dropped_not_shown_as_a_replacement_char():
