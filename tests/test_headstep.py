@@ -1,5 +1,5 @@
 """The native head (core.kernels.headstep, csrc/decode_step.c's head_step): the EAGLE head's fc and
-decoder layers in one call, from Q8_0 copies of its weights. It must compute what the Python
+decoder layers in one call, from Q4_1 (or Q8_0) copies of its weights. It must compute what the Python
 head computes from the same blocks (bit for bit, in catch-ups and in draft rounds with tree
 masks, across cache growth), and the engine must keep plain decoding's output with it."""
 
@@ -8,7 +8,7 @@ import torch
 
 from core.kernels import native
 from core.decoding.head import EagleHead, HeadCache, HeadConfig, KeyLayout, TreeRows, head_mask
-from core.kernels.headstep import NATIVE_HEAD_ENV, NativeHead, native_head, unsupported
+from core.kernels.headstep import HEAD_BLOCKS_ENV, NATIVE_HEAD_ENV, NativeHead, head_block_kind, native_head, unsupported
 from core.kernels.step import StepError
 from core.kernels.invariant import BlockLinear
 
@@ -40,11 +40,13 @@ def python_twin(head: EagleHead, fused: NativeHead) -> EagleHead:
     return twin
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_native_head_equals_the_python_head_on_its_blocks_in_catch_ups_and_draft_rounds(layers):
+@pytest.mark.parametrize("layers, kind", [(1, "Q4_1"), (2, "Q4_1"), (1, "Q8_0")])
+def test_native_head_equals_the_python_head_on_its_blocks_in_catch_ups_and_draft_rounds(layers, kind, monkeypatch):
+    monkeypatch.setenv(HEAD_BLOCKS_ENV, kind)
     config = HeadConfig(**{**CONFIG.__dict__, "num_hidden_layers": layers})
     head = random_head(config)
     fused = NativeHead(head)
+    assert fused.block_kind == kind and {b.type for b in fused.blocks.values()} == {100 if kind == "Q4_1" else 101}
     twin = python_twin(head, fused)
     H = config.hidden_size
     gen = torch.Generator().manual_seed(3)
@@ -190,3 +192,14 @@ def test_a_draft_from_the_fused_catch_up_is_the_draft_from_the_separate_calls():
             y = draft(drafter, b, 3, fused_hidden, tree, root_top=top)
             assert (torch.equal(x.tokens, y.tokens) and torch.equal(x.parents, y.parents)
                     and torch.equal(x.scores, y.scores)), tree
+
+
+def test_the_head_block_setting_is_checked(monkeypatch):
+    monkeypatch.delenv(HEAD_BLOCKS_ENV, raising=False)
+    assert head_block_kind() == "Q4_1"
+    monkeypatch.setenv(HEAD_BLOCKS_ENV, "q8_0")
+    assert head_block_kind() == "Q8_0"
+    monkeypatch.setenv(HEAD_BLOCKS_ENV, "Q2_K")
+    with pytest.raises(StepError, match="EAGLE_CHAT_HEAD_BLOCKS='Q2_K': the native head takes Q4_1 or Q8_0 blocks"):
+        head_block_kind()
+    assert native_head(random_head()) is None  # the Python head drafts instead

@@ -370,8 +370,9 @@ def draft_weights(drafter) -> str:
     weights, drafter_for) or its dtype."""
     from core.kernels.invariant import Int8DraftLinear
 
-    if getattr(drafter, "native", None) is not None:
-        return "Q8_0 blocks x 8-bit activations, one native call per head forward"
+    fused = getattr(drafter, "native", None)
+    if fused is not None:
+        return f"{fused.block_kind} blocks x 8-bit activations, one native call per head forward"
     if any(isinstance(m, Int8DraftLinear) for m in drafter.head.modules()):
         return "int8"
     return str(drafter.head.fc.weight.dtype).removeprefix("torch.")

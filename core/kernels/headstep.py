@@ -3,9 +3,13 @@
 A drafting call on the head is a few rows through fc and one decoder layer: about 20 small
 kernels, each behind a Python and torch dispatch that costs more than the kernel (a catch-up
 of 2-3 rows took ~1 ms in Python, most of it dispatch). head_step runs fc and the layers in
-one OpenMP team on the decode step's kernels, from the head's weights as Q8_0 blocks times
-8-bit activations (csrc/gemm_x8.c: 1.06 bytes a weight, a per-32 scale where the Python
-path's int8 copies have one per row).
+one OpenMP team on the decode step's kernels, from the head's weights as Q4_1 blocks (the target
+layers' format: 0.63 bytes a weight, 2.6 MB for the shipped head's layer and fc) times 8-bit
+activations (csrc/gemm_x8.c). `EAGLE_CHAT_HEAD_BLOCKS=Q8_0` keeps them as Q8_0 (1.06 bytes a weight,
+4.5 MB), the format until 2026-12-05: the head's weights stream from memory again after every target
+forward, and on the Intel VM of 2026-12-05 the Q4_1 call took 0.30-0.41 ms against 0.32-0.57 (4.8%
+of a speculative step against 6.4-7.0%) at the same acceptance (tau 2.01 against 2.00, 12
+hand-written prompts; docs/native-step.md, tenth session).
 
 Only which tokens the tree proposes can change with the draft numerics; the target verifies
 every proposal, so the output is plain decoding's either way. The Python head with the same
@@ -28,19 +32,32 @@ NATIVE_HEAD_ENV = "EAGLE_CHAT_NATIVE_HEAD"  # "0" turns the native head off (the
 _TABLE = 4096  # rotary table rows at start (grown by doubling)
 
 
-def q8_blocks(weight: torch.Tensor) -> quant.Blocks:
-    """A (N, K) weight as Q8_0 blocks (gguf's quantizer) packed for csrc/gemm_x8.c."""
+HEAD_BLOCKS_ENV = "EAGLE_CHAT_HEAD_BLOCKS"  # the native head's weight blocks: Q4_1 (default) or Q8_0
+HEAD_BLOCKS = ("Q4_1", "Q8_0")
+
+
+def head_block_kind() -> str:
+    """The block type the native head's weights are quantized to (HEAD_BLOCKS_ENV, else Q4_1)."""
+    kind = os.environ.get(HEAD_BLOCKS_ENV, "").strip().upper() or HEAD_BLOCKS[0]
+    if kind not in HEAD_BLOCKS:
+        raise StepError(f"{HEAD_BLOCKS_ENV}={kind!r}: the native head takes {' or '.join(HEAD_BLOCKS)} blocks")
+    return kind
+
+
+def q8_blocks(weight: torch.Tensor, kind: str = "Q8_0") -> quant.Blocks:
+    """A (N, K) weight as Q8_0 (or `kind`, a gguf block type) blocks (gguf's quantizer) packed for csrc/gemm_x8.c."""
     from gguf import GGMLQuantizationType, quants
 
+    t = GGMLQuantizationType[kind]
     w = weight.detach().float().cpu().numpy()
-    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
-    return quant.pack_x8(quant.Blocks(int(GGMLQuantizationType.Q8_0), torch.from_numpy(np.ascontiguousarray(raw)),
-                                      *weight.shape))
+    raw = quants.quantize(w, t)
+    return quant.pack_x8(quant.Blocks(int(t), torch.from_numpy(np.ascontiguousarray(raw)), *weight.shape))
 
 
 def head_blocks(head: EagleHead) -> dict[str, quant.Blocks]:
     """Every linear weight of the head (fc and its layers' projections), by state_dict name."""
-    return {f"{name}.weight": q8_blocks(m.weight) for name, m in head.named_modules()
+    kind = head_block_kind()
+    return {f"{name}.weight": q8_blocks(m.weight, kind) for name, m in head.named_modules()
             if isinstance(m, torch.nn.Linear) and m.weight.numel()}
 
 
@@ -70,7 +87,7 @@ def unsupported(head) -> str | None:
 
 
 class NativeHead:
-    """The head's fc and decoder layers as one native call over Q8_0 copies of its weights.
+    """The head's fc and decoder layers as one native call over Q4_1 (or Q8_0) copies of its weights.
     Holds the C structures and the blocks they point into; the head's KV cache stays the
     caller's HeadCache (bound per call: it grows by reallocation)."""
 
@@ -80,6 +97,7 @@ class NativeHead:
             raise StepError(f"the native head cannot run this head: {reason}")
         c = head.config
         self.head = head
+        self.block_kind = head_block_kind() if blocks is None else "/".join(sorted({b.type_name for b in blocks.values()}))
         self.blocks = blocks or head_blocks(head)
         w = lambda name: native.wmat(blocks=self.blocks[name])  # noqa: E731
         layers = (_Layer * len(head.layers))()
