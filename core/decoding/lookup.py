@@ -71,14 +71,17 @@ def longest_repeat(context: Sequence[int], max_ngram: int = MAX_NGRAM) -> tuple[
     and where its latest earlier occurrence ends (ties keep the later one); (0, -1) if the last
     token never occurred before."""
     ctx = context if isinstance(context, list) else list(context)
-    n_ctx = len(ctx)
-    if n_ctx < 2:
+    if len(ctx) < 2:
         return 0, -1
     last = ctx[-1]
+    return _best_match(ctx, (end for end in range(len(ctx) - 2, -1, -1) if ctx[end] == last), max_ngram)
+
+
+def _best_match(ctx: list[int], ends, max_ngram: int) -> tuple[int, int]:
+    """longest_repeat's answer from `ends`: the earlier positions of ctx's last token, latest first."""
+    n_ctx = len(ctx)
     best, best_end = 0, -1
-    for end in range(n_ctx - 2, -1, -1):  # candidate ends, latest first
-        if ctx[end] != last:
-            continue
+    for end in ends:
         n = 1
         while n < max_ngram and end - n >= 0 and ctx[end - n] == ctx[n_ctx - 1 - n]:
             n += 1
@@ -87,6 +90,13 @@ def longest_repeat(context: Sequence[int], max_ngram: int = MAX_NGRAM) -> tuple[
             if n == max_ngram:
                 break
     return best, best_end
+
+
+def _chain(ctx: list[int], match: tuple[int, int], max_tokens: int, min_ngram: int) -> list[int]:
+    """lookup_chain's tokens once the longest repeat (n, end) is known."""
+    n, end = match
+    k = chain_length(n, max_tokens) if n >= min_ngram else 0
+    return copy_after(ctx, end, k) if k else []
 
 
 class ContextIndex:
@@ -114,29 +124,14 @@ class ContextIndex:
     def longest_repeat(self, max_ngram: int = MAX_NGRAM) -> tuple[int, int]:
         """longest_repeat(self.tokens, max_ngram), from the last token's earlier positions."""
         ctx = self.tokens
-        n_ctx = len(ctx)
-        if n_ctx < 2:
+        if len(ctx) < 2:
             return 0, -1
         ends = self._at[ctx[-1]]
-        best, best_end = 0, -1
-        for i in range(len(ends) - 2, -1, -1):  # earlier occurrences of the last token, latest first
-            end = ends[i]
-            n = 1
-            while n < max_ngram and end - n >= 0 and ctx[end - n] == ctx[n_ctx - 1 - n]:
-                n += 1
-            if n > best:
-                best, best_end = n, end
-                if n == max_ngram:
-                    break
-        return best, best_end
+        return _best_match(ctx, (ends[i] for i in range(len(ends) - 2, -1, -1)), max_ngram)  # earlier ones, latest first
 
     def chain(self, max_tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
         """lookup_chain(self.tokens, max_tokens, max_ngram, min_ngram)."""
-        if max_tokens < 1:
-            return []
-        n, end = self.longest_repeat(max_ngram)
-        k = chain_length(n, max_tokens) if n >= min_ngram else 0
-        return copy_after(self.tokens, end, k) if k else []
+        return _chain(self.tokens, self.longest_repeat(max_ngram), max_tokens, min_ngram) if max_tokens >= 1 else []
 
 
 def lookup_chain(context: Sequence[int], max_tokens: int, max_ngram: int = MAX_NGRAM,
@@ -147,9 +142,7 @@ def lookup_chain(context: Sequence[int], max_tokens: int, max_ngram: int = MAX_N
     if max_tokens < 1:
         return []
     ctx = list(context)
-    n, end = longest_repeat(ctx, max_ngram)
-    k = chain_length(n, max_tokens) if n >= min_ngram else 0
-    return copy_after(ctx, end, k) if k else []
+    return _chain(ctx, longest_repeat(ctx, max_ngram), max_tokens, min_ngram)
 
 
 def copy_after(ctx: list[int], end: int, max_tokens: int) -> list[int]:
