@@ -44,7 +44,8 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return len(self.host[0])
+        d = self.__dict__  # the tokens tensor where it exists (reading `host` would copy it off a GPU)
+        return d["tokens"].shape[0] if "tokens" in d else len(d["host"][0])
 
     @functools.cached_property
     def host(self) -> tuple[list[int], list[int], list[int]]:
@@ -60,8 +61,9 @@ class DraftTree:
     @property
     def score_dtype(self) -> torch.dtype:
         lazy = self.__dict__.get("_lazy")
-        return lazy[0] if lazy is not None and "scores" not in self.__dict__ else (
-            self.scores.dtype if self.scores is not None else torch.float32)
+        if lazy is not None:
+            return lazy[0]
+        return self.scores.dtype if self.scores is not None else torch.float32
 
     @property
     def device(self) -> torch.device:

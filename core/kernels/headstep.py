@@ -44,8 +44,8 @@ def head_block_kind() -> str:
     return kind
 
 
-def q8_blocks(weight: torch.Tensor, kind: str = "Q8_0") -> quant.Blocks:
-    """A (N, K) weight as Q8_0 (or `kind`, a gguf block type) blocks (gguf's quantizer) packed for csrc/gemm_x8.c."""
+def weight_blocks(weight: torch.Tensor, kind: str) -> quant.Blocks:
+    """A (N, K) weight as `kind` blocks (a gguf block type: Q4_1, Q8_0; gguf's quantizer) packed for csrc/gemm_x8.c."""
     from gguf import GGMLQuantizationType, quants
 
     t = GGMLQuantizationType[kind]
@@ -54,10 +54,9 @@ def q8_blocks(weight: torch.Tensor, kind: str = "Q8_0") -> quant.Blocks:
     return quant.pack_x8(quant.Blocks(int(t), torch.from_numpy(np.ascontiguousarray(raw)), *weight.shape))
 
 
-def head_blocks(head: EagleHead) -> dict[str, quant.Blocks]:
-    """Every linear weight of the head (fc and its layers' projections), by state_dict name."""
-    kind = head_block_kind()
-    return {f"{name}.weight": q8_blocks(m.weight, kind) for name, m in head.named_modules()
+def head_blocks(head: EagleHead, kind: str) -> dict[str, quant.Blocks]:
+    """Every linear weight of the head (fc and its layers' projections) as `kind` blocks, by state_dict name."""
+    return {f"{name}.weight": weight_blocks(m.weight, kind) for name, m in head.named_modules()
             if isinstance(m, torch.nn.Linear) and m.weight.numel()}
 
 
@@ -97,8 +96,12 @@ class NativeHead:
             raise StepError(f"the native head cannot run this head: {reason}")
         c = head.config
         self.head = head
-        self.block_kind = head_block_kind() if blocks is None else "/".join(sorted({b.type_name for b in blocks.values()}))
-        self.blocks = blocks or head_blocks(head)
+        if blocks is None:
+            self.block_kind = head_block_kind()  # the setting read once: the blocks and their name agree
+            blocks = head_blocks(head, self.block_kind)
+        else:
+            self.block_kind = "/".join(sorted({b.type_name for b in blocks.values()}))
+        self.blocks = blocks
         w = lambda name: native.wmat(blocks=self.blocks[name])  # noqa: E731
         layers = (_Layer * len(head.layers))()
         for i, layer in enumerate(head.layers):
