@@ -33,19 +33,31 @@ def random_head(folder: Path) -> Path:
     return save_head(new_head(config, seed=0), folder)
 
 
-def isolated_home(tmp: Path) -> dict[str, str]:
-    """Environment with a private EAGLE_CHAT_HOME (so last_model.json of a test never leaks
-    into the user's) that still reuses the cached SmolLM2 conversion."""
+# The machine-level caches a private home may share: the SmolLM2 conversion, the compiled kernels, the LM head's
+# screen and the probe's verdicts (each keyed by what it was built from). Built afresh in every test's home, they
+# cost 20-60 s a launch on a 2-core machine (a gcc build, 1,600 tokens of screen fitting, the conversion).
+SHARED_CACHES = ("models", "kernels", "screen", "probe")
+
+
+def shared_home(home: Path, share: tuple[str, ...] = SHARED_CACHES) -> Path:
+    """`home` (created) as an EAGLE_CHAT_HOME whose `share` folders link to the test run's own cache home's;
+    everything else in it (the last model, the browser secret, tuned trees) stays private."""
     from core.models import cache_home
 
-    home = tmp / "eagle-home"
     home.mkdir(parents=True, exist_ok=True)
-    models = cache_home() / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    link = home / "models"
-    if not link.exists():
-        link.symlink_to(models, target_is_directory=True)
-    return {"EAGLE_CHAT_HOME": str(home)}
+    for name in share:
+        target = cache_home() / name
+        target.mkdir(mode=0o700, parents=True, exist_ok=True)
+        link = home / name
+        if not link.exists():
+            link.symlink_to(target, target_is_directory=True)
+    return home
+
+
+def isolated_home(tmp: Path) -> dict[str, str]:
+    """Environment with a private EAGLE_CHAT_HOME (so last_model.json of a test never leaks
+    into the user's) that still reuses the machine-level caches (SHARED_CACHES)."""
+    return {"EAGLE_CHAT_HOME": str(shared_home(tmp / "eagle-home"))}
 
 
 class Launched:

@@ -180,7 +180,10 @@ def test_a_screen_that_cannot_be_fitted_leaves_the_full_head_and_says_so(tmp_pat
     from core.kernels.step import load_step
     from core.models import EMBEDDED, load_target
 
-    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path))
+    from tests.app_server import shared_home
+
+    # a fresh screen cache (the fit must run and fail); the conversion and the kernels are the run's own
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(shared_home(tmp_path / "home", ("models", "kernels", "probe"))))
 
     def no_template(step, tokenizer):
         raise ValueError("this tokenizer has no chat template")

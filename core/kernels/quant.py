@@ -60,11 +60,11 @@ def _supported_text() -> str:
     return ", ".join(name for name, _ in SUPPORTED.values())
 
 
-def read_blocks(tensor, n: int, k: int) -> Blocks:
-    """A gguf ReaderTensor -> Blocks, checked against the expected (n, k)."""
-    name, kind = tensor.name, int(tensor.tensor_type)
+def read_blocks(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
+    """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k)."""
+    name, kind = tensor.name, tensor.type
     if kind not in SUPPORTED:
-        raise QuantWeightError(f"GGUF tensor {name} has type {tensor.tensor_type.name}; the native step reads "
+        raise QuantWeightError(f"GGUF tensor {name} has type {tensor.type_name}; the native step reads "
                                f"{_supported_text()}: run the bf16 path (--weights bf16) or convert the file")
     shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dimensions innermost first
     if shape != (n, k) or k % BLOCK:
@@ -154,21 +154,132 @@ def split_q8(blocks: Blocks) -> Blocks:
     return Blocks(SPLIT, torch.from_numpy(np.ascontiguousarray(data)).view(1, -1), blocks.n, blocks.k)
 
 
-def open_gguf(path: Path):
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One entry of a GGUF file's tensor directory, as far as the native step reads it."""
+
+    name: str
+    type: int                 # ggml type id
+    shape: tuple[int, ...]    # GGUF's order: innermost dimension first
+    data: np.ndarray          # its bytes (uint8, a view of the mapped file; short where the file is cut)
+
+    @property
+    def type_name(self) -> str:
+        from gguf.constants import GGMLQuantizationType
+
+        try:
+            return GGMLQuantizationType(self.type).name
+        except ValueError:
+            return f"ggml type {self.type}"
+
+
+# GGUF metadata value types (the spec's gguf_metadata_value_type): fixed sizes; 8 = string, 9 = array
+_GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_MAGIC = 0x46554747  # "GGUF" read as a little-endian uint32
+
+
+def open_gguf(path: Path) -> list[GGUFTensor]:
+    """A GGUF file's tensor directory (name, type, shape, bytes), reading its header alone: the
+    metadata (a 49,152-token vocabulary and its merges for the embedded model) is skipped, not
+    decoded. gguf's GGUFReader decodes every field into numpy views first, 4.8 s for the embedded
+    model on the Intel VM of 2026-12-05, at every start of the app, a command or a test's process;
+    this takes ~0.05 s. A short, foreign or damaged header raises QuantWeightError naming the file."""
+    import mmap
+    import struct
+
+    def bad(why: str) -> QuantWeightError:
+        return QuantWeightError(f"{path} is not a readable GGUF file ({why}); reinstall it or run the bf16 path")
 
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:  # gguf raises these on short or foreign files
-        raise QuantWeightError(f"{path} is not a readable GGUF file ({e}); reinstall it or run the bf16 path") from e
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:  # missing, unreadable or empty
+        raise bad(str(e)) from e
+    size = len(buf)
+    at = 0
+
+    def take(fmt: str):
+        nonlocal at
+        out = struct.unpack_from(fmt, buf, at)
+        at += struct.calcsize(fmt)
+        return out
+
+    def text() -> str:
+        nonlocal at
+        (n,) = take("<Q")
+        if n > size - at:
+            raise bad("a string runs past the end of the file")
+        at += n
+        return bytes(buf[at - n:at]).decode("utf-8")
+
+    def skip(kind: int, count: int = 1) -> None:
+        nonlocal at
+        if kind in _GGUF_FIXED:
+            at += _GGUF_FIXED[kind] * count
+        elif kind == 8:
+            for _ in range(count):
+                (n,) = take("<Q")
+                at += n
+        elif kind == 9:
+            for _ in range(count):
+                inner, n = take("<IQ")
+                if n > size - at:
+                    raise bad("an array longer than the file")
+                skip(inner, n)
+        else:
+            raise bad(f"unknown metadata value type {kind}")
+        if at > size:
+            raise bad("the metadata runs past the end of the file")
+
+    try:
+        magic, version = take("<II")
+        if magic != _GGUF_MAGIC:
+            raise bad("no GGUF magic at its start")
+        if version not in (2, 3):
+            raise bad(f"GGUF version {version}; versions 2 and 3 are read")
+        n_tensors, n_kv = take("<QQ")
+        if n_tensors > size or n_kv > size:
+            raise bad("impossible counts in its header")
+        alignment = 32
+        for _ in range(n_kv):
+            key = text()
+            (kind,) = take("<I")
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = take("<I")
+            else:
+                skip(kind)
+        entries = []
+        for _ in range(n_tensors):
+            name = text()
+            (dims,) = take("<I")
+            if dims > 8:
+                raise bad(f"tensor {name} has {dims} dimensions")
+            shape = take(f"<{dims}Q")
+            kind, offset = take("<IQ")
+            entries.append((name, kind, tuple(int(d) for d in shape), offset))
+    except (struct.error, UnicodeDecodeError) as e:
+        raise bad(f"its header ends early or is damaged: {e}") from e
+    if alignment < 1:
+        raise bad(f"alignment {alignment}")
+    start = (at + alignment - 1) // alignment * alignment
+    from gguf.constants import GGML_QUANT_SIZES
+
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    tensors = []
+    for name, kind, shape, offset in entries:
+        block, nbytes = GGML_QUANT_SIZES.get(kind, (1, 0))
+        count = int(np.prod(shape, dtype=np.int64))
+        length = count // block * nbytes
+        first = min(start + offset, size)
+        tensors.append(GGUFTensor(name, kind, shape, whole[first:min(first + length, size)]))
+    return tensors
 
 
 def load_llama_blocks(path: Path, config) -> dict[str, Blocks]:
     """The decoder's weights from a Llama GGUF, keyed by transformers' parameter names
     (`model.layers.0.self_attn.q_proj.weight`, ..., `model.embed_tokens.weight`, `lm_head.weight`
     when the file has its own output layer)."""
-    reader = open_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in open_gguf(path)}
     H, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     hd = getattr(config, "head_dim", None) or H // config.num_attention_heads
     q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
