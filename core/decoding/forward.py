@@ -123,27 +123,12 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
     return plain_forward(model, token, cache, position)[1]
 
 
-# Prompt tokens per forward of a prefill. Chunks start at multiples of PREFILL_CHUNK positions (the
-# cache's rows counted), so a chunk's bits depend on its tokens and the cache's rows alone: a prompt
-# that continues rows read before (core.decoding.prefix) gets exactly a fresh prefill's bits, the
-# thread count aside too (checked at 1 and 2 threads). Measured on the Intel VM (2026-12-05), 1,100
-# tokens: one forward 1.57 s, chunks of 256 1.26-1.38 s, of 512 1.04-1.35 s (the one-forward
-# attention's mask and scores grow with the square of the prompt).
-PREFILL_CHUNK = 256
-
-
 def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids (T,) after the cache's rows -> (features (T, F), logits of the last position (V,)),
-    in PREFILL_CHUNK-aligned chunks. Through transformers also where the native step serves the
-    decoding steps (oneDNN's compute-bound GEMMs for a long prompt; both decoding modes share it)."""
+    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,)). Through
+    transformers also where the native step serves the decoding steps (oneDNN's compute-bound
+    GEMMs for a long prompt; both decoding modes share it)."""
     if isinstance(model, NativeStep):
         model = model.hf
-    at, done, features, last = cache.get_seq_length(), 0, [], None
-    while done < ids.shape[0]:
-        n = min(PREFILL_CHUNK - at % PREFILL_CHUNK, ids.shape[0] - done)
-        out = model.model(input_ids=ids[None, done:done + n], cache=cache, use_cache=True,
-                          output_hidden_states=feature_layers is not None)
-        features.append(target_features(out, feature_layers)[0])
-        last = out.last_hidden_state[0, -1:]
-        at, done = at + n, done + n
-    return (features[0] if len(features) == 1 else torch.cat(features)), model.lm_head(last)[0]
+    out = model.model(input_ids=ids[None], cache=cache, use_cache=True,
+                      output_hidden_states=feature_layers is not None)
+    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1:])[0]
