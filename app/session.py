@@ -393,6 +393,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             spec_cfg = replace(spec_cfg, seed=new_seed())
         seed = None if greedy else spec_cfg.seed
         deadline = time.monotonic() + seconds if seconds else None
+        spec_cfg = replace(spec_cfg, reuse_prompt=False)  # both read the prompt from its start: a fair race
         gens = engine.generate(msgs, replace(spec_cfg, speculative=False)), engine.generate(msgs, spec_cfg)
         try:
             for _ in race(plain, gens[0], spec, gens[1]):

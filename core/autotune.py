@@ -188,7 +188,8 @@ def confirm(engine: Engine, trees: list[TreeConfig], prompts=CALIBRATION_PROMPTS
             for i, prompt in enumerate(prompts):
                 order = trees[i % len(trees):] + trees[:i % len(trees)]
                 for tree in order[::-1] if rep % 2 else order:
-                    events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, tree=tree)))
+                    events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, tree=tree,
+                                                                           reuse_prompt=False)))
                     totals[tree][0] += sum(ev.accepted_length for ev in events)
                     totals[tree][1] += events[-1].elapsed_s
                     bar.update()
@@ -213,7 +214,8 @@ def hot_sampling(engine: Engine, tree: TreeConfig, temperatures=HOT_TEMPERATURES
                 for i, prompt in enumerate(prompts):
                     for spec in ((True, False) if (rep + i) % 2 == 0 else (False, True)):
                         cfg = GenerationConfig(max_new_tokens=max_new_tokens, speculative=spec, tree=tree,
-                                               sampling=SamplingConfig(temperature=t), seed=1000 * rep + i)
+                                               sampling=SamplingConfig(temperature=t), seed=1000 * rep + i,
+                                               reuse_prompt=False)
                         events = list(engine.generate(prompt, cfg))
                         totals[spec][0] += events[-1].total_tokens
                         totals[spec][1] += events[-1].elapsed_s

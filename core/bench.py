@@ -177,7 +177,8 @@ def parse_modes(modes: str | Sequence[str]) -> list[str]:
 def _engine_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
                      speculative: bool) -> Generation:
     config = GenerationConfig(max_new_tokens=s.max_new_tokens, speculative=speculative, tree=s.tree,
-                              sampling=s.sampling, seed=seed, adaptive=s.adaptive and speculative)
+                              sampling=s.sampling, seed=seed, adaptive=s.adaptive and speculative,
+                              reuse_prompt=False)  # every mode reads the prompt from its start
     tokens, lengths, split = [], [], [0.0, 0.0, 0.0]
     forwards, first = 0, None
     start = time.perf_counter()
@@ -394,7 +395,7 @@ def _our_long_answer(engine: Engine, ids: list[int], speculative: bool, tree: Tr
     """The engine's first event (eagle: after its head's catch-up on the prompt too), then up to
     `new_tokens` - 1 more tokens, greedy."""
     stream = engine.generate(ids, GenerationConfig(max_new_tokens=max(new_tokens, 2), speculative=speculative,
-                                                   tree=tree, adaptive=adaptive and speculative))
+                                                   tree=tree, adaptive=adaptive and speculative, reuse_prompt=False))
     start = time.perf_counter()
     first = next(stream)
     first_s = time.perf_counter() - start

@@ -242,11 +242,16 @@ class GenerationConfig:
     # answer, probing the other now and then; the tree's long-context caps and hot pause only choose the start
     # (core.decoding.adaptive). Off: the caps decide alone (what tests that count steps rely on).
     adaptive: bool = False
+    # start from the cache rows of the last prompt read where this one begins with it (core.decoding.prefix:
+    # the same bits as reading it all, sooner). Off: read from the start, as a benchmark or a race of the
+    # two modes on one prompt must, or the second reader would start ahead.
+    reuse_prompt: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
+        _check(isinstance(self.reuse_prompt, bool), f"reuse_prompt must be True or False, got {self.reuse_prompt!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                "stop strings must be non-empty strings")
 

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingConfig(temperature=args.temperature)
     def config_for(t, max_new_tokens: int, seed: int) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, speculative=t is not None, tree=t or tree,
-                                sampling=sampling, seed=seed if args.temperature else None)
+                                sampling=sampling, seed=seed if args.temperature else None,
+                                reuse_prompt=False)  # every contender reads the prompt from its start
     skip = {q.id for q in load_prompts(args.exclude)} if args.exclude else set()
     prompts = [q for q in load_prompts(args.prompts) if q.id not in skip][: args.limit or None]
     names = list(runs)

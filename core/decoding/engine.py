@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from core.decoding import adaptive, cache as kv
+from core.decoding import adaptive, cache as kv, prefix
 from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
@@ -89,6 +89,7 @@ class Engine:
                                              "exact" if uses_exact_kernels(target.model) else
                                              target.model.config._attn_implementation, None)
         self.tree_choice = TreeChoice(TreeConfig(), BUILT_IN)  # Engine.load: tuned / shipped
+        self.prefix: prefix.Prefix | None = None  # the last prompt's rows (read_prompt)
 
     @classmethod
     def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype: str = "auto",
@@ -112,6 +113,21 @@ class Engine:
         engine = cls(target, drafter.head, drafter.vocab, numerics, drafter=drafter, step=step)
         engine.tree_choice = default_tree(engine, folder)
         return engine
+
+    def read_prompt(self, ids: torch.Tensor, cache, feature_layers=None,
+                    reuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """prefill, from the rows of the last prompt read where this one begins with its tokens
+        (core.decoding.prefix: the same bits as reading it all; `reuse` False: from its start), and its
+        rows kept for the next."""
+        listed = ids.tolist()
+        kept = self.prefix
+        rows = prefix.reusable(kept, listed, feature_layers) if reuse else 0
+        before = prefix.restore(kept, rows, cache) if rows else None
+        features, logits = prefill(self.forwarder, ids[rows:], cache, feature_layers)
+        if before is not None:
+            features = torch.cat([before, features])
+        self.prefix = prefix.keep(listed, cache, features, feature_layers, kept)
+        return features, logits
 
     @property
     def forwarder(self):
@@ -236,7 +252,7 @@ class _Run:
 
     def first_step(self) -> StepEvent:
         t0 = self.now()
-        features, logits = prefill(self.model, self.ids, self.cache, self.layers)
+        features, logits = self.e.read_prompt(self.ids, self.cache, self.layers, self.cfg.reuse_prompt)
         self.token = self.choose(logits, len(self.ids))
         self.forwards += 1
         t1 = self.now()

@@ -10,6 +10,8 @@ gpucheck) all call these, so what the probe checks is what the loop runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from core.kernels import invariant
@@ -123,12 +125,33 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
     return plain_forward(model, token, cache, position)[1]
 
 
+# Prompt tokens per forward of a prefill. Chunks start at multiples of PREFILL_CHUNK positions (the
+# cache's rows counted), so a chunk's bits depend on its tokens and the cache's rows alone: a prompt
+# that continues rows read before (core.decoding.prefix) gets exactly a fresh prefill's bits. 1,024:
+# above native.MAX_ROWS, so a whole chunk multiplies as a long prompt does (oneDNN on the weights
+# dequantized once per prefill, invariant.prefill_weights), and few chunks attend through the cache
+# (invariant.cached_then_causal). Measured on the Intel VM (2026-12-05), one forward against chunks:
+# 4,000 tokens 3.65 / 3.25 s against 3.96 / 3.37 (chunks of 512: 4.27 / 3.92; of 256 before both
+# fixes, 6.7-6.8 s); 1,100 tokens 0.89 / 0.98 against 0.86 / 1.12.
+PREFILL_CHUNK = 1024
+
+
 def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids (T,) -> (features (T, F), logits of the last position (V,)). Through
-    transformers also where the native step serves the decoding steps (oneDNN's compute-bound
-    GEMMs for a long prompt; both decoding modes share it)."""
+    """Prompt ids (T,) after the cache's rows -> (features (T, F), logits of the last position (V,)),
+    in PREFILL_CHUNK-aligned chunks. Through transformers also where the native step serves the
+    decoding steps (oneDNN's compute-bound GEMMs for a long prompt; both decoding modes share it)."""
     if isinstance(model, NativeStep):
         model = model.hf
-    out = model.model(input_ids=ids[None], cache=cache, use_cache=True,
-                      output_hidden_states=feature_layers is not None)
-    return target_features(out, feature_layers)[0], model.lm_head(out.last_hidden_state[0, -1:])[0]
+    exact = uses_exact_kernels(model)
+    at, done, features, last = cache.get_seq_length(), 0, [], None
+    several = at % PREFILL_CHUNK + ids.shape[0] > PREFILL_CHUNK  # one chunk: nothing to keep between chunks
+    with invariant.prefill_weights() if several else contextlib.nullcontext():
+        while done < ids.shape[0]:
+            n = min(PREFILL_CHUNK - at % PREFILL_CHUNK, ids.shape[0] - done)
+            out = model.model(input_ids=ids[None, done:done + n], cache=cache, use_cache=True,
+                              output_hidden_states=feature_layers is not None,
+                              **({"prefill_past": at} if exact and at else {}))
+            features.append(target_features(out, feature_layers)[0])
+            last = out.last_hidden_state[0, -1:]
+            at, done = at + n, done + n
+    return (features[0] if len(features) == 1 else torch.cat(features)), model.lm_head(last)[0]

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -119,12 +121,45 @@ def _pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x[0]
 
 
+def cached_then_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int,
+                       scaling: float) -> torch.Tensor | None:
+    """A prefill chunk's attention after `past` cached rows: query (1, nh, n, hd), key/value (1, kvh, past + n,
+    hd) -> (1, n, nh, hd), or None where it does not serve (not a CPU float type). Two flash calls, the
+    cached keys unmasked and the chunk's own causally, merged by their log-sum-exp in fp32: the masked
+    attention transformers would run instead costs 1.3-1.5x as much there, plus building the mask
+    (docs/long-context.md, 2026-12-05). The same inputs give the same bits: a chunk's rows depend on
+    its tokens and the cache's rows alone (core.decoding.forward.prefill's fixed chunks)."""
+    if not (query.is_cpu and query.dtype in (torch.bfloat16, torch.float16, torch.float32) and query.shape[0] == 1):
+        return None
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _, nh, n, hd = query.shape
+    kvh = key.shape[1]
+    g = nh // kvh
+    # the cached keys, unmasked: the g query heads of a kv head as one (g n)-row query (row order does not
+    # matter without a mask), so the cached keys are read as stored, not repeated per query head
+    out_a, lse_a = flash(query.reshape(1, kvh, g * n, hd), key[:, :, :past].contiguous(), value[:, :, :past].contiguous(),
+                         scale=scaling)
+    out_a, lse_a = out_a.reshape(1, nh, n, hd), lse_a.reshape(1, nh, n)
+    k, v = (t[:, :, past:].repeat_interleave(g, dim=1) if g > 1 else t[:, :, past:].contiguous() for t in (key, value))
+    out_b, lse_b = flash(query, k, v, is_causal=True, scale=scaling)  # the chunk's own rows, causal: (1, nh, n, hd)
+    top = torch.maximum(lse_a, lse_b)  # (1, nh, n) fp32
+    w_a, w_b = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
+    out = (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
 def exact_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                    tree_layout: TreeLayout | None = None, **kwargs):
-    """AttentionInterface function. query (1, nh, n, hd); key/value (1, kvh, L + n, hd)."""
+                    tree_layout: TreeLayout | None = None, prefill_past: int = 0, **kwargs):
+    """AttentionInterface function. query (1, nh, n, hd); key/value (1, kvh, L + n, hd). prefill_past: a
+    prefill chunk's cached rows (core.decoding.forward.prefill), attended by cached_then_causal."""
     if tree_layout is None:  # prefill: ordinary causal attention, shared by both modes
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+        if prefill_past and not window and not dropout:
+            out = cached_then_causal(query, key, value, prefill_past, scaling)
+            if out is not None:
+                return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     _, nh, n, hd = query.shape
@@ -195,6 +230,23 @@ class InvariantLinear(torch.nn.Linear):
         return chunked_linear(x, self.weight, self.bias)
 
 
+_prefill = threading.local()
+
+
+@contextmanager
+def prefill_weights():
+    """Inside the block (a chunked prefill, core.decoding.forward.prefill), each BlockLinear dequantizes its
+    blocks once and keeps the bf16 copy for the later chunks: a whole model's copy while the prefill runs
+    (270 MB for SmolLM2-135M), freed after it; without it every chunk of more than native.MAX_ROWS rows
+    dequantized every weight again (4,000 tokens in chunks of 1,024: ~1 GB written)."""
+    outer = getattr(_prefill, "weights", None)
+    _prefill.weights = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _prefill.weights = outer
+
+
 class BlockLinear(InvariantLinear):
     """A linear layer whose weight lives only as GGUF blocks (core.kernels.quant; `weight` is empty):
     decoding-sized calls multiply the blocks in place (native.linear_w: the bits its bf16 copy
@@ -209,7 +261,12 @@ class BlockLinear(InvariantLinear):
         if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
                 and not (torch.is_grad_enabled() and x.requires_grad)):
             return native.linear_w(x, self.wmat, self.bias)
-        weight = native.dequantize(self.wmat)  # (N, K) bf16, a few MB, gone after the call
+        kept = getattr(_prefill, "weights", None)  # inside prefill_weights(): dequantized once per prefill
+        weight = kept.get(id(self)) if kept is not None else None
+        if weight is None:
+            weight = native.dequantize(self.wmat)  # (N, K) bf16, a few MB, gone after the call
+            if kept is not None:
+                kept[id(self)] = weight
         return chunked_linear(x, weight, self.bias) if x.dtype is torch.bfloat16 else F.linear(
             x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
