@@ -133,8 +133,11 @@ def test_bad_tokens_are_refused_not_read_out_of_bounds():
 
 # ---- the GGUF side: what is read, and clear errors for what is not ----
 
-def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]]) -> None:
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]], metadata=None) -> None:
+    """A GGUF of `tensors`; metadata(writer) adds key-value fields first, where given."""
     w = GGUFWriter(str(path), "llama")
+    if metadata is not None:
+        metadata(w)
     for name, (data, kind) in tensors.items():
         w.add_tensor(name, data, raw_dtype=kind)
     w.write_header_to_file()
@@ -204,21 +207,17 @@ def test_the_tensor_directory_is_ggufs_own_without_decoding_the_metadata(tmp_pat
     """open_gguf reads the header alone (gguf's GGUFReader decodes every metadata field first: 4.8 s
     for the embedded model): the same names, types, shapes and bytes as GGUFReader, on a file with
     string, array and number metadata; a foreign file or a header cut short is refused naming the file."""
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFReader
 
-    tensors = layer_tensors(np.random.default_rng(5), {"ffn_up": GGMLQuantizationType.F16})
-    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    w.add_string("general.name", "tiny")
-    w.add_token_list([f"tok{i}" for i in range(300)])
-    w.add_token_scores([float(i) for i in range(300)])
-    w.add_uint32("llama.block_count", 1)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    for name, (data, kind) in tensors.items():
-        w.add_tensor(name, data, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def metadata(w) -> None:
+        w.add_string("general.name", "tiny")
+        w.add_token_list([f"tok{i}" for i in range(300)])
+        w.add_token_scores([float(i) for i in range(300)])
+        w.add_uint32("llama.block_count", 1)
+        w.add_bool("tokenizer.ggml.add_bos_token", True)
+
+    write_gguf(tmp_path / "m.gguf", layer_tensors(np.random.default_rng(5), {"ffn_up": GGMLQuantizationType.F16}),
+               metadata)
     theirs = GGUFReader(tmp_path / "m.gguf").tensors
     ours = quant.open_gguf(tmp_path / "m.gguf")
     assert [(t.name, int(t.tensor_type), tuple(int(x) for x in t.shape)) for t in theirs] == \
