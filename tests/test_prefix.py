@@ -3,6 +3,8 @@ them exact: a turn that continues a kept prompt answers exactly what reading it 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,6 +82,8 @@ def test_what_is_kept_and_when_it_serves(target, monkeypatch):
     changed = long[:PREFILL_CHUNK + 9] + [(long[PREFILL_CHUNK + 9] + 1) % 96] + long[PREFILL_CHUNK + 10:]
     assert prefix.reusable(kept, changed, None) == PREFILL_CHUNK, "whole chunks before the first change"
     assert prefix.reusable(kept, long, (0, 1)) == 0, "features of other layers"
+    fused = dataclasses.replace(kept, feature_layers=(0, 1))  # as an EAGLE-3 drafter's run keeps them
+    assert prefix.reusable(fused, long, [0, 1]) == 3 * PREFILL_CHUNK, "the same layers, as a list"
     monkeypatch.setenv(prefix.ENV, "0")
     assert prefix.reusable(kept, long, None) == 0
     assert prefix.keep(long, kv.new_cache(target.model), kept.features, None, kept) is None

