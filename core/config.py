@@ -6,6 +6,7 @@ bad value is refused with the same message wherever it comes from.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass, field, fields, replace
 
@@ -57,6 +58,14 @@ def tree_changes(a) -> dict[str, int | float]:
     changes = {k: getattr(a, k) for k in TREE_ARGS if getattr(a, k) is not None}
     TreeConfig().override(**changes)
     return changes
+
+
+OFF_WORDS = ("0", "off", "false", "no")  # what turns an EAGLE_CHAT_* feature switch off
+
+
+def switched_off(env: str) -> bool:
+    """Whether the environment variable `env` (a feature switch, on by default) is set to turn it off."""
+    return os.environ.get(env, "").lower() in OFF_WORDS
 
 
 class ConfigError(ValueError):

@@ -16,11 +16,11 @@ MAX_BYTES of cache rows are kept (a 7B model's rows are 20x SmolLM2's).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from core.config import switched_off
 from core.decoding.forward import PREFILL_CHUNK
 
 ENV = "EAGLE_CHAT_PREFIX_CACHE"  # "0": every prompt is read from its start
@@ -44,7 +44,7 @@ def _layers(feature_layers) -> tuple[int, ...] | None:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "").lower() not in ("0", "off", "false", "no")
+    return not switched_off(ENV)
 
 
 def reusable(kept: Prefix | None, ids: list[int], feature_layers) -> int:

@@ -24,6 +24,7 @@ import os
 import numpy as np
 import torch
 
+from core.config import switched_off
 from core.kernels import native, quant
 from core.decoding.head import EagleHead, HeadCache, KeyLayout
 from core.kernels.step import _PROJ, StepError, _Layer, _Model, rotary_table
@@ -62,7 +63,7 @@ def head_blocks(head: EagleHead, kind: str) -> dict[str, quant.Blocks]:
 
 def unsupported(head) -> str | None:
     """Why the native head cannot run `head` here, or None."""
-    if os.environ.get(NATIVE_HEAD_ENV, "").lower() in ("0", "off", "false", "no"):
+    if switched_off(NATIVE_HEAD_ENV):
         return f"{NATIVE_HEAD_ENV}=0"
     if not native.status().available:
         return f"native kernels unavailable ({native.status().reason})"

@@ -54,6 +54,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from core.config import switched_off
+
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")  # gcc >= 11; an older compiler builds the rest without AMX
@@ -316,12 +318,12 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
 def amx_wanted() -> bool:
     """The CPU has AMX bf16 tiles and EAGLE_CHAT_AMX does not turn them off (Linux must still grant them)."""
     return ({"amx_tile", "amx_bf16"} <= _cpu_flags()
-            and os.environ.get(AMX_ENV, "").lower() not in ("0", "off", "false", "no"))
+            and not switched_off(AMX_ENV))
 
 
 def amx_attention_wanted() -> bool:
     """Attention on AMX tiles unless EAGLE_CHAT_AMX_ATTENTION turns it off (the tiles must be granted too)."""
-    return os.environ.get(AMX_ATTENTION_ENV, "").lower() not in ("0", "off", "false", "no")
+    return not switched_off(AMX_ATTENTION_ENV)
 
 
 def set_amx_attention(on: bool, from_keys: int | None = None) -> bool:

@@ -22,7 +22,6 @@ into the same cache buffers (core.decoding.cache.BufferedLayer), so the two inte
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from dataclasses import dataclass, replace
 
@@ -32,7 +31,7 @@ from core.kernels import native
 from core.kernels.invariant import ancestor_rows
 from core.threads import one_torch_thread
 from core.decoding.cache import BufferedLayer, buffers_epoch
-from core.config import WEIGHTS  # w4a8 / q4: the GGUF's blocks where the target came from one
+from core.config import WEIGHTS, switched_off  # WEIGHTS: w4a8 / q4: the GGUF's blocks where the target came from one
 from core.kernels.quant import SPLIT, X8
 
 SCREEN_ENV = "EAGLE_CHAT_SCREEN"  # "0": greedy steps read the whole LM head
@@ -339,7 +338,7 @@ def _choices_ptr(choices: torch.Tensor, n: int) -> int:
 
 def screen_wanted() -> bool:
     """Greedy steps screen a Q8_0 LM head unless EAGLE_CHAT_SCREEN=0 (for measuring against the full head)."""
-    return os.environ.get(SCREEN_ENV, "").lower() not in ("0", "off", "false", "no")
+    return not switched_off(SCREEN_ENV)
 
 
 def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
