@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from core.kernels import native
-from core.kernels.invariant import InvariantLinear, swap_linears
+from core.kernels.invariant import InvariantLinear, chunked_linear, swap_linears
 
 needs_kernel = pytest.mark.skipif(not native.status().available,
                                   reason=f"core.kernels.native kernel unavailable here: {native.status().reason}")
@@ -133,6 +133,36 @@ def test_amx_and_avx512_gemms_are_each_row_invariant_and_agree(monkeypatch):
     wide = torch.zeros(40, 579, dtype=torch.bfloat16)
     wide[:, 1:577] = x  # rows that start one element (2 bytes) past an aligned address, odd stride
     assert torch.equal(native.linear(wide[:, 1:577], w, b), amx)
+
+
+@needs_amx
+def test_a_prompt_sized_call_runs_on_tiles_with_each_row_as_in_a_decoding_call(monkeypatch):
+    """More than MAX_ROWS rows (a prefill chunk): on AMX tiles too (prompt_usable), not oneDNN, so a row's
+    bits depend on neither the call's size nor the rows beside it (oneDNN's bf16 GEMM picks its
+    algorithm by M); without tiles, and for shapes the tiles do not take, oneDNN keeps such calls."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(1500, 576, generator=gen).bfloat16()
+    w = torch.randn(1536, 576, generator=gen).bfloat16()
+    assert native.prompt_usable(x, w) and not native.usable(x, w)
+    y = native.linear(x, w)
+    for lo, hi in ((0, 700), (800, 1500), (0, 3), (576, 1153)):
+        assert torch.equal(native.linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
+    layer = InvariantLinear(576, 1536, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        assert torch.equal(layer(x), y) and torch.equal(layer(x[:5]), y[:5])
+    assert not native.prompt_usable(x, w[:, :544].contiguous())  # K 576 != 544: the call's own shapes
+    assert not native.prompt_usable(x[:, :560], torch.randn(1536, 560).bfloat16())  # K % 32 != 0
+    assert not native.prompt_usable(x, w[:1530].contiguous())  # N % 16 != 0
+    monkeypatch.setenv(native.AMX_ENV, "0")
+    native._library.cache_clear()
+    try:
+        assert not native.prompt_usable(x, w)
+        with torch.no_grad():
+            assert torch.equal(layer(x), chunked_linear(x, w, None))
+    finally:
+        monkeypatch.delenv(native.AMX_ENV)
+        native._library.cache_clear()
 
 
 @needs_kernel

@@ -128,18 +128,18 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
 # Prompt tokens per forward of a prefill. Chunks start at multiples of PREFILL_CHUNK positions (the
 # cache's rows counted), so a chunk's bits depend on its tokens and the cache's rows alone: a prompt
 # that continues rows read before (core.decoding.prefix) gets exactly a fresh prefill's bits. 1,024:
-# above native.MAX_ROWS, so a whole chunk multiplies as a long prompt does (oneDNN on the weights
-# dequantized once per prefill, invariant.prefill_weights), and few chunks attend through the cache
-# (invariant.cached_then_causal). Measured on the Intel VM (2026-12-05), one forward against chunks:
-# 4,000 tokens 3.65 / 3.25 s against 3.96 / 3.37 (chunks of 512: 4.27 / 3.92; of 256 before both
-# fixes, 6.7-6.8 s); 1,100 tokens 0.89 / 0.98 against 0.86 / 1.12.
+# above native.MAX_ROWS, so a whole chunk multiplies as a long prompt does (invariant.prompt_linear: AMX
+# tiles, or oneDNN, on the weights dequantized once per prefill, invariant.prefill_weights), and few
+# chunks attend through the cache (invariant.cached_then_causal). Measured on the Intel AMX VM
+# (2026-12-05, docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.79 / 2.00 / 4.60 s,
+# against 1.32 / 2.42 / 5.27 s before (oneDNN and a one-thread dequantization; processes alternating).
 PREFILL_CHUNK = 1024
 
 
 def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt ids (T,) after the cache's rows -> (features (T, F), logits of the last position (V,)),
     in PREFILL_CHUNK-aligned chunks. Through transformers also where the native step serves the
-    decoding steps (oneDNN's compute-bound GEMMs for a long prompt; both decoding modes share it)."""
+    decoding steps (compute-bound GEMMs for a long prompt; both decoding modes share it)."""
     if isinstance(model, NativeStep):
         model = model.hf
     exact = uses_exact_kernels(model)

@@ -221,13 +221,21 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype)
 
 
+def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A call of more than native.MAX_ROWS rows (a prompt's prefill): the native GEMM where it runs on AMX
+    tiles (native.prompt_usable), else oneDNN in fixed inner chunks."""
+    if native.prompt_usable(x, weight):
+        return native.linear(x, weight, bias)
+    return chunked_linear(x, weight, bias)
+
+
 class InvariantLinear(torch.nn.Linear):
     """nn.Linear computing each row independently of the others in the batch (row-invariant)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native.usable(x, self.weight):
             return native.linear(x, self.weight, self.bias)
-        return chunked_linear(x, self.weight, self.bias)
+        return prompt_linear(x, self.weight, self.bias)
 
 
 _prefill = threading.local()
@@ -249,10 +257,10 @@ def prefill_weights():
 
 class BlockLinear(InvariantLinear):
     """A linear layer whose weight lives only as GGUF blocks (core.kernels.quant; `weight` is empty):
-    decoding-sized calls multiply the blocks in place (native.linear_w: the bits its bf16 copy
-    gives), longer ones (a prompt's prefill) dequantize them to those bf16 values per call for
-    oneDNN. Made by core.kernels.step once the native step serves from the blocks; make_invariant and
-    undo_invariant leave it as it is."""
+    decoding-sized calls multiply the blocks in place (native.linear_w), longer ones (a prompt's prefill)
+    dequantize them to their bf16 values per call (or once per prefill: prefill_weights) for
+    prompt_linear. Made by core.kernels.step once the native step serves from the blocks; make_invariant
+    and undo_invariant leave it as it is."""
 
     wmat: native.WMat
     blocks: object  # core.kernels.quant.Blocks that wmat points into
@@ -267,7 +275,7 @@ class BlockLinear(InvariantLinear):
             weight = native.dequantize(self.wmat)  # (N, K) bf16, a few MB, gone after the call
             if kept is not None:
                 kept[id(self)] = weight
-        return chunked_linear(x, weight, self.bias) if x.dtype is torch.bfloat16 else F.linear(
+        return prompt_linear(x, weight, self.bias) if x.dtype is torch.bfloat16 else F.linear(
             x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 

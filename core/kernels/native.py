@@ -18,7 +18,8 @@ chain per output element, so up to 16 rows cost what one does. The AVX-512 kerne
 plain steps; on tiles it is 1.15 (autotune, SmolLM2, 2 threads: 23.4 ms for 1 token, 26.9 for
 10, 28.5 for 16, against 25.8 / 39.4 / 49.0). The two kernels sum in different orders, so
 which one runs is fixed per machine and shape, never per call. `EAGLE_CHAT_AMX=0` keeps the
-AVX-512 GEMM.
+AVX-512 GEMM. The tiles also take a prompt's prefill chunks (more than MAX_ROWS rows), where oneDNN
+served before: cheaper per chunk, and a row's bits no longer depend on the call's size.
 
 Attention (`attention`): each row attends to its keys in plain decoding's order with one fixed
 instruction sequence (csrc/attention_bf16.c), so it needs none of core.kernels.invariant's block layout
@@ -66,8 +67,8 @@ COMPAT_FLAGS = ("-O3", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-msse4.1", "-m
                 "-mbmi", "-mbmi2", "-mf16c", "-mfma", "-mlzcnt", "-mmovbe", "-mxsave", "-mavx512f", "-mavx512bw",
                 "-mavx512cd", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300  # one build takes 4-5 s on two cores (each file on a core of its own); a hung compiler must not hang the load
-# Calls with more rows use torch's GEMM (a long prefill, where oneDNN's compute-bound kernels
-# win). It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
+# Calls with more rows (a long prefill) run on AMX tiles where the machine has them (`prompt_usable`),
+# else in oneDNN's compute-bound GEMM. It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
 # lookup chain), so every tree row and every plain step goes through this kernel.
 MAX_ROWS = 576
 OFF_ENV = "EAGLE_CHAT_KERNELS"
@@ -562,6 +563,19 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _library()[0] is not None)
 
 
+def prompt_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` also serves a prompt-sized call (more than MAX_ROWS rows): where this shape runs on
+    AMX tiles (csrc/gemm_amx.c; chosen by shape, never by M, so a row's bits do not depend on the call's
+    size). There a 1,024-row prefill chunk costs less than in oneDNN's bf16 GEMM, which reorders the
+    weight on every call and needs K_CHUNK's fp32 partials for row invariance (docs/long-context.md,
+    2026-12-05, twelfth session). Without tiles the vector kernel re-reads the weight for every 16 rows,
+    so oneDNN keeps those calls."""
+    return (status().amx and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_cpu
+            and weight.is_cpu and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[0] % 16 == 0
+            and x.shape[-1] == weight.shape[1] and weight.shape[1] % 32 == 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through the kernel: x (..., K) bf16, weight (N, K), bias (N,) -> (..., N) bf16."""
     k = _library()[0]
@@ -840,7 +854,7 @@ def dequantize(w: WMat) -> torch.Tensor:
     k = _library()[0]
     assert k is not None
     out = torch.empty(w.N, w.K, dtype=torch.bfloat16)
-    k.dequantize_bf16(ctypes.byref(w), out.data_ptr())
+    k.dequantize_bf16(ctypes.byref(w), out.data_ptr(), torch.get_num_threads())
     return out
 
 

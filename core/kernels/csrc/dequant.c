@@ -2,6 +2,8 @@
 // gguf package dequantizes in fp32 (Q4_1: d * q, then + m, two roundings; Q4_0: d * (q - 8);
 // Q8_0: d * q) and torch rounds fp32 to bf16 (nearest even). The explicit-rounding intrinsics
 // keep the compiler from fusing d * q + m into one FMA (one rounding: other bits).
+#include <omp.h>
+
 #include "common.h"
 #include "weights.h"
 
@@ -106,8 +108,19 @@ void weight_row(const wmat *w, int64_t n, uint16_t *out) {
     else dequant_row(w, n, out);
 }
 
-// Test hook: rows [0, N) of w as bf16 (N, K), what every GEMM reads.
-// ctypes: dequantize_bf16(ptr w, ptr out) -> void
-void dequantize_bf16(const wmat *w, uint16_t *out) {
-    for (int n = 0; n < w->N; n++) weight_row(w, n, out + (int64_t)n * w->K);
+// Rows [0, N) of w as bf16 (N, K), what every GEMM reads: a long prompt's copy of each layer
+// (core.kernels.invariant.BlockLinear), and the tests' reference.
+// ctypes: dequantize_bf16(ptr w, ptr out, i32 nthreads) -> void
+void dequantize_bf16(const wmat *w, uint16_t *out, int nthreads) {
+    if (w->type == WT_Q4_X8) {
+        int64_t groups = (w->N + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t g = 0; g < groups; g++) {
+            int rows = w->N - 16 * g < 16 ? (int)(w->N - 16 * g) : 16;
+            q4x8_rows(w, g, rows, out + 16 * g * (int64_t)w->K, w->K);
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < w->N; n++) weight_row(w, n, out + n * w->K);
 }
