@@ -12,8 +12,9 @@ from core.decoding import cache as kv
 from core.kernels import native, quant
 from core.config import GenerationConfig, TreeConfig
 from core.decoding.engine import Engine, EngineError
-from core.decoding.forward import forward_tree, plain_forward, prefill
-from core.kernels.invariant import BlockLinear, chunked_linear, make_invariant, tree_ancestors
+from core.decoding.forward import PREFILL_CHUNK, forward_tree, plain_forward, prefill
+from core.kernels.invariant import (PROMPT_TILE_ROWS, BlockLinear, chunked_linear, make_invariant, reading_prompt,
+                                    tree_ancestors)
 from core.kernels.step import NativeStep, StepError, load_step, unsupported
 from core.decoding.tree import tree_from_parents
 from tests.test_exact import wide_llama
@@ -304,6 +305,32 @@ def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
         weight = f.get_tensor("model.layers.3.mlp.down_proj.weight").bfloat16()
     ref = native.linear(x, weight) if native.status().amx else chunked_linear(x, weight, None)
     assert torch.equal(down(x), ref) and torch.equal(down(x[:5]), native.linear_w(x[:5], down.wmat))
+    # a prefill's call of PROMPT_TILE_ROWS rows or more takes the tiles too (where this machine has them);
+    # decoding's calls of as many rows (a tree) keep the 8-bit kernel, whose rows do not depend on the others
+    rows = PROMPT_TILE_ROWS + 3
+    with reading_prompt():
+        assert torch.equal(down(x[:rows]), ref[:rows] if native.status().amx else native.linear_w(x[:rows], down.wmat))
+        assert torch.equal(down(x[:PROMPT_TILE_ROWS - 1]), native.linear_w(x[:PROMPT_TILE_ROWS - 1], down.wmat))
+    assert torch.equal(down(x[:rows]), native.linear_w(x[:rows], down.wmat))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tail", [40, 200])
+def test_the_embedded_models_prefill_in_two_parts_is_the_same_bits(smollm2, tail):
+    """A kept prompt's next chunk (core.decoding.prefix) reads as a fresh prefill does, whichever kernel its
+    size takes (a tail of 40 rows: the 8-bit kernel; 200: the prompt GEMM on tiles where they serve)."""
+    model = smollm2.forwarder.hf
+    ids = torch.randint(100, 20000, (PREFILL_CHUNK + tail,), generator=torch.Generator().manual_seed(tail))
+    with torch.inference_mode():
+        whole = kv.new_cache(model)
+        f1, l1 = prefill(model, ids, whole)
+        parts = kv.new_cache(model)
+        fa, _ = prefill(model, ids[:PREFILL_CHUNK], parts)
+        fb, lb = prefill(model, ids[PREFILL_CHUNK:], parts)
+    assert torch.equal(l1, lb) and torch.equal(f1, torch.cat([fa, fb]))
+    for a, b in zip(whole.layers, parts.layers):
+        assert torch.equal(a.keys[..., :len(ids), :], b.keys[..., :len(ids), :])
+        assert torch.equal(a.values[..., :len(ids), :], b.values[..., :len(ids), :])
 
 
 def assert_greedy_speculation_equals_plain(engine) -> None:

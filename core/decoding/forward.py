@@ -10,7 +10,6 @@ gpucheck) all call these, so what the probe checks is what the loop runs.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -129,7 +128,7 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
 # cache's rows counted), so a chunk's bits depend on its tokens and the cache's rows alone: a prompt
 # that continues rows read before (core.decoding.prefix) gets exactly a fresh prefill's bits. 1,024:
 # above native.MAX_ROWS, so a whole chunk multiplies as a long prompt does (invariant.prompt_linear: AMX
-# tiles, or oneDNN, on the weights dequantized once per prefill, invariant.prefill_weights), and few
+# tiles, or oneDNN, on the weights dequantized once per prefill, invariant.reading_prompt), and few
 # chunks attend through the cache (invariant.cached_then_causal). Measured on the Intel AMX VM
 # (2026-12-05, docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.79 / 2.00 / 4.60 s,
 # against 1.32 / 2.42 / 5.27 s before (oneDNN and a one-thread dequantization; processes alternating).
@@ -145,7 +144,7 @@ def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch
     exact = uses_exact_kernels(model)
     at, done, features, last = cache.get_seq_length(), 0, [], None
     several = at % PREFILL_CHUNK + ids.shape[0] > PREFILL_CHUNK  # one chunk: nothing to keep between chunks
-    with invariant.prefill_weights() if several else contextlib.nullcontext():
+    with invariant.reading_prompt(keep_weights=several):
         while done < ids.shape[0]:
             n = min(PREFILL_CHUNK - at % PREFILL_CHUNK, ids.shape[0] - done)
             out = model.model(input_ids=ids[None, done:done + n], cache=cache, use_cache=True,

@@ -240,36 +240,48 @@ class InvariantLinear(torch.nn.Linear):
 
 _prefill = threading.local()
 
+# In a prefill, a block layer's call of this many rows or more takes the prompt GEMM where that runs on AMX
+# tiles: its weights dequantized (~40 ms for SmolLM2's every layer) and ~0.55 ms a row against the 8-bit
+# kernel's ~0.95 ms (integer work per row). Measured on the Intel AMX VM (2026-12-05, prefill of T tokens,
+# one process alternating, medians): 32 tokens 49 / 59 ms (8-bit / tiles), 64: 75 / 73, 128: 127 / 110,
+# 256: 243 / 177, 512: 502 / 335; prompts of 32 / 64 / 128 / 256 / 512 / 1,000 tokens against the code before
+# (processes alternating, both changes): 0.96 / 1.08 / 0.89 / 0.75 / 0.69 / 0.61 of its time. 96: past the
+# crossover (64-80 rows).
+PROMPT_TILE_ROWS = 96
+
 
 @contextmanager
-def prefill_weights():
-    """Inside the block (a chunked prefill, core.decoding.forward.prefill), each BlockLinear dequantizes its
-    blocks once and keeps the bf16 copy for the later chunks: a whole model's copy while the prefill runs
-    (270 MB for SmolLM2-135M), freed after it; without it every chunk of more than native.MAX_ROWS rows
-    dequantized every weight again (4,000 tokens in chunks of 1,024: ~1 GB written)."""
-    outer = getattr(_prefill, "weights", None)
-    _prefill.weights = {} if outer is None else outer
+def reading_prompt(keep_weights: bool = False):
+    """Inside the block (a prompt's prefill, core.decoding.forward.prefill): BlockLinear calls of at least
+    PROMPT_TILE_ROWS rows take the prompt GEMM where it runs on tiles (decoding's calls never do: a row's
+    numerics there must not depend on the rows beside it; a prefill chunk's rows follow from its position).
+    keep_weights (a prompt of several chunks): each BlockLinear dequantizes its blocks once and keeps the
+    bf16 copy for the later chunks, a whole model's copy while the prefill runs (270 MB for SmolLM2-135M),
+    freed after it; without it every chunk dequantized every weight again."""
+    outer = getattr(_prefill, "weights", None), getattr(_prefill, "active", False)
+    _prefill.active = True
+    _prefill.weights = outer[0] if outer[0] is not None else {} if keep_weights else None
     try:
         yield
     finally:
-        _prefill.weights = outer
+        _prefill.weights, _prefill.active = outer
 
 
 class BlockLinear(InvariantLinear):
     """A linear layer whose weight lives only as GGUF blocks (core.kernels.quant; `weight` is empty):
-    decoding-sized calls multiply the blocks in place (native.linear_w), longer ones (a prompt's prefill)
-    dequantize them to their bf16 values per call (or once per prefill: prefill_weights) for
-    prompt_linear. Made by core.kernels.step once the native step serves from the blocks; make_invariant
-    and undo_invariant leave it as it is."""
+    decoding-sized calls multiply the blocks in place (native.linear_w), longer ones (a prompt's prefill:
+    more than native.MAX_ROWS rows, or PROMPT_TILE_ROWS inside reading_prompt where the tiles serve)
+    dequantize them to their bf16 values for prompt_linear. Made by core.kernels.step once the native step
+    serves from the blocks; make_invariant and undo_invariant leave it as it is."""
 
     wmat: native.WMat
     blocks: object  # core.kernels.quant.Blocks that wmat points into
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
-                and not (torch.is_grad_enabled() and x.requires_grad)):
+                and not (torch.is_grad_enabled() and x.requires_grad) and not self._on_tiles(x)):
             return native.linear_w(x, self.wmat, self.bias)
-        kept = getattr(_prefill, "weights", None)  # inside prefill_weights(): dequantized once per prefill
+        kept = getattr(_prefill, "weights", None)  # reading_prompt(keep_weights=True): dequantized once per prefill
         weight = kept.get(id(self)) if kept is not None else None
         if weight is None:
             weight = native.dequantize(self.wmat)  # (N, K) bf16, a few MB, gone after the call
@@ -277,6 +289,11 @@ class BlockLinear(InvariantLinear):
                 kept[id(self)] = weight
         return prompt_linear(x, weight, self.bias) if x.dtype is torch.bfloat16 else F.linear(
             x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _on_tiles(self, x: torch.Tensor) -> bool:
+        """A prefill call of PROMPT_TILE_ROWS rows or more, where the prompt GEMM runs on tiles."""
+        return (getattr(_prefill, "active", False) and x.numel() >= PROMPT_TILE_ROWS * x.shape[-1]
+                and native.status().amx and self.wmat.N % 16 == 0 and self.wmat.K % 32 == 0)
 
 
 # transformers' RMSNorm classes that compute weight * bf16(x / rms(x)), as native.rms_norm does
