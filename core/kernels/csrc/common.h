@@ -50,6 +50,33 @@ static inline __m512 in_order16(__m512 s) {
     return _mm512_permutexvar_ps(idx, s);
 }
 
+// r[i] lane j -> r[j] lane i: a 16 x 16 matrix of 32-bit values transposed in registers (unpacks within
+// 128-bit lanes, then lanes exchanged). Moves bits only.
+static inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // r[4 i + c] lane L: column 4 L + c of rows 4 i .. 4 i + 3
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i ab_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512i ab_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+        __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+        t[c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, _MM_SHUFFLE(2, 0, 2, 0));       // column c
+        t[4 + c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, _MM_SHUFFLE(3, 1, 3, 1));   // column 4 + c
+        t[8 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, _MM_SHUFFLE(2, 0, 2, 0));   // column 8 + c
+        t[12 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, _MM_SHUFFLE(3, 1, 3, 1));  // column 12 + c
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 // to_bf16 on 16 lanes, bit for bit (round to nearest even; NaN kept quiet).
 static inline __m256i to_bf16x16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);

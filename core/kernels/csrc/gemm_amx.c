@@ -80,30 +80,29 @@ void amx_end(void) {
     if (amx_on) _tile_release();
 }
 
-// x rows [m0, m0 + 16) -> pack[kb][p][m][2] = x[m0 + m][32 kb + 2p + {0, 1}] (zero past M)
+// x rows [m0, m0 + 16) -> pack[kb][p][m][2] = x[m0 + m][32 kb + 2p + {0, 1}] (zero past M): per block
+// of 32 values, the 16 rows' pairs (32-bit each) transposed in registers
 static void pack_x(const uint16_t *x, int64_t ldx, int m0, int M, int K, uint16_t *pack) {
     int rows = M - m0 < 16 ? M - m0 : 16;
-    memset(pack, 0, (size_t)K * 16 * sizeof(uint16_t));
-    for (int m = 0; m < rows; m++) {  // 16-bit accesses: a row of x may start at any element
-        const uint16_t *src = x + (int64_t)(m0 + m) * ldx;
-        for (int kp = 0; kp < K / 2; kp++) {
-            uint16_t *dst = pack + 2 * ((kp / 16) * 256 + (kp % 16) * 16 + m);
-            dst[0] = src[2 * kp];
-            dst[1] = src[2 * kp + 1];
-        }
+    for (int kb = 0; kb < K / 32; kb++) {
+        __m512i r[16];
+        for (int m = 0; m < 16; m++)  // unaligned loads: a row of x may start at any element
+            r[m] = m < rows ? _mm512_loadu_si512(x + (int64_t)(m0 + m) * ldx + 32 * kb) : _mm512_setzero_si512();
+        transpose16x16_epi32(r);  // r[p]: the pair (2p, 2p + 1) of rows 0 .. 15
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512(pack + 512 * kb + 32 * p, r[p]);
     }
 }
 
-// y[m0 + m, n0 + i] = bf16(c[i][m] + bias[n0 + i]) for the rows present
+// y[m0 + m, n0 + i] = bf16(c[i][m] + bias[n0 + i]) for the rows present (c transposed in registers)
 static void store_block(const float *c, const uint16_t *bias, int n0, int m0, int M, uint16_t *y, int64_t ldy) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(16));
     __m512 b = bias ? bf16x16_to_ps(bias + n0) : _mm512_setzero_ps();
     int rows = M - m0 < 16 ? M - m0 : 16;
-    for (int m = 0; m < rows; m++) {
-        __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), c, 4);
-        _mm256_storeu_si256((__m256i *)(y + (int64_t)(m0 + m) * ldy + n0), to_bf16x16(_mm512_add_ps(v, b)));
-    }
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(c + 16 * i);
+    transpose16x16_epi32(r);  // r[m]: row m of y's block
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(m0 + m) * ldy + n0),
+                            to_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(r[m]), b)));
 }
 
 // x's row blocks packed for the tiles, split over the team (pack_elems(M, K) elements).
