@@ -59,6 +59,30 @@ def test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same(kind, t
             assert torch.equal(native.linear_w(rows[:m], w), native.linear(rows[:m], params[name])), (name, m)
 
 
+@pytest.mark.skipif(not native.status().amx, reason="no AMX tiles here: a prompt's block layers dequantize for oneDNN")
+@pytest.mark.parametrize("kind,tiled,packed", [("Q4_1", True, False), ("Q4_1", False, True), ("Q4_0", False, True),
+                                               ("Q8_0", True, False)])
+def test_a_prompt_multiplies_block_weights_on_tiles_as_their_bf16_copy(kind, tiled, packed):
+    """linear_tiles dequantizes each 16 x 32 tile into cache (Q4_X8 too: the 8-bit step's packing) and gives the
+    bits of the tile GEMM on the dequantized copy, for one x block, pairs and a leftover; the screened LM head's
+    kind is not among those it reads."""
+    model, blocks = quantized_llama(kind, tiled)
+    gen = torch.Generator().manual_seed(4)
+    for name, b in list(blocks.items())[:7]:
+        b = quant.pack_x8(b) if packed else b
+        w = native.wmat(blocks=b)
+        assert native.tiles_serve(w)
+        copy = native.dequantize(w)
+        x = torch.randn(70, b.k, generator=gen).bfloat16()
+        bias = torch.randn(b.n, generator=gen).bfloat16()
+        for m in (1, 16, 17, 33, 70):
+            assert torch.equal(native.linear_tiles(x[:m], w, bias), native.linear(x[:m], copy, bias)), (name, m)
+    split = native.WMat(quant.SPLIT, 64, 64, 0, 0, 64)
+    assert not native.tiles_serve(split)
+    with pytest.raises(ValueError, match="check tiles_serve"):
+        native.linear_tiles(torch.randn(2, 64).bfloat16(), split)
+
+
 def assert_step_equals_transformers(model, step, gen: torch.Generator, cases: int) -> None:
     """Logits, features and written keys / values of the step equal the transformers path's,
     alone and in random trees (contexts straddling the attention kernel's 16-key groups,

@@ -255,9 +255,9 @@ def reading_prompt(keep_weights: bool = False):
     """Inside the block (a prompt's prefill, core.decoding.forward.prefill): BlockLinear calls of at least
     PROMPT_TILE_ROWS rows take the prompt GEMM where it runs on tiles (decoding's calls never do: a row's
     numerics there must not depend on the rows beside it; a prefill chunk's rows follow from its position).
-    keep_weights (a prompt of several chunks): each BlockLinear dequantizes its blocks once and keeps the
-    bf16 copy for the later chunks, a whole model's copy while the prefill runs (270 MB for SmolLM2-135M),
-    freed after it; without it every chunk dequantized every weight again."""
+    keep_weights (a prompt of several chunks): where the tiles do not serve, each BlockLinear dequantizes its
+    blocks once and keeps the bf16 copy for the later chunks, a whole model's copy while the prefill runs
+    (270 MB for SmolLM2-135M), freed after it; without it every chunk dequantized every weight again."""
     outer = getattr(_prefill, "weights", None), getattr(_prefill, "active", False)
     _prefill.active = True
     _prefill.weights = outer[0] if outer[0] is not None else {} if keep_weights else None
@@ -270,8 +270,9 @@ def reading_prompt(keep_weights: bool = False):
 class BlockLinear(InvariantLinear):
     """A linear layer whose weight lives only as GGUF blocks (core.kernels.quant; `weight` is empty):
     decoding-sized calls multiply the blocks in place (native.linear_w), longer ones (a prompt's prefill:
-    more than native.MAX_ROWS rows, or PROMPT_TILE_ROWS inside reading_prompt where the tiles serve)
-    dequantize them to their bf16 values for prompt_linear. Made by core.kernels.step once the native step
+    more than native.MAX_ROWS rows, or PROMPT_TILE_ROWS inside reading_prompt where the tiles serve) run on
+    AMX tiles, each 16 x 32 tile dequantized into cache (native.linear_tiles), or elsewhere dequantize the
+    blocks to their bf16 values for oneDNN (prompt_linear). Made by core.kernels.step once the native step
     serves from the blocks; make_invariant and undo_invariant leave it as it is."""
 
     wmat: native.WMat
@@ -281,6 +282,8 @@ class BlockLinear(InvariantLinear):
         if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
                 and not (torch.is_grad_enabled() and x.requires_grad) and not self._on_tiles(x)):
             return native.linear_w(x, self.wmat, self.bias)
+        if x.dtype is torch.bfloat16 and x.is_cpu and native.tiles_serve(self.wmat):
+            return native.linear_tiles(x, self.wmat, self.bias)  # blocks dequantized tile by tile, no copy
         kept = getattr(_prefill, "weights", None)  # reading_prompt(keep_weights=True): dequantized once per prefill
         weight = kept.get(id(self)) if kept is not None else None
         if weight is None:
@@ -291,9 +294,9 @@ class BlockLinear(InvariantLinear):
             x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def _on_tiles(self, x: torch.Tensor) -> bool:
-        """A prefill call of PROMPT_TILE_ROWS rows or more, where the prompt GEMM runs on tiles."""
+        """A prefill call of PROMPT_TILE_ROWS rows or more, where the tiles read these blocks."""
         return (getattr(_prefill, "active", False) and x.numel() >= PROMPT_TILE_ROWS * x.shape[-1]
-                and native.status().amx and self.wmat.N % 16 == 0 and self.wmat.K % 32 == 0)
+                and native.tiles_serve(self.wmat))
 
 
 # transformers' RMSNorm classes that compute weight * bf16(x / rms(x)), as native.rms_norm does

@@ -849,6 +849,33 @@ def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torc
     return y
 
 
+TILE_TYPES = (WT_BF16, 2, 3, 8, 100)  # what gemm_tiles reads: bf16, Q4_0, Q4_1, Q8_0, Q4_X8 (csrc/weights.h)
+
+
+def tiles_serve(w: WMat) -> bool:
+    """Whether `linear_tiles` serves this weight here: AMX tiles, K % 32 == 0, N % 16 == 0, a kind they read."""
+    return status().amx and w.type in TILE_TYPES and w.N % 16 == 0 and w.K % 32 == 0
+
+
+def linear_tiles(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A prompt's x (..., K) bf16 @ w.T (+ bias) -> (..., N) bf16 on AMX tiles, block weights dequantized
+    tile by tile into cache (csrc/gemm_bf16.c: gemm_tiles): the bits `linear(x, dequantize(w), bias)`
+    gives, without the bf16 copy. Check `tiles_serve(w)` first."""
+    k = _library()[0]
+    assert k is not None, "needs the kernels"
+    _expect(_bf16_cpu(x) and x.shape[-1] == w.K and _bias_ok(bias, w.N),
+            lambda: f"linear_tiles needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
+    rows, m, ldx = _rows(x)
+    y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
+    status = k.gemm_tiles(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
+                          y.data_ptr(), w.N, m, torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"linear_tiles does not serve a {w.N} x {w.K} weight of type {w.type} here: check tiles_serve(w)")
+    if status:
+        raise MemoryError(f"the tile GEMM could not allocate its work memory for {m} rows of a {w.N} x {w.K} weight")
+    return y
+
+
 def dequantize(w: WMat) -> torch.Tensor:
     """The bf16 values (N, K) the GEMMs read from w."""
     k = _library()[0]

@@ -69,6 +69,11 @@ static inline void dequant_block(int type, const uint8_t *b, uint16_t *out) {
 }
 
 void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out) {
+    if (w->type == WT_Q4_X8) {  // n0 % 16 == 0: whole groups of 16 rows
+        for (int r0 = 0; r0 < rows; r0 += 16)
+            q4x8_block(w, (n0 + r0) / 16, kb, rows - r0 < 16 ? rows - r0 : 16, out + 32 * r0, 32);
+        return;
+    }
     int bs = block_bytes(w->type);
     for (int r0 = 0; r0 < rows; r0 += 16) {  // tiled: one 16-row group's blocks are contiguous
         const uint8_t *b = block_at(w, n0 + r0, kb);
@@ -78,6 +83,13 @@ void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out) {
 }
 
 void weight_prefetch(const wmat *w, int n0, int rows, int kb) {
+    if (w->type == WT_Q4_X8) {
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+            const char *b = (const char *)w->data + ((int64_t)(n0 + r0) / 16 * (w->K / 32) + kb) * 320;
+            for (int off = 0; off < 320; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
+        }
+        return;
+    }
     int bs = block_bytes(w->type);
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const char *b = (const char *)block_at(w, n0 + r0, kb);

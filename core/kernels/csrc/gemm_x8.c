@@ -393,39 +393,41 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
     }
 }
 
-// Rows 16 g .. 16 g + rows - 1 of a WT_Q4_X8 weight as bf16, row r at out + r * ldo: x8_row's values
-// for the whole group at once (a prefill's dequantized copy: every layer once per long prompt, ~70x
-// the scalar loop's speed). A block's 256 code bytes hold row j's codes for values 4p .. 4p + 3 (low
-// nibbles) and 16 + 4p .. 19 + 4p (high) at byte 64 p + 4 j; a 4 x 4 transpose of dwords per 128-bit
-// lane gathers each row's 16 code bytes in value order. d q is exact (fp16 x 4 bits), so d q + m
-// rounds once, as in x8_row and gguf.
-void q4x8_rows(const wmat *w, int64_t g, int rows, uint16_t *out, int64_t ldo) {
-    int KB = w->K / 32;
+// Block column kb of rows 16 g .. 16 g + rows - 1 of a WT_Q4_X8 weight as bf16, row r's 32 values at
+// out + r * ldo: x8_row's values for the whole group at once (a prompt's weights: every layer once per
+// prefill chunk, ~70x the scalar loop's speed). A block's 256 code bytes hold row j's codes for values
+// 4p .. 4p + 3 (low nibbles) and 16 + 4p .. 19 + 4p (high) at byte 64 p + 4 j; a 4 x 4 transpose of
+// dwords per 128-bit lane gathers each row's 16 code bytes in value order. d q is exact (fp16 x 4 bits),
+// so d q + m rounds once, as in x8_row and gguf.
+void q4x8_block(const wmat *w, int64_t g, int kb, int rows, uint16_t *out, int64_t ldo) {
     uint8_t codes[4][64] __attribute__((aligned(64)));
     float d[16], m[16];
-    for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * 320;
-        __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64);
-        __m512i z2 = _mm512_loadu_si512(b + 128), z3 = _mm512_loadu_si512(b + 192);
-        __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
-        __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
-        // codes[i] lane L: row 4 L + i's 16 code bytes, values 0 .. 15 in order
-        _mm512_store_si512(codes[0], _mm512_unpacklo_epi64(t0, t2));
-        _mm512_store_si512(codes[1], _mm512_unpackhi_epi64(t0, t2));
-        _mm512_store_si512(codes[2], _mm512_unpacklo_epi64(t1, t3));
-        _mm512_store_si512(codes[3], _mm512_unpackhi_epi64(t1, t3));
-        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256))));
-        _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288))));
-        for (int j = 0; j < rows; j++) {
-            __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes[j & 3] + 16 * (j >> 2))));
-            __m512 dj = _mm512_set1_ps(d[j]), mj = _mm512_set1_ps(m[j]);
-            __m512 lo = _mm512_add_ps(_mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)))), mj);
-            __m512 hi = _mm512_add_ps(_mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), mj);
-            uint16_t *o = out + (int64_t)j * ldo + 32 * kb;
-            _mm256_storeu_si256((__m256i *)o, to_bf16x16(lo));
-            _mm256_storeu_si256((__m256i *)(o + 16), to_bf16x16(hi));
-        }
+    const uint8_t *b = (const uint8_t *)w->data + (g * (w->K / 32) + kb) * 320;
+    __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64);
+    __m512i z2 = _mm512_loadu_si512(b + 128), z3 = _mm512_loadu_si512(b + 192);
+    __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
+    __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
+    // codes[i] lane L: row 4 L + i's 16 code bytes, values 0 .. 15 in order
+    _mm512_store_si512(codes[0], _mm512_unpacklo_epi64(t0, t2));
+    _mm512_store_si512(codes[1], _mm512_unpackhi_epi64(t0, t2));
+    _mm512_store_si512(codes[2], _mm512_unpacklo_epi64(t1, t3));
+    _mm512_store_si512(codes[3], _mm512_unpackhi_epi64(t1, t3));
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256))));
+    _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288))));
+    for (int j = 0; j < rows; j++) {
+        __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes[j & 3] + 16 * (j >> 2))));
+        __m512 dj = _mm512_set1_ps(d[j]), mj = _mm512_set1_ps(m[j]);
+        __m512 lo = _mm512_add_ps(_mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)))), mj);
+        __m512 hi = _mm512_add_ps(_mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), mj);
+        uint16_t *o = out + (int64_t)j * ldo;
+        _mm256_storeu_si256((__m256i *)o, to_bf16x16(lo));
+        _mm256_storeu_si256((__m256i *)(o + 16), to_bf16x16(hi));
     }
+}
+
+// Rows 16 g .. 16 g + rows - 1 of a WT_Q4_X8 weight as bf16, row r at out + r * ldo.
+void q4x8_rows(const wmat *w, int64_t g, int rows, uint16_t *out, int64_t ldo) {
+    for (int kb = 0; kb < w->K / 32; kb++) q4x8_block(w, g, kb, rows, out + 32 * kb, ldo);
 }
 
 // ---- The screened LM head (greedy decoding reads only each row's maximum) --------------------
