@@ -130,8 +130,8 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
 # above native.MAX_ROWS, so a whole chunk multiplies as a long prompt does (invariant.prompt_linear: AMX
 # tiles, or oneDNN, on the weights dequantized once per prefill, invariant.reading_prompt), and few
 # chunks attend through the cache (invariant.cached_then_causal). Measured on the Intel AMX VM
-# (2026-12-05, docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.79 / 2.00 / 4.60 s,
-# against 1.32 / 2.42 / 5.27 s before (oneDNN and a one-thread dequantization; processes alternating).
+# (2026-12-05, docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.74 / 1.70 / 3.57 s, against
+# 1.11 / 1.88 / 4.14 s before the prompt took the tiles (oneDNN and a one-thread dequantization; processes alternating).
 PREFILL_CHUNK = 1024
 
 

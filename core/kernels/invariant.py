@@ -244,9 +244,7 @@ _prefill = threading.local()
 # tiles: its weights dequantized (~40 ms for SmolLM2's every layer) and ~0.55 ms a row against the 8-bit
 # kernel's ~0.95 ms (integer work per row). Measured on the Intel AMX VM (2026-12-05, prefill of T tokens,
 # one process alternating, medians): 32 tokens 49 / 59 ms (8-bit / tiles), 64: 75 / 73, 128: 127 / 110,
-# 256: 243 / 177, 512: 502 / 335; prompts of 32 / 64 / 128 / 256 / 512 / 1,000 tokens against the code before
-# (processes alternating, both changes): 0.96 / 1.08 / 0.89 / 0.75 / 0.69 / 0.61 of its time. 96: past the
-# crossover (64-80 rows).
+# 256: 243 / 177, 512: 502 / 335. 96: past the crossover (64-80 rows).
 PROMPT_TILE_ROWS = 96
 
 
