@@ -10,7 +10,6 @@ gpucheck) all call these, so what the probe checks is what the loop runs.
 
 from __future__ import annotations
 
-
 import torch
 
 from core.kernels import invariant

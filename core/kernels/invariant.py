@@ -241,10 +241,11 @@ class InvariantLinear(torch.nn.Linear):
 _prefill = threading.local()
 
 # In a prefill, a block layer's call of this many rows or more takes the prompt GEMM where that runs on AMX
-# tiles: its weights dequantized (~40 ms for SmolLM2's every layer) and ~0.55 ms a row against the 8-bit
-# kernel's ~0.95 ms (integer work per row). Measured on the Intel AMX VM (2026-12-05, prefill of T tokens,
-# one process alternating, medians): 32 tokens 49 / 59 ms (8-bit / tiles), 64: 75 / 73, 128: 127 / 110,
-# 256: 243 / 177, 512: 502 / 335. 96: past the crossover (64-80 rows).
+# tiles: ~40 ms of dequantizing for SmolLM2's every layer, then ~0.55 ms a row against the 8-bit kernel's
+# ~0.95 ms (integer work per row). Measured on the Intel AMX VM (2026-12-05, prefill of T tokens, one process
+# alternating, medians; the tiles then read a dequantized copy, now they dequantize in cache at the same
+# cost): 32 tokens 49 / 59 ms (8-bit / tiles), 64: 75 / 73, 128: 127 / 110, 256: 243 / 177, 512: 502 / 335.
+# 96: past the crossover (64-80 rows).
 PROMPT_TILE_ROWS = 96
 
 
@@ -280,7 +281,8 @@ class BlockLinear(InvariantLinear):
         if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
                 and not (torch.is_grad_enabled() and x.requires_grad) and not self._on_tiles(x)):
             return native.linear_w(x, self.wmat, self.bias)
-        if x.dtype is torch.bfloat16 and x.is_cpu and native.tiles_serve(self.wmat):
+        if (x.dtype is torch.bfloat16 and x.is_cpu and native.tiles_serve(self.wmat)
+                and not (torch.is_grad_enabled() and x.requires_grad)):
             return native.linear_tiles(x, self.wmat, self.bias)  # blocks dequantized tile by tile, no copy
         kept = getattr(_prefill, "weights", None)  # reading_prompt(keep_weights=True): dequantized once per prefill
         weight = kept.get(id(self)) if kept is not None else None

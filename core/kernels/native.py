@@ -68,8 +68,8 @@ COMPAT_FLAGS = ("-O3", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-msse4.1", "-m
                 "-mavx512cd", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300  # one build takes 4-5 s on two cores (each file on a core of its own); a hung compiler must not hang the load
 # Calls with more rows (a long prefill) run on AMX tiles where the machine has them (`prompt_usable`),
-# else in oneDNN's compute-bound GEMM. It exceeds the largest tree the engine can verify (TreeConfig: 512 nodes + a 32-token
-# lookup chain), so every tree row and every plain step goes through this kernel.
+# else in oneDNN's compute-bound GEMM. It exceeds the largest tree the engine can verify (TreeConfig:
+# 512 nodes + a 32-token lookup chain), so every tree row and every plain step goes through this kernel.
 MAX_ROWS = 576
 OFF_ENV = "EAGLE_CHAT_KERNELS"
 AMX_ENV = "EAGLE_CHAT_AMX"  # "0" keeps the GEMM and attention on AVX-512 where the CPU has AMX tiles
@@ -867,11 +867,11 @@ def linear_tiles(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> 
             lambda: f"linear_tiles needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
     rows, m, ldx = _rows(x)
     y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
-    status = k.gemm_tiles(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
-                          y.data_ptr(), w.N, m, torch.get_num_threads())
-    if status == -2:
+    code = k.gemm_tiles(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
+                        y.data_ptr(), w.N, m, torch.get_num_threads())
+    if code == -2:
         raise ValueError(f"linear_tiles does not serve a {w.N} x {w.K} weight of type {w.type} here: check tiles_serve(w)")
-    if status:
+    if code:
         raise MemoryError(f"the tile GEMM could not allocate its work memory for {m} rows of a {w.N} x {w.K} weight")
     return y
 
