@@ -834,17 +834,24 @@ def wmat(weight: torch.Tensor | None = None, blocks=None) -> WMat:
     return WMat(WT_BF16, weight.shape[0], weight.shape[1], 0, weight.data_ptr(), weight.stride(0))
 
 
-def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) bf16 @ w.T (+ bias) -> (..., N) bf16, for a weight of any kind; a block weight
-    gives the bits its bf16 copy gives."""
+def _gemm_w(name: str, x: torch.Tensor, w: WMat, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """x (..., K) bf16 through the C GEMM `name` (gemm_w's arguments) -> (y (..., N) bf16, its return code)."""
     k = _library()[0]
     assert k is not None, "needs the kernels"
     _expect(_bf16_cpu(x) and x.shape[-1] == w.K and _bias_ok(bias, w.N),
-            lambda: f"linear_w needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
+            lambda: f"{name} needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
     rows, m, ldx = _rows(x)
     y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
-    if k.gemm_w(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
-                y.data_ptr(), w.N, m, torch.get_num_threads()):
+    code = getattr(k, name)(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
+                            y.data_ptr(), w.N, m, torch.get_num_threads())
+    return y, code
+
+
+def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) bf16 @ w.T (+ bias) -> (..., N) bf16, for a weight of any kind; a block weight
+    gives the bits its bf16 copy gives."""
+    y, code = _gemm_w("gemm_w", x, w, bias)
+    if code:
         raise MemoryError(f"the native GEMM could not allocate its scratch for a {w.N} x {w.K} weight")
     return y
 
@@ -861,18 +868,12 @@ def linear_tiles(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> 
     """A prompt's x (..., K) bf16 @ w.T (+ bias) -> (..., N) bf16 on AMX tiles, block weights dequantized
     tile by tile into cache (csrc/gemm_bf16.c: gemm_tiles): the bits `linear(x, dequantize(w), bias)`
     gives, without the bf16 copy. Check `tiles_serve(w)` first."""
-    k = _library()[0]
-    assert k is not None, "needs the kernels"
-    _expect(_bf16_cpu(x) and x.shape[-1] == w.K and _bias_ok(bias, w.N),
-            lambda: f"linear_tiles needs bf16 CPU x (..., {w.K}), bias ({w.N},) or None; got {_about(x, bias)}")
-    rows, m, ldx = _rows(x)
-    y = torch.empty((*x.shape[:-1], w.N), dtype=torch.bfloat16)
-    code = k.gemm_tiles(rows.data_ptr(), ldx, ctypes.byref(w), None if bias is None else bias.contiguous().data_ptr(),
-                        y.data_ptr(), w.N, m, torch.get_num_threads())
+    y, code = _gemm_w("gemm_tiles", x, w, bias)
     if code == -2:
         raise ValueError(f"linear_tiles does not serve a {w.N} x {w.K} weight of type {w.type} here: check tiles_serve(w)")
     if code:
-        raise MemoryError(f"the tile GEMM could not allocate its work memory for {m} rows of a {w.N} x {w.K} weight")
+        raise MemoryError(f"the tile GEMM could not allocate its work memory for {x.numel() // w.K} rows of a "
+                          f"{w.N} x {w.K} weight")
     return y
 
 

@@ -135,11 +135,9 @@ int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, i
     return 0;
 }
 
-// y = x @ w.T (+ bias) for any weight kind, on its own team of threads; 0, or -1 where memory
-// could not be had or the weight's type is unknown.
-// ctypes: gemm_w(ptr x, i64 ldx, ptr w, ptr bias, ptr y, i64 ldy, i32 M, i32 nthreads) -> i32
-int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
-           int M, int nthreads) {
+// y = x @ w.T (+ bias) on a team of its own: gemm_team, or with `tiles` the AMX path for any kind it reads
+static int gemm_run(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                    int M, int nthreads, int tiles) {
     gemm_job job = {w, bias, y, ldy};
     uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(M, w->K) * 2);
     uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(w->K) * 2);
@@ -147,8 +145,15 @@ int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, 
     if (!status) {
 #pragma omp parallel num_threads(nthreads)
         {
+            uint16_t *mine = scratch + omp_get_thread_num() * scratch_elems(w->K);
+            int s = 0;
             amx_begin();
-            int s = gemm_team(x, ldx, &job, 1, M, w->K, pack, scratch + omp_get_thread_num() * scratch_elems(w->K));
+            if (tiles) {
+                amx_pack_team(x, ldx, M, w->K, pack);
+                gemm_amx_team(pack, M, w->K, &job, 1, mine);
+            } else {
+                s = gemm_team(x, ldx, &job, 1, M, w->K, pack, mine);
+            }
             amx_end();
             if (s) {
 #pragma omp atomic write
@@ -161,6 +166,14 @@ int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, 
     return status;
 }
 
+// y = x @ w.T (+ bias) for any weight kind, on its own team of threads; 0, or -1 where memory
+// could not be had or the weight's type is unknown.
+// ctypes: gemm_w(ptr x, i64 ldx, ptr w, ptr bias, ptr y, i64 ldy, i32 M, i32 nthreads) -> i32
+int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
+           int M, int nthreads) {
+    return gemm_run(x, ldx, w, bias, y, ldy, M, nthreads, 0);
+}
+
 // A prompt's y = x @ w.T (+ bias) on AMX tiles whatever the weight's kind: bf16 rows, or GGUF / Q4_X8 blocks
 // dequantized per 16 x 32 tile into the thread's scratch (dequantize_bf16's values), so the bits gemm_w gives
 // on those values' bf16 copy, without the copy. 0; -1 out of memory; -2 where the tiles do not serve (no
@@ -170,22 +183,7 @@ int gemm_tiles(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bi
                int M, int nthreads) {
     if (!(known_type(w->type) || w->type == WT_Q4_X8) || !amx_serves(w->N, w->K))
         return -2;
-    gemm_job job = {w, bias, y, ldy};
-    uint16_t *pack = (uint16_t *)aligned_alloc(64, (size_t)pack_elems(M, w->K) * 2);
-    uint16_t *scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(w->K) * 2);
-    int status = pack && scratch ? 0 : -1;
-    if (!status) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            amx_begin();
-            amx_pack_team(x, ldx, M, w->K, pack);
-            gemm_amx_team(pack, M, w->K, &job, 1, scratch + omp_get_thread_num() * scratch_elems(w->K));
-            amx_end();
-        }
-    }
-    free(pack);
-    free(scratch);
-    return status;
+    return gemm_run(x, ldx, w, bias, y, ldy, M, nthreads, 1);
 }
 
 // gemm_w over a bf16 weight (N, K) with row stride ldw: 0, or -1 out of memory.
