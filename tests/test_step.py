@@ -339,6 +339,31 @@ def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
 
 
 @pytest.mark.slow
+def test_without_tiles_a_prompts_block_layers_dequantize_for_onednn(smollm2, monkeypatch):
+    """Where AMX tiles do not serve (the AMD machines; EAGLE_CHAT_AMX=0 here) a prompt-sized call dequantizes the
+    blocks (on every thread) for oneDNN, and a prefill's smaller calls keep the 8-bit kernel."""
+    down = smollm2.target.model.model.layers[3].mlp.down_proj
+    x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(5)).bfloat16()
+    tiles = native.status().amx
+    monkeypatch.setenv(native.AMX_ENV, "0")
+    native._library.cache_clear()
+    try:
+        assert not native.status().amx and not native.tiles_serve(down.wmat)
+        torch.set_num_threads(2)
+        weight = native.dequantize(down.wmat)
+        torch.set_num_threads(1)
+        assert torch.equal(native.dequantize(down.wmat), weight)  # one thread or two: the same values
+        assert torch.equal(down(x), chunked_linear(x, weight, None))
+        with reading_prompt():
+            assert torch.equal(down(x[:200]), native.linear_w(x[:200], down.wmat))
+    finally:
+        torch.set_num_threads(2)
+        monkeypatch.delenv(native.AMX_ENV)
+        native._library.cache_clear()
+    assert native.status().amx == tiles
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tail", [40, 200])
 def test_the_embedded_models_prefill_in_two_parts_is_the_same_bits(smollm2, tail):
     """A kept prompt's next chunk (core.decoding.prefix) reads as a fresh prefill does, whichever kernel its
