@@ -30,6 +30,7 @@ from app.models_tab import ModelHandlers
 from app.remote import RemoteError
 from app.state import Access, ChatSettings, tree_limit
 from core.config import ConfigError, new_seed
+from core.decoding.forward import PREFILL_CHUNK
 from core.decoding.engine import EngineError
 from core.decoding.head import HeadLoadError
 from core.models import ModelLoadError
@@ -38,6 +39,7 @@ USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadErro
 EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
 NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
+STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
 CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")
 CHAT_OUTPUTS, NOTICE, STATS = (len(CHAT_OUTPUT_NAMES), CHAT_OUTPUT_NAMES.index("notice"),
@@ -289,10 +291,13 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
         deadline = time.monotonic() + seconds if seconds else None
-        gen = engine.generate(msgs, cfg, on_step=view.on_step)
+        gen = engine.generate(msgs, cfg, on_step=view.on_step, should_stop=ticket.stop.is_set)
         pace = Pace()
         try:
             first = yield from self._prefill(gen, long_chat.prompt_tokens, ticket)
+            if first is None and ticket.stop.is_set() and not ticket.clear_chat:  # Stop while the prompt was read
+                yield (before, before, gr.skip() if restore is None else restore, *refuse(STOPPED_READING, 5, 4))
+                return
             for ev in itertools.chain([first] if first else [], gen):
                 view.add(ev)
                 shown[-1] = {"role": "assistant", "content": view.text}
@@ -334,7 +339,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 except FutureTimeout:
                     note = reading(prompt_tokens, time.monotonic() - started)
                     if ticket.stop.is_set():
-                        note += " Stopping once it is read (reading cannot be interrupted)."
+                        note += f" Stopping after the part being read (up to {PREFILL_CHUNK:,} tokens)."
                     yield refuse(note, CHAT_OUTPUTS, STATS)
 
     @staticmethod

@@ -16,7 +16,7 @@ import torch
 
 from app.chat import PLAIN
 from app.manager import ModelManager, Request
-from app.session import NO_HEAD, Handlers
+from app.session import NO_HEAD, STOPPED_READING, Handlers
 from app.state import Access, ChatSettings, ModelChoice
 from core.config import TreeConfig
 from core.decoding.engine import Engine
@@ -511,6 +511,31 @@ def test_a_long_prefill_is_shown_while_it_runs_and_a_new_chat_is_suggested(bigra
         in reading[1]
     assert "every answer first reads all of it again (this one's first token came after 1." in outs[-1][7]
     assert "start a New chat" in outs[-1][7]
+
+
+def test_stop_while_the_prompt_is_read_ends_before_the_first_token(bigram, monkeypatch):
+    """The engine asks the ticket's Stop before each chunk of the prompt (core.decoding.forward.prefill): a Stop
+    pressed meanwhile ends the answer there, the chat as it was with the message back in the box, and the next
+    message works."""
+    engine = Engine(*bigram)
+    h = handlers_for(engine)
+    real = engine.generate
+
+    def stop_pressed_while_reading(*args, should_stop=None, **kwargs):
+        def ask() -> bool:
+            h.stop(None)  # Stop, pressed while the prompt is read
+            return should_stop()
+
+        return real(*args, should_stop=ask, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", stop_pressed_while_reading)
+    history = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}]
+    outs = list(h.respond("w8 w9", history, SYSTEM, *GREEDY, request=None))
+    chat, state, box, *_, notice = outs[-1]
+    assert chat == state == history and box == "w8 w9" and STOPPED_READING in notice
+    monkeypatch.setattr(engine, "generate", real)
+    outs, state, stats, *_ = answer(h, "w8 w9", history)
+    assert not stats["stopped"] and stats["tokens"] > 0 and len(state) == 4
 
 
 def test_the_panel_counts_head_tree_nodes_and_copied_text_apart(bigram):

@@ -4,15 +4,16 @@ them exact: a turn that continues a kept prompt answers exactly what reading it 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
 
 import core.decoding.forward as forward_mod
-from core.config import GenerationConfig, SamplingConfig
+from core.config import GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding import cache as kv, prefix
 from core.decoding.engine import Engine
-from core.decoding.forward import PREFILL_CHUNK, prefill
+from core.decoding.forward import PREFILL_CHUNK, StopReading, prefill
 from core.kernels.invariant import make_invariant
 from tests.tiny import oracle_head, tiny_target
 
@@ -66,6 +67,27 @@ def test_a_next_turn_reads_only_what_follows_the_kept_rows_and_answers_the_same(
     engine.prefix = None  # the same turn read from its start
     read.clear()
     assert answer(engine, turn2, config) == kept and read == [len(turn2)]
+
+
+def test_a_stop_between_chunks_ends_the_answer_before_its_first_token(target):
+    """should_stop is asked before each chunk of the prompt: True ends the answer (nothing yielded, nothing
+    kept); False throughout gives the answer reading without it gives."""
+    engine = Engine(target, oracle_head(target))
+    prompt = ids_of(2 * PREFILL_CHUNK + 5, 9)
+    config = GenerationConfig(max_new_tokens=6, speculative=True, tree=TreeConfig(depth=2, top_k=2, total_tokens=4))
+    asked = []
+
+    def after_one_chunk() -> bool:
+        asked.append(len(asked))
+        return len(asked) > 1
+
+    assert list(engine.generate(prompt, config, should_stop=after_one_chunk)) == []
+    assert asked == [0, 1] and engine.prefix is None, "stopped before the second chunk; no rows kept"
+    with torch.inference_mode(), pytest.raises(StopReading, match=f"after 0 of {len(prompt)} prompt tokens"):
+        prefill(target.model, torch.tensor(prompt), kv.new_cache(target.model), should_stop=lambda: True)
+    quiet = answer(engine, prompt, replace(config, reuse_prompt=False))
+    assert [t for ev in engine.generate(prompt, replace(config, reuse_prompt=False), should_stop=lambda: False)
+            for t in ev.token_ids] == quiet and len(quiet) == 6
 
 
 def test_what_is_kept_and_when_it_serves(target, monkeypatch):

@@ -29,8 +29,8 @@ from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
 from core.decoding.drafter import DraftModel
-from core.decoding.forward import (forward_tree, forward_tree_greedy, plain_forward, plain_forward_greedy, prefill,
-                                   uses_exact_kernels)
+from core.decoding.forward import (StopReading, forward_tree, forward_tree_greedy, plain_forward,
+                                   plain_forward_greedy, prefill, uses_exact_kernels)
 from core.decoding.head import HeadCache
 from core.decoding.head3 import drafter_for, load_any_head
 from core.decoding.lookup import ContextIndex, graft
@@ -114,16 +114,16 @@ class Engine:
         engine.tree_choice = default_tree(engine, folder)
         return engine
 
-    def read_prompt(self, ids: torch.Tensor, cache, feature_layers=None,
-                    reuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_prompt(self, ids: torch.Tensor, cache, feature_layers=None, reuse: bool = True,
+                    should_stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         """prefill, from the rows of the last prompt read where this one begins with its tokens
         (core.decoding.prefix: the same bits as reading it all; `reuse` False: from its start), and its
-        rows kept for the next."""
+        rows kept for the next (not where `should_stop` ended the reading: StopReading)."""
         listed = ids.tolist()
         kept = self.prefix
         rows = prefix.reusable(kept, listed, feature_layers) if reuse else 0
         before = prefix.restore(kept, rows, cache) if rows else None
-        features, logits = prefill(self.forwarder, ids[rows:], cache, feature_layers)
+        features, logits = prefill(self.forwarder, ids[rows:], cache, feature_layers, should_stop)
         if before is not None:
             features = torch.cat([before, features])
         self.prefix = prefix.keep(listed, cache, features, feature_layers, kept)
@@ -169,12 +169,14 @@ class Engine:
     def count_tokens(self, messages: Sequence[dict]) -> int:
         return len(self.encode(messages))
 
-    def generate(self, prompt, config: GenerationConfig, on_step=None) -> Iterator[StepEvent]:
+    def generate(self, prompt, config: GenerationConfig, on_step=None, should_stop=None) -> Iterator[StepEvent]:
         """Stream the answer as StepEvents; closing the generator stops within one step.
 
         Each step runs in its own `torch.inference_mode()` block, so the generator may be
         advanced from any thread (Gradio moves it between workers). `on_step(tree,
-        verification)`, if given, sees every speculative step (statistics).
+        verification)`, if given, sees every speculative step (statistics). `should_stop()`, if
+        given, is asked before each chunk of the prompt is read (core.decoding.forward.prefill):
+        True ends the answer before its first token, and the generator yields nothing.
         """
         ids = self.encode(prompt)
         if len(ids) >= self.max_context:
@@ -185,7 +187,7 @@ class Engine:
             raise EngineError(f"token ids must be in 0..{vocab - 1}")
         if config.speculative and not self.has_head:
             raise EngineError("speculation needs a draft head: load one (--head) or turn speculation off")
-        return _stream(self, ids, config, on_step)
+        return _stream(self, ids, config, on_step, should_stop)
 
 
 POLICY = adaptive.Policy()  # GenerationConfig.adaptive's probing schedule
@@ -196,12 +198,16 @@ HEAD_WINDOW = 256
 COPY_PROBE = 6  # a lookup chain this long (a repeat of 4+ tokens, core.decoding.lookup.chain_length) probes speculation
 
 
-def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step) -> Iterator[StepEvent]:
+def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step,
+            should_stop=None) -> Iterator[StepEvent]:
     threads.refit()  # no-op unless the launcher turned the thread governor on
     threads.apply()
     with torch.inference_mode():
         run = _Run(engine, ids, config, on_step)
-        event = run.first_step()
+        try:
+            event = run.first_step(should_stop)
+        except StopReading:
+            return
     yield event
     while not event.finished:
         threads.apply()  # this step may run in another thread than the last (Gradio)
@@ -250,9 +256,9 @@ class _Run:
         s = self.cfg.sampling
         return int(greedy_tokens(logits)) if s.greedy else sample_at(logits[None], [position], s, self.seed)[0]
 
-    def first_step(self) -> StepEvent:
+    def first_step(self, should_stop=None) -> StepEvent:
         t0 = self.now()
-        features, logits = self.e.read_prompt(self.ids, self.cache, self.layers, self.cfg.reuse_prompt)
+        features, logits = self.e.read_prompt(self.ids, self.cache, self.layers, self.cfg.reuse_prompt, should_stop)
         self.token = self.choose(logits, len(self.ids))
         self.forwards += 1
         t1 = self.now()

@@ -134,10 +134,17 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
 PREFILL_CHUNK = 1024
 
 
-def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+class StopReading(Exception):
+    """A prefill's `should_stop` said stop between two chunks (the cache then holds the chunks read)."""
+
+
+def prefill(model, ids: torch.Tensor, cache, feature_layers=None,
+            should_stop=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt ids (T,) after the cache's rows -> (features (T, F), logits of the last position (V,)),
     in PREFILL_CHUNK-aligned chunks. Through transformers also where the native step serves the
-    decoding steps (compute-bound GEMMs for a long prompt; both decoding modes share it)."""
+    decoding steps (compute-bound GEMMs for a long prompt; both decoding modes share it).
+    `should_stop()`, if given, is asked before each chunk: True raises StopReading (a Stop pressed while a
+    long prompt is read takes effect within one chunk, ~1 s on a 2-core CPU)."""
     if isinstance(model, NativeStep):
         model = model.hf
     exact = uses_exact_kernels(model)
@@ -145,6 +152,8 @@ def prefill(model, ids: torch.Tensor, cache, feature_layers=None) -> tuple[torch
     several = at % PREFILL_CHUNK + ids.shape[0] > PREFILL_CHUNK  # one chunk: nothing to keep between chunks
     with invariant.reading_prompt(keep_weights=several):
         while done < ids.shape[0]:
+            if should_stop is not None and should_stop():
+                raise StopReading(f"stopped after {done} of {ids.shape[0]} prompt tokens")
             n = min(PREFILL_CHUNK - at % PREFILL_CHUNK, ids.shape[0] - done)
             out = model.model(input_ids=ids[None, done:done + n], cache=cache, use_cache=True,
                               output_hidden_states=feature_layers is not None,
