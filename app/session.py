@@ -399,7 +399,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         seed = None if greedy else spec_cfg.seed
         deadline = time.monotonic() + seconds if seconds else None
         spec_cfg = replace(spec_cfg, reuse_prompt=False)  # both read the prompt from its start: a fair race
-        gens = engine.generate(msgs, replace(spec_cfg, speculative=False)), engine.generate(msgs, spec_cfg)
+        stop = ticket.stop.is_set  # asked before each chunk of the prompt, too
+        gens = (engine.generate(msgs, replace(spec_cfg, speculative=False), should_stop=stop),
+                engine.generate(msgs, spec_cfg, should_stop=stop))
         try:
             for _ in race(plain, gens[0], spec, gens[1]):
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline):

@@ -533,6 +533,9 @@ def test_stop_while_the_prompt_is_read_ends_before_the_first_token(bigram, monke
     outs = list(h.respond("w8 w9", history, SYSTEM, *GREEDY, request=None))
     chat, state, box, *_, notice = outs[-1]
     assert chat == state == history and box == "w8 w9" and STOPPED_READING in notice
+    race = list(h.compare("w8 w9", SYSTEM, 0.0, 1.0, 12, 3, 2, 6, request=None))[-1]  # side by side: the same
+    assert race[3]["final"] and "Stopped." in race[2]
+    assert race[3]["plain"]["tokens"] == race[3]["speculative"]["tokens"] == 0
     monkeypatch.setattr(engine, "generate", real)
     outs, state, stats, *_ = answer(h, "w8 w9", history)
     assert not stats["stopped"] and stats["tokens"] > 0 and len(state) == 4
