@@ -278,11 +278,10 @@ class BlockLinear(InvariantLinear):
     blocks: object  # core.kernels.quant.Blocks that wmat points into
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is torch.bfloat16 and x.is_cpu and x.numel() <= native.MAX_ROWS * x.shape[-1]
-                and not (torch.is_grad_enabled() and x.requires_grad) and not self._on_tiles(x)):
+        kernels = x.dtype is torch.bfloat16 and x.is_cpu and not (torch.is_grad_enabled() and x.requires_grad)
+        if kernels and x.numel() <= native.MAX_ROWS * x.shape[-1] and not self._on_tiles(x):
             return native.linear_w(x, self.wmat, self.bias)
-        if (x.dtype is torch.bfloat16 and x.is_cpu and native.tiles_serve(self.wmat)
-                and not (torch.is_grad_enabled() and x.requires_grad)):
+        if kernels and native.tiles_serve(self.wmat):
             return native.linear_tiles(x, self.wmat, self.bias)  # blocks dequantized tile by tile, no copy
         kept = getattr(_prefill, "weights", None)  # reading_prompt(keep_weights=True): dequantized once per prefill
         weight = kept.get(id(self)) if kept is not None else None

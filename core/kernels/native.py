@@ -554,13 +554,21 @@ def _self_test(k: _Kernels) -> str | None:
     return None
 
 
+def _gemm_args(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x and a weight (N, K) `linear` reads: bf16 on the CPU, unit stride in K, no autograd (cheap checks only)."""
+    return (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` serves this call: bf16 on the CPU, no autograd, at most MAX_ROWS rows."""
-    # on the hot path of every decoding GEMM: cheap checks only
-    return (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_cpu and weight.is_cpu
-            and weight.dim() == 2 and weight.stride(1) == 1 and x.numel() <= MAX_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and _library()[0] is not None)
+    return _gemm_args(x, weight) and x.numel() <= MAX_ROWS * x.shape[-1] and _library()[0] is not None
+
+
+def _tile_shape(n: int, k: int) -> bool:
+    """Whether an (n, k) weight runs on AMX tiles here (csrc/gemm_amx.c's amx_serves)."""
+    return status().amx and n % 16 == 0 and k % 32 == 0
 
 
 def prompt_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -570,10 +578,7 @@ def prompt_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     weight on every call and needs K_CHUNK's fp32 partials for row invariance (docs/long-context.md,
     2026-12-05, twelfth session). Without tiles the vector kernel re-reads the weight for every 16 rows,
     so oneDNN keeps those calls."""
-    return (status().amx and x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.is_cpu
-            and weight.is_cpu and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[0] % 16 == 0
-            and x.shape[-1] == weight.shape[1] and weight.shape[1] % 32 == 0
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    return _gemm_args(x, weight) and x.shape[-1] == weight.shape[1] and _tile_shape(*weight.shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -861,7 +866,7 @@ TILE_TYPES = (WT_BF16, 2, 3, 8, 100)  # what gemm_tiles reads: bf16, Q4_0, Q4_1,
 
 def tiles_serve(w: WMat) -> bool:
     """Whether `linear_tiles` serves this weight here: AMX tiles, K % 32 == 0, N % 16 == 0, a kind they read."""
-    return status().amx and w.type in TILE_TYPES and w.N % 16 == 0 and w.K % 32 == 0
+    return w.type in TILE_TYPES and _tile_shape(w.N, w.K)
 
 
 def linear_tiles(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -71,7 +71,7 @@ static inline void dequant_block(int type, const uint8_t *b, uint16_t *out) {
 void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out) {
     if (w->type == WT_Q4_X8) {  // n0 % 16 == 0: whole groups of 16 rows
         for (int r0 = 0; r0 < rows; r0 += 16)
-            q4x8_block(w, (n0 + r0) / 16, kb, rows - r0 < 16 ? rows - r0 : 16, out + 32 * r0, 32);
+            q4x8_block(w, (n0 + r0) / 16, kb, 0, rows - r0 < 16 ? rows - r0 : 16, out + 32 * r0, 32);
         return;
     }
     int bs = block_bytes(w->type);
@@ -129,7 +129,7 @@ void dequantize_bf16(const wmat *w, uint16_t *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t g = 0; g < groups; g++) {
             int rows = w->N - 16 * g < 16 ? (int)(w->N - 16 * g) : 16;
-            q4x8_rows(w, g, rows, out + 16 * g * (int64_t)w->K, w->K);
+            for (int kb = 0; kb < w->K / 32; kb++) q4x8_block(w, g, kb, 0, rows, out + 16 * g * (int64_t)w->K + 32 * kb, w->K);
         }
         return;
     }

@@ -107,6 +107,13 @@ static void avx512_block(const uint16_t *x, int64_t ldx, const gemm_job *job, in
     }
 }
 
+// x packed for the tiles, then every job's columns on them (the team's tiles configured: amx_begin)
+static void tiles_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
+                       uint16_t *scratch) {
+    amx_pack_team(x, ldx, M, K, pack);
+    gemm_amx_team(pack, M, K, jobs, count, scratch);
+}
+
 static int known_type(int t) { return t == WT_BF16 || t == WT_Q4_0 || t == WT_Q4_1 || t == WT_Q8_0; }
 
 int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, uint16_t *pack,
@@ -119,8 +126,7 @@ int gemm_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, i
         amx &= amx_serves(jobs[j].w->N, K);  // AMX tiles where this machine has them: by shape, never by M
     }
     if (amx) {
-        amx_pack_team(x, ldx, M, K, pack);
-        gemm_amx_team(pack, M, K, jobs, count, scratch);
+        tiles_team(x, ldx, jobs, count, M, K, pack, scratch);
         return 0;
     }
     int first[8];  // job j's blocks are [first[j], first[j + 1]) of the batch's
@@ -148,12 +154,10 @@ static int gemm_run(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_
             uint16_t *mine = scratch + omp_get_thread_num() * scratch_elems(w->K);
             int s = 0;
             amx_begin();
-            if (tiles) {
-                amx_pack_team(x, ldx, M, w->K, pack);
-                gemm_amx_team(pack, M, w->K, &job, 1, mine);
-            } else {
+            if (tiles)
+                tiles_team(x, ldx, &job, 1, M, w->K, pack, mine);
+            else
                 s = gemm_team(x, ldx, &job, 1, M, w->K, pack, mine);
-            }
             amx_end();
             if (s) {
 #pragma omp atomic write

@@ -361,26 +361,18 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
 void x8_row(const wmat *w, int64_t n, uint16_t *out) {
     int KB = w->K / 32, gb = x8_group_bytes(w->type);
     int64_t g = n / 16, j = n % 16;
+    if (w->type == WT_Q4_X8) {  // the group decoder's values, row j alone
+        for (int kb = 0; kb < KB; kb++) q4x8_block(w, g, kb, (int)j, 1, out + 32 * kb, 0);
+        return;
+    }
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
-        uint16_t dh, mh = 0;
-        if (w->type == WT_Q4_X8) {
-            memcpy(&dh, b + 256 + 2 * j, 2);
-            memcpy(&mh, b + 288 + 2 * j, 2);
-        } else if (w->type == WT_Q8_SPLIT) {
-            memcpy(&dh, b + 256 + 2 * j, 2);
-        } else {
-            memcpy(&dh, b + 512 + 2 * j, 2);
-        }
-        float d = _cvtsh_ss(dh), mv = _cvtsh_ss(mh);
+        uint16_t dh;
+        memcpy(&dh, b + (w->type == WT_Q8_SPLIT ? 256 : 512) + 2 * j, 2);
+        float d = _cvtsh_ss(dh);
         for (int e = 0; e < 32; e++) {
             float v;
-            if (w->type == WT_Q4_X8) {
-                int half = e / 16, r = e % 16, p = r / 4, byte = r % 4;
-                int code = b[64 * p + 4 * j + byte];
-                int qv = half ? code >> 4 : code & 15;
-                v = d * (float)qv + mv;  // d * q is exact (fp16 x 4 bits): one rounding, as gguf's
-            } else if (w->type == WT_Q8_SPLIT) {  // h and l in Q4_X8's nibble order
+            if (w->type == WT_Q8_SPLIT) {  // h and l in Q4_X8's nibble order
                 int half = e / 16, r = e % 16, p = r / 4, byte = r % 4, shift = half ? 4 : 0;
                 int h = (b[64 * p + 4 * j + byte] >> shift) & 15, l = (split_lo(w, g, kb)[64 * p + 4 * j + byte] >> shift) & 15;
                 v = d * (float)(16 * h + l - 128);
@@ -393,13 +385,13 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
     }
 }
 
-// Block column kb of rows 16 g .. 16 g + rows - 1 of a WT_Q4_X8 weight as bf16, row r's 32 values at
-// out + r * ldo: x8_row's values for the whole group at once (a prompt's weights: every layer once per
-// prefill chunk, ~70x the scalar loop's speed). A block's 256 code bytes hold row j's codes for values
-// 4p .. 4p + 3 (low nibbles) and 16 + 4p .. 19 + 4p (high) at byte 64 p + 4 j; a 4 x 4 transpose of
-// dwords per 128-bit lane gathers each row's 16 code bytes in value order. d q is exact (fp16 x 4 bits),
-// so d q + m rounds once, as in x8_row and gguf.
-void q4x8_block(const wmat *w, int64_t g, int kb, int rows, uint16_t *out, int64_t ldo) {
+// Block column kb of rows 16 g + j0 .. 16 g + j0 + rows - 1 of a WT_Q4_X8 weight as bf16 (the converter's
+// values, bf16(d q + m)), row j0 + r's 32 values at out + r * ldo: a prompt's weights (every layer once per
+// prefill chunk, ~70x a scalar loop's speed), the embedding lookup (x8_row). A block's 256 code bytes hold
+// row j's codes for values 4p .. 4p + 3 (low nibbles) and 16 + 4p .. 19 + 4p (high) at byte 64 p + 4 j; a
+// 4 x 4 transpose of dwords per 128-bit lane gathers each row's 16 code bytes in value order. d q is exact
+// (fp16 x 4 bits), so d q + m rounds once, as in gguf.
+void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo) {
     uint8_t codes[4][64] __attribute__((aligned(64)));
     float d[16], m[16];
     const uint8_t *b = (const uint8_t *)w->data + (g * (w->K / 32) + kb) * 320;
@@ -414,20 +406,15 @@ void q4x8_block(const wmat *w, int64_t g, int kb, int rows, uint16_t *out, int64
     _mm512_store_si512(codes[3], _mm512_unpackhi_epi64(t1, t3));
     _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256))));
     _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288))));
-    for (int j = 0; j < rows; j++) {
+    for (int j = j0; j < j0 + rows; j++) {
         __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes[j & 3] + 16 * (j >> 2))));
         __m512 dj = _mm512_set1_ps(d[j]), mj = _mm512_set1_ps(m[j]);
         __m512 lo = _mm512_add_ps(_mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)))), mj);
         __m512 hi = _mm512_add_ps(_mm512_mul_ps(dj, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), mj);
-        uint16_t *o = out + (int64_t)j * ldo;
+        uint16_t *o = out + (int64_t)(j - j0) * ldo;
         _mm256_storeu_si256((__m256i *)o, to_bf16x16(lo));
         _mm256_storeu_si256((__m256i *)(o + 16), to_bf16x16(hi));
     }
-}
-
-// Rows 16 g .. 16 g + rows - 1 of a WT_Q4_X8 weight as bf16, row r at out + r * ldo.
-void q4x8_rows(const wmat *w, int64_t g, int rows, uint16_t *out, int64_t ldo) {
-    for (int kb = 0; kb < w->K / 32; kb++) q4x8_block(w, g, kb, rows, out + 32 * kb, ldo);
 }
 
 // ---- The screened LM head (greedy decoding reads only each row's maximum) --------------------

@@ -61,8 +61,7 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
 int is_x8(int type);
 int64_t x8_work_bytes(int M, int K);
 void x8_row(const wmat *w, int64_t n, uint16_t *out);
-void q4x8_rows(const wmat *w, int64_t g, int rows, uint16_t *out, int64_t ldo);
-void q4x8_block(const wmat *w, int64_t g, int kb, int rows, uint16_t *out, int64_t ldo);
+void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo);
 int amx_serves(int N, int K);  // 1 where AMX tiles were granted and the shape suits them (csrc/gemm_amx.c)
 void amx_begin(void);  // per thread, once per parallel region that runs AMX GEMMs (no-op without AMX)
 void amx_end(void);
