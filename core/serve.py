@@ -26,7 +26,8 @@ Extension field `eagle` (every chunk, and the final `usage`), running totals of 
 
 Answers queue on the one engine (a lock held for a whole answer) and every step runs on one
 worker thread inside `torch.inference_mode()`; tokenising runs on another thread, so the event
-loop stays free. A client that disconnects, streaming or not, stops its answer within one step.
+loop stays free. A client that disconnects, streaming or not, stops its answer within one step, or,
+while its prompt is still being read, before the prompt's next chunk of 1,024 tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -366,20 +368,23 @@ class Worker:
 
 class Answer:
     """One admitted answer: a queue place from creation (429 if there is none), the engine lock
-    from its first step; close() gives both back (idempotent)."""
+    from its first step; close() gives both back (idempotent) and, while a long prompt is still
+    being read, stops the reading before its next chunk (the client is gone: nobody reads on)."""
 
     def __init__(self, worker: Worker):
         worker.admit()
         self.worker, self.gen, self.queued, self.locked, self.started = worker, None, True, False, 0.0
+        self.stop = threading.Event()
 
     async def events(self, job: Job):
         await self.worker.lock.acquire()
         self.locked, self.started = True, time.perf_counter()
-        self.gen = self.worker.engine.generate(list(job.ids), job.config)
+        self.gen = self.worker.engine.generate(list(job.ids), job.config, should_stop=self.stop.is_set)
         while (ev := await self.worker.call(_step, self.gen)) is not None:
             yield ev
 
     def close(self) -> None:
+        self.stop.set()  # asked between a prompt's chunks, in the engine's thread
         if self.gen is not None:
             self.worker.pool.submit(self.gen.close)  # after any step in flight: the pool is FIFO
             self.gen = None

@@ -255,6 +255,36 @@ def test_a_non_streamed_answer_stops_when_the_client_disconnects(open_server):
     assert time.perf_counter() - t0 < 3, "the engine was free at once"
 
 
+def test_a_client_that_leaves_while_its_long_prompt_is_read_stops_the_reading(open_server, monkeypatch):
+    """The answer's stop is asked before each chunk of the prompt: a disconnect during the reading ends it
+    there (StopReading: nothing generated), not after the whole prompt. Each chunk is made to take 0.4 s more."""
+    url, engine, _ = open_server
+    real, asked = engine.generate, []
+
+    def generate(prompt, config, on_step=None, should_stop=None):
+        def slow_chunks():
+            time.sleep(0.4)  # this chunk's reading
+            asked.append(should_stop())
+            return asked[-1]
+        return real(prompt, config, on_step, should_stop=slow_chunks if should_stop else None)
+
+    monkeypatch.setattr(engine, "generate", generate)
+    before = (metric(url, "eagle_chat_generated_tokens_total"), metric(url, "eagle_chat_disconnected_total"))
+    body = {"messages": user(" ".join(["w5 w6"] * 1500)), "max_tokens": 8, "temperature": 0}  # 3,000+ tokens: 3 chunks
+    with pytest.raises(httpx.ReadTimeout):
+        chat(url, body, timeout=0.3)  # gone during the first chunk
+    deadline = time.time() + 10
+    while True not in asked:
+        assert time.time() < deadline, f"the reading was not told to stop (asked: {asked})"
+        time.sleep(0.05)
+    assert asked[-1] and len(asked) <= 2, f"it stops at a chunk boundary soon after the client left: {asked}"
+    time.sleep(0.6)
+    assert len(asked) <= 2 and metric(url, "eagle_chat_generated_tokens_total") == before[0], "nothing generated"
+    assert metric(url, "eagle_chat_disconnected_total") == before[1] + 1
+    monkeypatch.undo()
+    assert chat(url, {"messages": user("w5"), "max_tokens": 4}).status_code == 200  # the engine serves on
+
+
 def test_tokenising_runs_off_the_event_loop(open_server):
     url, _, slow = open_server
     slow.entered.clear()
