@@ -2,7 +2,8 @@
 
 Streams the answer to stdout and ends with one summary line (tokens, tau, tokens/s and the
 numerics that ran). A long prompt can come from a file (`--prompt-file F`) or standard
-input (`-` as the prompt), which avoids the OS limit on argument length.
+input (`-` as the prompt), which avoids the OS limit on argument length. Ctrl-C stops the answer
+where it is (the text so far stays on stdout, the summary says `finish=interrupted`) and exits 130.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from core.config import (DTYPE_NAMES, ConfigError, GenerationConfig, SamplingCon
 
 # torch and transformers load only after the arguments are checked (that takes seconds)
 EMBEDDED = "smollm2"
+INTERRUPTED = 130  # the exit status shells give a command ended by Ctrl-C (128 + SIGINT)
 
 
 class ArgumentError(ValueError):
@@ -90,19 +92,27 @@ def main(argv=None) -> int:
     from core.decoding.head import HeadLoadError
     from core.models import ModelLoadError
 
+    last, interrupted = None, False
     try:
         engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, attention=a.attention,
                              device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
         config = replace(config, tree=engine.default_tree.override(**given))
-        last = None
         for last in engine.generate(prompt, config):
             sys.stdout.write(last.text)
             sys.stdout.flush()
     except (ConfigError, EngineError, ModelLoadError, HeadLoadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: keep what was written, say where it stopped, exit 130 as shells expect
+        interrupted = True
+        if last is None:
+            print("\n[stopped] interrupted (Ctrl-C) before the first token: nothing generated", file=sys.stderr)
+            return INTERRUPTED
     tau = last.total_tokens / last.target_forwards
     sys.stdout.write("\n")  # the answer alone on stdout; statistics and diagnostics on stderr
+    if interrupted:
+        print(f"[stopped] interrupted (Ctrl-C) after {last.total_tokens} tokens; the text above is the answer so far",
+              file=sys.stderr)
     hot = config.paused_hot and not config.adaptive  # adaptive: a hot answer starts plain and probes
     if hot:
         print(f"[eagle] speculation paused: sampling at temperature {config.sampling.temperature:g}, plain decoding "
@@ -113,11 +123,11 @@ def main(argv=None) -> int:
               "without speculation", file=sys.stderr)
     print(f"[{'plain' if a.plain or hot else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
-          f"finish={last.finish_reason} threads={torch.get_num_threads()} ({core.threads.policy().wait} wait)",
+          f"finish={'interrupted' if interrupted else last.finish_reason} threads={torch.get_num_threads()} ({core.threads.policy().wait} wait)",
           file=sys.stderr)
     print(f"[numerics] {engine.numerics.describe()}" + (f"; tree {config.tree} ({engine.tree_origin})"
                                                         if config.speculative else ""), file=sys.stderr)
-    return 0
+    return INTERRUPTED if interrupted else 0
 
 
 if __name__ == "__main__":

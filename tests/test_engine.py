@@ -358,3 +358,39 @@ def test_a_plain_cap_turns_speculation_off_and_output_stays_plain():
         spec = [ev for ev in events[1:] if ev.tree_size]
         assert speculative_steps(len(spec))
         assert all(ev.tree_size == 0 for ev in events[1 + len(spec):])  # plain to the end once it switches
+
+
+def test_ctrl_c_keeps_the_answer_so_far_and_exits_130(monkeypatch, capsys):
+    """core.generate: KeyboardInterrupt during the answer keeps the text written so far on stdout, ends with
+    the summary (finish=interrupted) and exit status 130; during the prompt's reading, it says nothing was
+    generated."""
+    from core.generate import INTERRUPTED, main
+
+    target = tiny_target(mix=0.005, seed=3)
+    target.model.lm_head.weight[0].zero_()  # no eos: the answer would run to its cap
+    engine = Engine(target, oracle_head(target))
+    real = engine.generate
+
+    def interrupted_after(n):
+        def generate(prompt, config, *args, **kwargs):
+            for i, ev in enumerate(real(prompt, config, *args, **kwargs)):
+                if i == n:
+                    raise KeyboardInterrupt
+                yield ev
+        return generate
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **kw: engine))
+    monkeypatch.setattr(engine, "generate", interrupted_after(3))
+    assert main(["w5 w6", "--max-new-tokens", "200", "--threads", "1"]) == INTERRUPTED
+    out, err = capsys.readouterr()
+    with torch.inference_mode():
+        first = [ev for _, ev in zip(range(3), real("w5 w6", GenerationConfig(
+            max_new_tokens=200, tree=engine.default_tree)))]
+    assert out == "".join(ev.text for ev in first) + "\n", "the text written before Ctrl-C stays, and only it"
+    assert f"[stopped] interrupted (Ctrl-C) after {first[-1].total_tokens} tokens" in err
+    assert "finish=interrupted" in err and "[numerics]" in err
+
+    monkeypatch.setattr(engine, "generate", interrupted_after(0))
+    assert main(["w5 w6", "--threads", "1"]) == INTERRUPTED
+    out, err = capsys.readouterr()
+    assert out.strip() == "" and "before the first token: nothing generated" in err and "Traceback" not in err
