@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT/init"
 . scripts/stage.sh  # stage NAME CMD..., stage_total (the cd above made the repository root the folder)
 data="$OUT/magpie$CONVS.jsonl"
-[ -s "$data" ] || gunzip -c assets/train-data/magpie-distill.jsonl.gz | head -n "$CONVS" > "$data"
+[ -s "$data" ] || gunzip -c assets/train-data/magpie-distill.jsonl.gz | sed -n "1,${CONVS}p" > "$data"  # sed, not head: no SIGPIPE under pipefail
 for f in config.json model.safetensors draft_vocab.safetensors; do
     [ -s "$OUT/init/$f" ] || git show "$INIT_COMMIT:assets/smollm2-135m-eagle/$f" > "$OUT/init/$f"
 done
