@@ -1,6 +1,6 @@
 """Where the head's first draft token fails, by how sure the target itself is (issue 31).
 
-    python scripts/acceptance_ceiling.py [PROMPTS] [--limit 60] [--tokens 128] [--head FOLDER] [--threads 1]
+    python scripts/acceptance_ceiling.py [PROMPTS] [--limit 60] [--tokens 128] [--head FOLDER] [--threads 1] [--probe]
 
 Answers each prompt's first turn with plain greedy decoding (the engine on bf16 weights), then, teacher-forced
 over prompt + answer in bf16 (transformers, as the head trains): the target's probability of its own greedy
@@ -8,6 +8,9 @@ token at each answer position, and whether the head's top-1 (from the target's f
 before and the token there, as a catch-up gives it) is that token. Prints the head's top-1 agreement per bucket
 of the target's top-1 probability, and per category: how much of the missed acceptance lies where the target
 itself is unsure (a draft head can only match a coin-flip choice by learning the target's near-tie rule).
+`--probe` also gives the agreement with the head's inputs spoiled (each token replaced by another position's,
+the features zeroed: does it use both?) and the draft vocabulary's ceiling (its LM-head rows applied to the
+target's own next feature, what a head that predicted the feature exactly would draft).
 """
 
 import argparse
@@ -38,6 +41,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--head", default=None, help="head folder [default: the shipped one]")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--probe", action="store_true", help="also spoil the head's inputs, and the vocabulary's ceiling")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     engine = Engine.load(head=None, weights="bf16")  # plain answers; bf16 throughout, as the head trains
@@ -53,6 +57,7 @@ def main() -> None:
     in_vocab[vocab if vocab is not None else torch.arange(lm.shape[0])] = True
     cat_hits, cat_count, cat_sure = defaultdict(int), defaultdict(int), defaultdict(float)
     cfg = GenerationConfig(max_new_tokens=a.tokens, speculative=False)
+    probes, shuffle = defaultdict(int), torch.Generator().manual_seed(0)
     for r in records:
         msgs = [{"role": "user", "content": r["turns"][0]}]
         with torch.inference_mode():
@@ -67,7 +72,17 @@ def main() -> None:
             pred = head(F.embedding(ids[1:][None], embed), h[:-1][None], torch.arange(len(ids) - 1))[0]  # (n-1, H)
             top = (pred @ rows.T).argmax(-1)
             draft = vocab[top] if vocab is not None else top  # target ids, row j predicts the token after ids[j+1]
+            if a.probe:
+                n, emb = len(ids) - 1, F.embedding(ids[1:][None], embed)
+                spoiled = {"tokens shuffled": head(F.embedding(ids[1:][torch.randperm(n, generator=shuffle)][None], embed),
+                                                   h[:-1][None], torch.arange(n))[0],
+                           "features zeroed": head(emb, torch.zeros_like(h[:-1][None]), torch.arange(n))[0],
+                           "the target's own next feature (the vocabulary's ceiling)": h[1:]}
         p_top, want = probs.max(-1)  # the target's greedy token after each position, and its probability
+        if a.probe:
+            for name, x in spoiled.items():
+                got = (vocab[(x @ rows.T).argmax(-1)] if vocab is not None else (x @ rows.T).argmax(-1))[n0 - 1:-1]
+                probes[name] += int((got == want[n0:-1]).sum())
         for j in range(n0 - 1, len(ids) - 2):  # the head at row j drafts the token after ids[j+1] (an answer token)
             q = float(p_top[j + 1])
             b = next(i for i in range(len(BUCKETS) - 1) if q < BUCKETS[i + 1])
@@ -89,6 +104,8 @@ def main() -> None:
             print(f"| {BUCKETS[b]:.1f}-{min(BUCKETS[b + 1], 1.0):.1f} | {count[b] / total:.3f} | {hits[b] / count[b]:.3f} | "
                   f"{outside[b] / count[b]:.3f} |")
     print(f"| all | 1.000 | {sum(hits.values()) / total:.3f} | {sum(outside.values()) / total:.3f} |")
+    for name, hit in probes.items():
+        print(f"| {name} | | {hit / total:.3f} | |")
     print("\n| category | positions | head top-1 agreement | target's top-1 >= 0.5 |\n|---|---|---|---|")
     for c in sorted(cat_count):
         print(f"| {c} | {cat_count[c]} | {cat_hits[c] / cat_count[c]:.3f} | {cat_sure[c] / cat_count[c]:.3f} |")
