@@ -123,8 +123,8 @@ def main(argv=None) -> int:
               "without speculation", file=sys.stderr)
     print(f"[{'plain' if a.plain or hot else 'eagle'}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
-          f"finish={'interrupted' if interrupted else last.finish_reason} threads={torch.get_num_threads()} ({core.threads.policy().wait} wait)",
-          file=sys.stderr)
+          f"finish={'interrupted' if interrupted else last.finish_reason} threads={torch.get_num_threads()} "
+          f"({core.threads.policy().wait} wait)", file=sys.stderr)
     print(f"[numerics] {engine.numerics.describe()}" + (f"; tree {config.tree} ({engine.tree_origin})"
                                                         if config.speculative else ""), file=sys.stderr)
     return INTERRUPTED if interrupted else 0

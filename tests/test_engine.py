@@ -381,6 +381,8 @@ def test_ctrl_c_keeps_the_answer_so_far_and_exits_130(monkeypatch, capsys):
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **kw: engine))
     monkeypatch.setattr(engine, "generate", interrupted_after(3))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # main sets the process's threads: not here
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # nor its OpenMP variables (core.threads.start sets none then)
     assert main(["w5 w6", "--max-new-tokens", "200", "--threads", "1"]) == INTERRUPTED
     out, err = capsys.readouterr()
     with torch.inference_mode():
