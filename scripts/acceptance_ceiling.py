@@ -30,6 +30,7 @@ from core.config import GenerationConfig
 from core.decoding.engine import Engine
 from core.decoding.head import load_head
 from core.models import DEFAULT_HEAD_DIR
+from core.train.trainer import Frozen
 
 BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)
 
@@ -48,13 +49,15 @@ def main() -> None:
     model = engine.target.model
     head_dir = a.head or str(DEFAULT_HEAD_DIR)
     head, vocab = load_head(head_dir, model.config, dtype=torch.float32)
-    lm = model.get_output_embeddings().weight.detach().float()
-    rows = lm[vocab] if vocab is not None else lm
-    embed = model.get_input_embeddings().weight.detach().float()
+    fz = Frozen.from_target(model, vocab if vocab is not None else torch.arange(model.config.vocab_size))
+
+    def drafted(x: torch.Tensor) -> torch.Tensor:  # (n, H) predicted features -> (n,) target ids of their top-1
+        return fz.draft_vocab[(x @ fz.lm_rows.T).argmax(-1)]
+
     records = [json.loads(line) for line in Path(a.prompts).read_text().splitlines() if line.strip()][:a.limit]
     hits, count, outside = defaultdict(int), defaultdict(int), defaultdict(int)
-    in_vocab = torch.zeros(lm.shape[0], dtype=torch.bool)
-    in_vocab[vocab if vocab is not None else torch.arange(lm.shape[0])] = True
+    in_vocab = torch.zeros(fz.embed.shape[0], dtype=torch.bool)
+    in_vocab[fz.draft_vocab] = True
     cat_hits, cat_count, cat_sure = defaultdict(int), defaultdict(int), defaultdict(float)
     cfg = GenerationConfig(max_new_tokens=a.tokens, speculative=False)
     probes, shuffle = defaultdict(int), torch.Generator().manual_seed(0)
@@ -66,23 +69,20 @@ def main() -> None:
         ids = torch.tensor(list(prompt) + answer)
         n0 = len(prompt)
         with torch.inference_mode():
-            out = model.model(input_ids=ids[None].to(torch.long), use_cache=False)
+            out = model.model(input_ids=ids[None], use_cache=False)
             h = out.last_hidden_state[0].float()  # (n, H)
             probs = torch.softmax(model.lm_head(out.last_hidden_state)[0].float(), -1)  # (n, V)
-            pred = head(F.embedding(ids[1:][None], embed), h[:-1][None], torch.arange(len(ids) - 1))[0]  # (n-1, H)
-            top = (pred @ rows.T).argmax(-1)
-            draft = vocab[top] if vocab is not None else top  # target ids, row j predicts the token after ids[j+1]
+            n, emb = len(ids) - 1, F.embedding(ids[1:][None], fz.embed)  # (1, n-1, H)
+            draft = drafted(head(emb, h[:-1][None], torch.arange(n))[0])  # row j: the token after ids[j+1]
             if a.probe:
-                n, emb = len(ids) - 1, F.embedding(ids[1:][None], embed)
-                spoiled = {"tokens shuffled": head(F.embedding(ids[1:][torch.randperm(n, generator=shuffle)][None], embed),
-                                                   h[:-1][None], torch.arange(n))[0],
+                spoiled = {"tokens shuffled": head(F.embedding(ids[1:][torch.randperm(n, generator=shuffle)][None],
+                                                               fz.embed), h[:-1][None], torch.arange(n))[0],
                            "features zeroed": head(emb, torch.zeros_like(h[:-1][None]), torch.arange(n))[0],
                            "the target's own next feature (the vocabulary's ceiling)": h[1:]}
         p_top, want = probs.max(-1)  # the target's greedy token after each position, and its probability
         if a.probe:
             for name, x in spoiled.items():
-                got = (vocab[(x @ rows.T).argmax(-1)] if vocab is not None else (x @ rows.T).argmax(-1))[n0 - 1:-1]
-                probes[name] += int((got == want[n0:-1]).sum())
+                probes[name] += int((drafted(x)[n0 - 1:-1] == want[n0:-1]).sum())
         for j in range(n0 - 1, len(ids) - 2):  # the head at row j drafts the token after ids[j+1] (an answer token)
             q = float(p_top[j + 1])
             b = next(i for i in range(len(BUCKETS) - 1) if q < BUCKETS[i + 1])
