@@ -152,6 +152,48 @@ def test_ab_script_compares_trees_and_checks_identity(capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_extra_layers_lab_starts_at_the_shipped_head_and_trains_only_what_its_arm_names(tmp_path, capsys):
+    """scripts/extra_layers_lab.py: fc_extra starts at zero, so its first held-out figure is the shipped
+    head's own teacher-forced top-1 (the trainer's evaluate_features on the same conversations' last
+    hidden state, hit for hit); the `extra` arm moves fc_extra and leaves the head as shipped."""
+    import importlib.util
+    import pathlib
+
+    from core.decoding.head import load_head
+    from core.models import load_target
+    from core.train.features import FeatureConfig, build_features, load_sequences
+    from core.train.trainer import Frozen, evaluate_features
+
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "extra_layers_lab.py"
+    spec = importlib.util.spec_from_file_location("extra_layers_lab", path)
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    answers = ["The capital of France is Paris, a city on the Seine known for the Eiffel Tower.",
+               "def reverse(s):\n    return s[::-1]\n\nThis slices the string with a step of -1.",
+               "1. Put your phone in another room. 2. Work in 25-minute blocks. 3. Take short breaks outside."]
+    convs = [[{"role": "user", "content": p}, {"role": "assistant", "content": a}] for p, a in zip(PROMPTS, answers)]
+    target = load_target("smollm2")
+    cfg = FeatureConfig(layer_ids=(2, 15, 27))
+    build_features(target, convs[:2], tmp_path / "tr" / "features_eagle3" / "a", cfg)
+    build_features(target, convs, tmp_path / "va" / "features_eagle3" / "a", cfg)
+    head, vocab = load_head(lab.SHIPPED, target.model.config)
+    fz = Frozen.from_target(target.model, vocab)
+    shipped = evaluate_features(head.float(), fz, load_sequences(tmp_path / "va" / "features_eagle3" / "a",
+                                                                 last_only=True), depth=1)
+    out = tmp_path / "out"
+    lab.main(["--train", str(tmp_path / "tr"), "--val", str(tmp_path / "va"), "--arm", "extra", "--epochs", "2",
+              "--batch-size", "1", "--out", str(out)])
+    evals = json.loads((out / "log.json").read_text())["evals"]
+    assert evals[0]["top1"] == shipped.top1[0] and evals[-1]["step"] == 4
+    assert "step 0: held-out top-1" in capsys.readouterr().out
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    assert float(weights["fc_extra"].abs().max()) > 0
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in weights["head"].items())
+    with pytest.raises(SystemExit, match="no EAGLE-3 features under"):
+        lab.main(["--train", str(tmp_path / "nothing"), "--val", str(tmp_path / "va"), "--arm", "both"])
+
+
+@pytest.mark.slow
 def test_forward_cost_script_times_every_row_count_at_every_context(capsys):
     """scripts/forward_cost.py: one line per context, one positive time per row count; a context
     past the model's window is refused by name."""
