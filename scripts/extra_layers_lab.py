@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.decoding.head import load_head
-from core.models import load_target
+from core.models import DEFAULT_HEAD_DIR, load_target
 from core.train.features import Sequence, load_sequences
 from core.train.trainer import Frozen, eagle_loss, loss_rows, token_hits
 
-SHIPPED = Path("assets/smollm2-135m-eagle")
+SHIPPED = DEFAULT_HEAD_DIR  # the shipped EAGLE-1 head
 
 
 def sequences(work: Path) -> list[Sequence]:
