@@ -181,16 +181,22 @@ def test_extra_layers_lab_starts_at_the_shipped_head_and_trains_only_what_its_ar
     shipped = evaluate_features(head.float(), fz, load_sequences(tmp_path / "va" / "features_eagle3" / "a",
                                                                  last_only=True), depth=1)
     out = tmp_path / "out"
-    lab.main(["--train", str(tmp_path / "tr"), "--val", str(tmp_path / "va"), "--arm", "extra", "--epochs", "2",
-              "--batch-size", "1", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng():  # the script seeds torch and sets its threads: this process's stay as they were
+            lab.main(["--train", str(tmp_path / "tr"), "--val", str(tmp_path / "va"), "--arm", "extra", "--epochs", "2",
+                      "--batch-size", "1", "--threads", str(threads), "--out", str(out)])
+            with pytest.raises(SystemExit, match="no EAGLE-3 features under"):
+                lab.main(["--train", str(tmp_path / "nothing"), "--val", str(tmp_path / "va"), "--arm", "both",
+                          "--threads", str(threads)])
+    finally:
+        torch.set_num_threads(threads)
     evals = json.loads((out / "log.json").read_text())["evals"]
     assert evals[0]["top1"] == shipped.top1[0] and evals[-1]["step"] == 4
     assert "step 0: held-out top-1" in capsys.readouterr().out
     weights = torch.load(out / "weights.pt", weights_only=True)
     assert float(weights["fc_extra"].abs().max()) > 0
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in weights["head"].items())
-    with pytest.raises(SystemExit, match="no EAGLE-3 features under"):
-        lab.main(["--train", str(tmp_path / "nothing"), "--val", str(tmp_path / "va"), "--arm", "both"])
 
 
 @pytest.mark.slow
