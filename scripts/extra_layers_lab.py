@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,10 +35,8 @@ from torch import nn
 from core.decoding.head import load_head
 from core.models import DEFAULT_HEAD_DIR, load_target
 from core.train.features import Sequence, load_sequences
-from core.train.trainer import Frozen, eagle_loss, loss_rows, token_hits
-
-SHIPPED = DEFAULT_HEAD_DIR  # the shipped EAGLE-1 head
-
+from core.train import trainer
+from core.train.trainer import Batch, Frozen, eagle_loss, loss_rows, token_hits
 
 def sequences(work: Path) -> list[Sequence]:
     """Every EAGLE-3 feature sequence under work/features_eagle3/*/ (hidden (n, 3H), final (n, H))."""
@@ -48,18 +47,15 @@ def sequences(work: Path) -> list[Sequence]:
     return [s for f in folders for s in load_sequences(f)]
 
 
-def collate(seqs: list[Sequence], H: int) -> tuple[torch.Tensor, ...]:
-    """-> ids (B, n), assistant mask (B, n), final features (B, n, H), normalised extra layers (B, n, 3H),
-    the target's greedy next token (B, n); right-padded."""
-    b, n = len(seqs), max(len(s.input_ids) for s in seqs)
-    ids, amask, top = (torch.zeros(b, n, dtype=t) for t in (torch.long, torch.bool, torch.long))
-    final, extra = torch.zeros(b, n, H), torch.zeros(b, n, 3 * H)
+def collate(seqs: list[Sequence], H: int) -> tuple[Batch, torch.Tensor]:
+    """-> the trainer's batch of the last hidden states (ids, final features, assistant mask, greedy next
+    tokens; right-padded) and the normalised extra layers (B, n, 3H), padded alike."""
+    batch = trainer.collate([replace(s, hidden=s.final) for s in seqs])
+    extra = torch.zeros(*batch.ids.shape, 3 * H)
     for i, s in enumerate(seqs):
-        k = len(s.input_ids)
-        layers = s.hidden.float().view(k, -1, H)  # (k, 3, H)
-        extra[i, :k] = (layers * torch.rsqrt(layers.pow(2).mean(-1, keepdim=True) + 1e-6)).reshape(k, -1)
-        ids[i, :k], amask[i, :k], final[i, :k], top[i, :k] = s.input_ids, s.loss_mask, s.final.float(), s.argmax
-    return ids, amask, final, extra, top
+        layers = s.hidden.float().view(len(s.input_ids), -1, H)  # (k, 3, H)
+        extra[i, :len(s.input_ids)] = (layers * torch.rsqrt(layers.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(1)
+    return batch, extra
 
 
 def main(argv=None) -> None:
@@ -82,7 +78,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
 
     target = load_target("smollm2")
-    head, vocab = load_head(SHIPPED, target.model.config)
+    head, vocab = load_head(DEFAULT_HEAD_DIR, target.model.config)
     fz = Frozen.from_target(target.model, vocab)
     H = head.config.hidden_size
     fc_extra = nn.Linear(3 * H, H, bias=False)
@@ -90,10 +86,11 @@ def main(argv=None) -> None:
     head.float().train().requires_grad_(args.arm != "extra")
     uses_extra = args.arm != "control"
 
-    def predict(ids, final, extra, noise: float) -> torch.Tensor:
-        """(B, n) ids, features -> the head's predicted next features (B, n - 1, H), as trainer.unrolled_forward at depth 1."""
-        m = ids.shape[1] - 1
-        feat = final[:, :m]
+    def predict(batch: Batch, extra: torch.Tensor, noise: float) -> torch.Tensor:
+        """A batch and its extra layers -> the head's predicted next features (B, n - 1, H), as
+        trainer.unrolled_forward at depth 1 (plus fc_extra's term)."""
+        ids, m = batch.ids, batch.ids.shape[1] - 1
+        feat = batch.hidden[:, :m]
         if noise:
             feat = feat + (torch.rand_like(feat) * 2 - 1) * noise
         x = head.fc(torch.cat([F.embedding(ids[:, 1:], fz.embed), feat], -1))  # (B, m, H)
@@ -104,12 +101,12 @@ def main(argv=None) -> None:
             x = layer(x, cos.to(x.dtype), sin.to(x.dtype), None, None)
         return x
 
-    def loss_and_hits(batch, noise: float) -> tuple[torch.Tensor, int, int]:
-        ids, amask, final, extra, top = batch
-        pred = predict(ids, final, extra, noise)
-        rows = loss_rows(amask, 1)  # (B, m)
-        loss = eagle_loss(pred, final[:, 1:], fz.lm_rows, rows, ce_weight=0.1)
-        hits, _ = token_hits(pred[rows].detach(), fz, top[:, 1:][rows])
+    def loss_and_hits(batch: tuple[Batch, torch.Tensor], noise: float) -> tuple[torch.Tensor, int, int]:
+        b, extra = batch
+        pred = predict(b, extra, noise)
+        rows = loss_rows(b.amask, 1)  # (B, m)
+        loss = eagle_loss(pred, b.hidden[:, 1:], fz.lm_rows, rows, ce_weight=0.1)
+        hits, _ = token_hits(pred[rows].detach(), fz, b.argmax[:, 1:][rows])
         return loss, hits, int(rows.sum())
 
     train, val = sequences(args.train), sequences(args.val)

@@ -176,7 +176,7 @@ def test_extra_layers_lab_starts_at_the_shipped_head_and_trains_only_what_its_ar
     cfg = FeatureConfig(layer_ids=(2, 15, 27))
     build_features(target, convs[:2], tmp_path / "tr" / "features_eagle3" / "a", cfg)
     build_features(target, convs, tmp_path / "va" / "features_eagle3" / "a", cfg)
-    head, vocab = load_head(lab.SHIPPED, target.model.config)
+    head, vocab = load_head(DEFAULT_HEAD_DIR, target.model.config)
     fz = Frozen.from_target(target.model, vocab)
     shipped = evaluate_features(head.float(), fz, load_sequences(tmp_path / "va" / "features_eagle3" / "a",
                                                                  last_only=True), depth=1)
