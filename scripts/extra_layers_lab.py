@@ -6,7 +6,9 @@ fc_extra(rms(l_a), rms(l_b), rms(l_c)) to fc's output: the target's hidden state
 few positions reach 25,000), through a linear map that starts at zero, so training starts from exactly
 today's head. Arms: `extra` trains fc_extra alone (the head frozen: any gain is the extra layers'
 information), `both` trains fc_extra and the head, `control` trains the head alone on the same batches (no
-extra layers). Reported: depth-1 top-1 (the head's best draft-vocabulary token == the target's greedy token,
+extra layers). `--use` picks which stored layers fc_extra reads and `--shift 1` reads them at the embedded
+token's own position instead of the feature's (what running the target's first layers on the token being
+drafted from would give a head). Reported: depth-1 top-1 (the head's best draft-vocabulary token == the target's greedy token,
 teacher-forced, the agreement a one-token draft is accepted at) on held-out conversations, before, every
 `--eval-every` seconds and at the end. Nothing is saved into the shipped head.
 
@@ -72,6 +74,10 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=float, default=150.0, help="seconds between held-out checks")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--use", default="0,1,2", help="which of the stored layers to read (0, 1, 2: the feature pass's --layer-ids)")
+    p.add_argument("--shift", type=int, choices=[0, 1], default=0,
+                   help="1: read the layers at the embedded token's own position (what the target's first layers "
+                        "compute for the token being drafted from), 0: at the feature's position, as EAGLE-3")
     p.add_argument("--out", type=Path, default=None, help="write the log (and the weights) here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -81,7 +87,8 @@ def main(argv=None) -> None:
     head, vocab = load_head(DEFAULT_HEAD_DIR, target.model.config)
     fz = Frozen.from_target(target.model, vocab)
     H = head.config.hidden_size
-    fc_extra = nn.Linear(3 * H, H, bias=False)
+    use = [int(i) for i in args.use.split(",")]
+    fc_extra = nn.Linear(len(use) * H, H, bias=False)
     nn.init.zeros_(fc_extra.weight)
     head.float().train().requires_grad_(args.arm != "extra")
     uses_extra = args.arm != "control"
@@ -95,7 +102,8 @@ def main(argv=None) -> None:
             feat = feat + (torch.rand_like(feat) * 2 - 1) * noise
         x = head.fc(torch.cat([F.embedding(ids[:, 1:], fz.embed), feat], -1))  # (B, m, H)
         if uses_extra:
-            x = x + fc_extra(extra[:, :m])
+            ex = extra[:, args.shift:m + args.shift].unflatten(-1, (3, H))[:, :, use].flatten(2)
+            x = x + fc_extra(ex)
         cos, sin = head.rotary(x, torch.arange(m)[None])
         for layer in head.layers:
             x = layer(x, cos.to(x.dtype), sin.to(x.dtype), None, None)

@@ -186,6 +186,9 @@ def test_extra_layers_lab_starts_at_the_shipped_head_and_trains_only_what_its_ar
         with torch.random.fork_rng():  # the script seeds torch and sets its threads: this process's stay as they were
             lab.main(["--train", str(tmp_path / "tr"), "--val", str(tmp_path / "va"), "--arm", "extra", "--epochs", "2",
                       "--batch-size", "1", "--threads", str(threads), "--out", str(out)])
+            lab.main(["--train", str(tmp_path / "tr"), "--val", str(tmp_path / "va"), "--arm", "extra", "--epochs", "1",
+                      "--batch-size", "1", "--threads", str(threads), "--use", "0", "--shift", "1",
+                      "--out", str(tmp_path / "shifted")])
             with pytest.raises(SystemExit, match="no EAGLE-3 features under"):
                 lab.main(["--train", str(tmp_path / "nothing"), "--val", str(tmp_path / "va"), "--arm", "both",
                           "--threads", str(threads)])
@@ -197,6 +200,10 @@ def test_extra_layers_lab_starts_at_the_shipped_head_and_trains_only_what_its_ar
     weights = torch.load(out / "weights.pt", weights_only=True)
     assert float(weights["fc_extra"].abs().max()) > 0
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in weights["head"].items())
+    # one stored layer, read at the embedded token's own position: a (H, H) map, from the shipped head too
+    shifted = torch.load(tmp_path / "shifted" / "weights.pt", weights_only=True)["fc_extra"]
+    assert shifted.shape == (576, 576) and float(shifted.abs().max()) > 0
+    assert json.loads((tmp_path / "shifted" / "log.json").read_text())["evals"][0]["top1"] == shipped.top1[0]
 
 
 @pytest.mark.slow

@@ -283,3 +283,31 @@ def test_w4a8_training_features_are_the_served_steps_bit_for_bit(smollm2_w4a8, t
         build_features(eng.target, convs + convs, tmp_path, FeatureConfig(weights="w4a8"), eng.step)
     with pytest.raises(DataError, match="EAGLE-1"):
         build_features(eng.target, convs, tmp_path / "e3", FeatureConfig(weights="w4a8", layer_ids=(1, 2)), eng.step)
+
+
+@pytest.mark.slow
+def test_branches_of_one_cache_answer_as_the_served_engine_does(smollm2_w4a8):
+    """core.decoding.batched on the served numerics: answers written four at a time as branches of one
+    cache (a long prompt and a two-turn chat among them) are the engine's own, token for token, greedy
+    and sampled with each answer's seed."""
+    from core.config import GenerationConfig, SamplingConfig
+    from core.decoding import batched
+
+    eng = smollm2_w4a8
+    chats = [[{"role": "user", "content": "Give me three tips for staying focused while studying."}],
+             [{"role": "user", "content": "Write a haiku about autumn rain."}],
+             [{"role": "user", "content": "What is the capital of France?"},
+              {"role": "assistant", "content": "The capital of France is Paris."},
+              {"role": "user", "content": "And what river runs through it?"}],
+             [{"role": "user", "content": "Summarise this in one sentence: " + "The committee met on Tuesday to "
+               "review the budget, the new library hours and the plan for the summer festival. " * 11}],
+             [{"role": "user", "content": "def add(a, b):\n    return a - b\n\nFix the bug in this function."}],
+             [{"role": "user", "content": "Name a fruit that is yellow."}]]
+    requests = [batched.Request(tuple(eng.encode(c)), 48, SamplingConfig(temperature=0.0 if i % 2 else 0.8), 7 + i)
+                for i, c in enumerate(chats)]
+    assert max(len(r.ids) for r in requests) >= 256
+    with torch.inference_mode():
+        got = {a.index: a.tokens for a in batched.answers(eng, requests, rows=4)}
+    for i, r in enumerate(requests):
+        config = GenerationConfig(max_new_tokens=48, sampling=r.sampling, seed=r.seed, reuse_prompt=False)
+        assert got[i] == tuple(t for ev in eng.generate(list(r.ids), config) for t in ev.token_ids), i

@@ -156,6 +156,17 @@ def keep(cache: DynamicCache, committed: int, path: torch.Tensor | list[int]) ->
         layer.length = committed + n
 
 
+def append_rows(cache: DynamicCache, source: DynamicCache, n: int) -> None:
+    """Append the first n entries of every layer of `source` to `cache` (both from new_cache, initialized):
+    another sequence's rows, bit for bit (core.decoding.batched puts each answer's prompt in this way)."""
+    at = cache_length(cache)
+    for dst, src in zip(cache.layers, source.layers, strict=True):
+        dst.reserve(at + n)
+        dst._k[..., at:at + n, :] = src._k[..., :n, :]
+        dst._v[..., at:at + n, :] = src._v[..., :n, :]
+        dst.length = at + n
+
+
 def _layers_and_mover(cache: DynamicCache) -> tuple[list[BufferedLayer], native.RowMover | None]:
     """The cache's initialized layers and the native mover of their rows (None where it cannot
     serve), found again only when a buffer changed (buffers_epoch): the check compares 60-odd

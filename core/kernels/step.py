@@ -247,9 +247,11 @@ class NativeStep:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, committed: int, ancestors: torch.Tensor,
                 counts: torch.Tensor, cache, feature_layers: tuple[int, ...] | None = None, only_max: bool = False,
-                choices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                choices: torch.Tensor | None = None, at: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions (n,) int64; row i sees cache slots [0, committed) and committed +
         ancestors[i, :counts[i]] (root first, itself last) -> (features (n, F), logits (n, V) bf16).
+        Row i's key and value go to slot `at` + i: at is the cache's length, committed unless given
+        (core.decoding.batched gives committed 0 and each row its branch's slots as ancestors).
         Features: the last hidden state (after the final norm), or the fused layers
         `feature_layers` (transformers' output_hidden_states indices) for an EAGLE-3 head.
         only_max: the caller takes each row's argmax only (greedy); with a screen, logits that
@@ -261,7 +263,8 @@ class NativeStep:
         ancestors, counts = ancestors.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
         return self._run(n, committed, top, tokens.data_ptr(), positions.data_ptr(), ancestors.data_ptr(),
                          ancestors.stride(0), counts.data_ptr(), cache, feature_layers, only_max,
-                         None if choices is None else _choices_ptr(choices, n), None)
+                         None if choices is None else _choices_ptr(choices, n), None,
+                         committed if at is None else at)
 
     def forward_one(self, token: int, committed: int, cache, feature_layers: tuple[int, ...] | None = None,
                     greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, int | None]:
@@ -298,12 +301,14 @@ class NativeStep:
 
     def _run(self, n: int, committed: int, top: int, tokens: int, positions: int, ancestors: int, stride: int,
              counts: int, cache, feature_layers, only_max: bool, choices: int | None,
-             logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """decode_step over n rows given by address (forward's contract); `top` is the largest position."""
-        assert committed == cache.get_seq_length(), "the cache must hold exactly the committed tokens"
+             logits: torch.Tensor | None, at: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_step over n rows given by address (forward's contract); `top` is the largest position;
+        the rows' keys and values go to slots at .. at + n - 1 (at: committed unless given)."""
+        at = committed if at is None else at
+        assert at == cache.get_seq_length() and 0 <= committed <= at, "the new rows go after every cached one"
         if top >= self._m.max_pos:
             self._tables(max(2 * self._m.max_pos, top + 1))
-        self._bind_cache(cache, committed + n)
+        self._bind_cache(cache, at + n)
         H = self._m.hidden
         hidden = torch.empty(n, H, dtype=torch.bfloat16)
         if logits is None:
@@ -318,14 +323,14 @@ class NativeStep:
                 ids = self._feature_ids[feature_layers] = torch.tensor(feature_layers, dtype=torch.int32)
             feats = torch.empty(n, len(feature_layers) * H, dtype=torch.bfloat16)
         code = native._library()[0].decode_step(
-            ctypes.byref(self._m), tokens, positions, n, committed, ancestors, stride, counts,
+            ctypes.byref(self._m), tokens, positions, n, committed, at, ancestors, stride, counts,
             None if ids is None else ids.data_ptr(), 0 if ids is None else ids.shape[0],
             None if feats is None else feats.data_ptr(), hidden.data_ptr(), logits.data_ptr(), choices,
             int(only_max and n <= SCREEN_ROWS), torch.get_num_threads())
         if code:
             raise StepError(f"the native step failed: {_ERRORS.get(code, code)}")
         for layer in cache.layers:
-            layer.length = committed + n
+            layer.length = at + n
         return (hidden if feats is None else feats), logits
 
 

@@ -124,14 +124,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--heldout-natural", type=Path, default=NATURAL_HELDOUT,
                    help="magpie: where the natural held-out set is carved (distill never answers its prompts)")
     g = p.add_argument_group("distill")
-    g.add_argument("--batch-size", type=int, default=24)
+    g.add_argument("--batch-size", type=int, default=24,
+                   help="prompts answered together (engine: answers in flight as branches of one cache where the "
+                        "native step serves)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--distill-dtype", default="float32",
                    help="target dtype for self-distillation (bfloat16: ~1.3x faster batched on AMX CPUs)")
     g.add_argument("--distiller", choices=["batched", "engine"], default="batched",
                    help="batched: transformers in --distill-dtype (the shipped data); engine: the app's own "
-                        "engine with the shipped head, one prompt at a time, in the numerics it serves (on a "
-                        "CPU the native 4-bit step), ~2x the answers per hour at one thread")
+                        "engine, in the numerics it serves (on a CPU the native 4-bit step, --batch-size answers "
+                        "at a time, each the engine's own answer token for token)")
     g.add_argument("--until", default=None, help="stop distilling at this UTC time, HH:MM")
     g.add_argument("--max-prompts", type=int, default=None)
     g.add_argument("--prompt-file", type=Path, default=None,

@@ -177,11 +177,14 @@ def engine_answer(engine, prompt: Prompt, max_new_tokens: int, temperature: floa
 
 
 def distill_engine(engine, prompts: list[Prompt], out_path: Path, cfg: DistillConfig) -> int:
-    """`distill` through the app's engine, one prompt at a time (cfg.batch_size only groups
-    the writes): the answers the app itself would give, in the numerics it serves (on a CPU the
-    native 4-bit step: what the head must predict there), about 2x the rows per hour of the
-    batched bf16 distiller at one thread with the shipped head. Each record names the numerics."""
+    """`distill` through the app's engine: the answers the app itself would give, in the numerics it
+    serves (on a CPU the native 4-bit step: what the head must predict there). Where the native step
+    serves, cfg.batch_size answers are written at once as branches of one cache (_answer_branches:
+    the same tokens, several times the answers per hour); elsewhere one prompt at a time (batch_size
+    then only groups the writes). Each record names the numerics."""
     served = engine.numerics.step or f"{engine.numerics.dtype} / {engine.numerics.attention}"
+    if engine.step is not None:
+        return _answer_branches(engine, prompts, out_path, cfg, {"numerics": served})
 
     def answer(batch: list[Prompt], temperature: float) -> list[tuple[str, int, bool]]:
         return [engine_answer(engine, p, cfg.max_new_tokens, temperature, batch_seed(cfg.seed, [p.id]))
@@ -190,10 +193,9 @@ def distill_engine(engine, prompts: list[Prompt], out_path: Path, cfg: DistillCo
     return _answer_all(prompts, out_path, cfg, answer, engine.target.tokenizer, {"numerics": served})
 
 
-def _answer_all(prompts: list[Prompt], out_path: Path, cfg: DistillConfig, answer, tok, extra: dict) -> int:
-    """The distill loop: skip answered ids, greedy and sampled batches interleaved, one JSONL
-    line per answer (flushed per batch), a deadline, progress; `answer(batch, temperature)`
-    gives (text, n tokens, truncated) per prompt. Returns the new tokens written."""
+def _plan(prompts: list[Prompt], out_path: Path, cfg: DistillConfig, tok) -> list[tuple[list[Prompt], float]]:
+    """The batches still to answer and their temperatures: answered ids skipped, greedy and sampled
+    interleaved (printed: how many are done and to go)."""
     done = done_ids(out_path)
     todo = [p for p in prompts if p.id not in done]
     if cfg.max_prompts is not None:
@@ -203,23 +205,72 @@ def _answer_all(prompts: list[Prompt], out_path: Path, cfg: DistillConfig, answe
     print(f"distill: {len(done)} prompts already answered, {len(todo)} to go ({len(sampled)} sampled at "
           f"T {cfg.temperature}) -> {out_path}", flush=True)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    total, t0 = 0, time.time()
-    bar = tqdm(total=len(todo), unit="prompt", desc="distill")
-    runs = interleave([(b, 0.0) for b in batches(greedy, tok, cfg)],
+    return interleave([(b, 0.0) for b in batches(greedy, tok, cfg)],
                       [(b, cfg.temperature) for b in batches(sampled, tok, cfg)])
+
+
+def _record(p: Prompt, text: str, n: int, truncated: bool, temperature: float, extra: dict) -> str:
+    """One answer's JSONL line."""
+    row = {"id": p.id, "category": p.category, "messages": p.messages() + [{"role": "assistant", "content": text}],
+           "new_tokens": n, "truncated": truncated}
+    return json.dumps(row | ({"temperature": temperature} if temperature else {}) | extra, ensure_ascii=False) + "\n"
+
+
+def _past(deadline: datetime | None) -> bool:
+    if deadline and datetime.now(timezone.utc) >= deadline:
+        print(f"distill: deadline {deadline:%H:%M} UTC reached, stopping", flush=True)
+        return True
+    return False
+
+
+def _answer_all(prompts: list[Prompt], out_path: Path, cfg: DistillConfig, answer, tok, extra: dict) -> int:
+    """The distill loop: skip answered ids, greedy and sampled batches interleaved, one JSONL
+    line per answer (flushed per batch), a deadline, progress; `answer(batch, temperature)`
+    gives (text, n tokens, truncated) per prompt. Returns the new tokens written."""
+    runs = _plan(prompts, out_path, cfg, tok)
+    total, t0 = 0, time.time()
+    bar = tqdm(total=sum(len(b) for b, _ in runs), unit="prompt", desc="distill")
     with open(out_path, "a", encoding="utf-8") as f:
         for batch, temperature in runs:
-            if cfg.deadline and datetime.now(timezone.utc) >= cfg.deadline:
-                print(f"distill: deadline {cfg.deadline:%H:%M} UTC reached, stopping", flush=True)
+            if _past(cfg.deadline):
                 break
             for p, (text, n, truncated) in zip(batch, answer(batch, temperature)):
-                msgs = p.messages() + [{"role": "assistant", "content": text}]
-                row = {"id": p.id, "category": p.category, "messages": msgs, "new_tokens": n, "truncated": truncated}
-                f.write(json.dumps(row | ({"temperature": temperature} if temperature else {}) | extra,
-                                   ensure_ascii=False) + "\n")
+                f.write(_record(p, text, n, truncated, temperature, extra))
                 total += n
             f.flush()
             bar.update(len(batch))
+            bar.set_postfix(tok=total, tok_s=f"{total / (time.time() - t0):.1f}")
+    bar.close()
+    return total
+
+
+def _answer_branches(engine, prompts: list[Prompt], out_path: Path, cfg: DistillConfig, extra: dict) -> int:
+    """_answer_all's loop with the answers written as branches of one cache (core.decoding.batched),
+    cfg.batch_size of them in flight: the same answers as the engine one at a time, each line
+    written (and flushed) as its answer finishes; no new answer starts after the deadline."""
+    from core.decoding import batched
+
+    tok = engine.target.tokenizer
+    order = [(p, t) for batch, t in _plan(prompts, out_path, cfg, tok) for p in batch]
+
+    def requests():
+        for p, t in order:
+            if _past(cfg.deadline):
+                return
+            yield batched.Request(tuple(engine.encode(p.messages())), cfg.max_new_tokens, SamplingConfig(t),
+                                  batch_seed(cfg.seed, [p.id]))
+
+    total, t0 = 0, time.time()
+    bar = tqdm(total=len(order), unit="prompt", desc="distill")
+    with open(out_path, "a", encoding="utf-8") as f, torch.inference_mode():
+        for a in batched.answers(engine, requests(), rows=cfg.batch_size):
+            p, t = order[a.index]
+            ids = a.tokens[:-1] if a.finish_reason == "eos" else a.tokens
+            text = tok.decode(list(ids), skip_special_tokens=True)
+            f.write(_record(p, text, len(ids), a.finish_reason in ("length", "context"), t, extra))
+            f.flush()
+            total += len(ids)
+            bar.update(1)
             bar.set_postfix(tok=total, tok_s=f"{total / (time.time() - t0):.1f}")
     bar.close()
     return total

@@ -157,19 +157,20 @@ static void step_mem_free(step_mem *s) {
 }
 
 // tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
-// its own key and value go to slot committed + i. features (n, nf * H) or NULL: the hidden state after
+// its own key and value go to slot at + i (a tree or a plain step: at == committed; the branches of
+// core.decoding.batched: committed 0, at the cache's length, each row's ancestors its own branch). features (n, nf * H) or NULL: the hidden state after
 // stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
 // (n, vocab) or NULL. only_max: the caller reads only each row's argmax (greedy), so a screened LM
 // head (m->screen) may leave -inf where a logit cannot be the row's maximum (lm_screen_team).
 // choices (n,) or NULL: each row's argmax of its logits (argmax_bf16, the kernel greedy decoding's
 // choice runs on), found in this call while the logits are in cache. One OpenMP team for the whole
 // forward. Returns STEP_OK or a STEP_* error.
-// ctypes: decode_step(ptr m, ptr tokens, ptr positions, i32 n, i64 committed, ptr anc, i64 anc_stride,
+// ctypes: decode_step(ptr m, ptr tokens, ptr positions, i32 n, i64 committed, i64 at, ptr anc, i64 anc_stride,
 //                     ptr counts, ptr feature_ids, i32 nf, ptr features, ptr hidden, ptr logits,
 //                     ptr choices, i32 only_max, i32 nthreads) -> i32
 int decode_step(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
-                const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids, int nf,
-                uint16_t *features, uint16_t *hidden, uint16_t *logits, int64_t *choices, int only_max,
+                int64_t at, const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int32_t *feature_ids,
+                int nf, uint16_t *features, uint16_t *hidden, uint16_t *logits, int64_t *choices, int only_max,
                 int nthreads) {
     int H = m->hidden;
     for (int i = 0; i < n; i++) {
@@ -193,8 +194,8 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
                 keep_features(t->x, n, H, 0, feature_ids, nf, features);
             }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
-                bad = layer_team(m, &m->layer[l], t, positions, n, committed, committed, anc, anc_stride, counts,
-                                 s.pack, mine, s.scores, s.per_thread);
+                bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack,
+                                 mine, s.scores, s.per_thread);
                 if (features) {
 #pragma omp single
                     keep_features(t->x, n, H, l + 1, feature_ids, nf, features);
