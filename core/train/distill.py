@@ -170,10 +170,13 @@ def engine_answer(engine, prompt: Prompt, max_new_tokens: int, temperature: floa
     for event in engine.generate(prompt.messages(), config):
         ids.extend(event.token_ids)
         reason = event.finish_reason
-    if reason == "eos":
-        ids = ids[:-1]
-    text = engine.target.tokenizer.decode(ids, skip_special_tokens=True)
-    return text, len(ids), reason in ("length", "context")
+    return answer_text(engine.target.tokenizer, ids, reason)
+
+
+def answer_text(tokenizer, ids, reason: str) -> tuple[str, int, bool]:
+    """An answer's ids and finish reason -> (its text, the tokens before the stop token, cut at the budget)."""
+    ids = list(ids[:-1] if reason == "eos" else ids)
+    return tokenizer.decode(ids, skip_special_tokens=True), len(ids), reason in ("length", "context")
 
 
 def distill_engine(engine, prompts: list[Prompt], out_path: Path, cfg: DistillConfig) -> int:
@@ -265,11 +268,10 @@ def _answer_branches(engine, prompts: list[Prompt], out_path: Path, cfg: Distill
     with open(out_path, "a", encoding="utf-8") as f, torch.inference_mode():
         for a in batched.answers(engine, requests(), rows=cfg.batch_size):
             p, t = order[a.index]
-            ids = a.tokens[:-1] if a.finish_reason == "eos" else a.tokens
-            text = tok.decode(list(ids), skip_special_tokens=True)
-            f.write(_record(p, text, len(ids), a.finish_reason in ("length", "context"), t, extra))
+            text, n, truncated = answer_text(tok, a.tokens, a.finish_reason)
+            f.write(_record(p, text, n, truncated, t, extra))
             f.flush()
-            total += len(ids)
+            total += n
             bar.update(1)
             bar.set_postfix(tok=total, tok_s=f"{total / (time.time() - t0):.1f}")
     bar.close()
