@@ -83,6 +83,8 @@ def test_refusals_name_the_problem():
     engine = native_engine()
     with pytest.raises(ValueError, match=r"request 1: 300 prompt tokens plus its answer do not fit in max_slots=256"):
         list(batched.answers(engine, [batched.Request((5, 6), 4), batched.Request(tuple([7] * 300), 8)], max_slots=256))
+    with pytest.raises(ValueError, match=r"request 0: its 512 prompt tokens leave no room in the model's context of 512"):
+        list(batched.answers(engine, [batched.Request(tuple([7] * 512), 8)], max_slots=4096))
     with pytest.raises(ValueError, match="rows must be >= 1"):
         next(batched.answers(engine, [batched.Request((5, 6), 4)], rows=0))
     with pytest.raises(ValueError, match="at least one prompt token"):

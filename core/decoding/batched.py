@@ -80,6 +80,9 @@ def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int 
         while len(live) < rows and (item := next(waiting, None)) is not None:
             index, request = item
             n = len(request.ids)
+            if n >= engine.max_context:
+                raise ValueError(f"request {index}: its {n} prompt tokens leave no room in the model's context of "
+                                 f"{engine.max_context} tokens; shorten the prompt")
             if n + min(request.max_new_tokens, engine.max_context - n) > max_slots:
                 raise ValueError(f"request {index}: {n} prompt tokens plus its answer do not fit in "
                                  f"max_slots={max_slots}; raise max_slots")
