@@ -566,6 +566,16 @@ def test_issue31_reproduce_script_continues_the_previous_head_on_the_magpie_answ
     assert (train.unroll, train.minutes, train.lr, str(train.init)) == (3, 115.0, 1e-3, "runs/repro31/init")
 
 
+def test_magpie_data_script_parses_with_todays_flags():
+    """scripts/magpie_data.sh: its two stages parse with today's flags; the answers come from the served
+    engine, 32 at a time as branches of one cache."""
+    values, commands = script_commands("magpie_data.sh")
+    assert set(values) == {"$COUNT"}
+    assert [c.stage for c in commands] == ["magpie", "distill"]
+    distill = commands[1]
+    assert (distill.distiller, distill.batch_size, distill.sampled_fraction) == ("engine", 32, 0.5)
+
+
 def test_engine_distill_gives_the_engines_own_answers_and_resumes(tmp_path):
     """--distiller engine: greedy answers are the engine's plain greedy answers (speculation
     through a head changes nothing), equal to the batched distiller's in the same numerics;
