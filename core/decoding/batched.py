@@ -24,9 +24,9 @@ import torch
 
 from core.config import SamplingConfig
 from core.decoding import cache as kv
+from core.decoding.engine import answer_budget
 from core.decoding.forward import prefill
-from core.decoding.gumbel import sample_at
-from core.decoding.verify import greedy_tokens
+from core.decoding.verify import plain_choice
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int 
             if n >= engine.max_context:
                 raise ValueError(f"request {index}: its {n} prompt tokens leave no room in the model's context of "
                                  f"{engine.max_context} tokens; shorten the prompt")
-            if n + min(request.max_new_tokens, engine.max_context - n) > max_slots:
+            if n + answer_budget(request.max_new_tokens, engine.max_context - n)[0] > max_slots:
                 raise ValueError(f"request {index}: {n} prompt tokens plus its answer do not fit in "
                                  f"max_slots={max_slots}; raise max_slots")
             if cache is not None and kv.cache_length(cache) + n > max_slots:
@@ -106,17 +106,15 @@ def admit(engine, cache, index: int, request: Request):
     `cache` (None: its own cache becomes the batch's) -> (the cache, the request's branch, holding its
     first token, chosen from the prefill's logits as the engine's first step chooses it)."""
     own = kv.new_cache(engine.forwarder)
-    ids = torch.tensor(request.ids)
-    _, logits = prefill(engine.forwarder, ids, own)  # (V,) after the prompt's last token
+    n = len(request.ids)
+    _, logits = prefill(engine.forwarder, torch.tensor(request.ids), own)  # (V,) after the prompt's last token
     at = 0 if cache is None else kv.cache_length(cache)
     if cache is None:
         cache = own
     else:
-        kv.append_rows(cache, own, len(request.ids))
-    n = len(request.ids)
-    budget = min(request.max_new_tokens, engine.max_context - n)
-    cut = "length" if request.max_new_tokens <= engine.max_context - n else "context"
-    first = choose(logits[None], [n], request)[0]
+        kv.append_rows(cache, own, n)
+    budget, cut = answer_budget(request.max_new_tokens, engine.max_context - n)
+    first = plain_choice(logits, n, request.sampling, request.seed)
     return cache, _Branch(index, request, list(range(at, at + n)), [first], budget, cut)
 
 
@@ -138,14 +136,8 @@ def step_branches(step, cache, live: list[_Branch]) -> None:
     picked = choices.tolist() if greedy else None
     for i, b in enumerate(live):
         b.slots.append(at + i)
-        b.tokens.append(picked[i] if greedy else choose(logits[i:i + 1], [b.position + 1], b.request)[0])
-
-
-def choose(logits: torch.Tensor, positions: list[int], request: Request) -> list[int]:
-    """(m, V) logits -> the engine's plain choice for each row's next token (at `positions`)."""
-    if request.sampling.greedy:
-        return greedy_tokens(logits).tolist()
-    return sample_at(logits, positions, request.sampling, request.seed)
+        b.tokens.append(picked[i] if greedy else plain_choice(logits[i], b.position + 1, b.request.sampling,
+                                                               b.request.seed))
 
 
 def compact(cache, live: list[_Branch]) -> None:

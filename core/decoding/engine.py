@@ -38,10 +38,10 @@ from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
-from core.decoding.gumbel import DraftNoise, sample_at
+from core.decoding.gumbel import DraftNoise
 from core.decoding.tree import catch_up, catch_up_top, draft
 from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
-from core.decoding.verify import Verification, accept_greedy, greedy_tokens, verify_sampled
+from core.decoding.verify import Verification, accept_greedy, plain_choice, verify_sampled
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,12 @@ HEAD_WINDOW = 256
 COPY_PROBE = 6  # a lookup chain this long (a repeat of 4+ tokens, core.decoding.lookup.chain_length) probes speculation
 
 
+def answer_budget(max_new_tokens: int, room: int) -> tuple[int, str]:
+    """(the tokens an answer may write, the finish reason when it writes them all): max_new_tokens, or the
+    `room` the context leaves after the prompt where that is less."""
+    return min(max_new_tokens, room), "length" if max_new_tokens <= room else "context"
+
+
 def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step,
             should_stop=None) -> Iterator[StepEvent]:
     threads.refit()  # no-op unless the launcher turned the thread governor on
@@ -232,8 +238,7 @@ class _Run:
                            if config.speculative else None)
         # sampled tokens are a function of the seed and their position (core.decoding.gumbel)
         self.seed = config.seed if config.seed is not None else new_seed()
-        self.budget = min(config.max_new_tokens, engine.max_context - len(ids))
-        self.budget_reason = "length" if config.max_new_tokens <= engine.max_context - len(ids) else "context"
+        self.budget, self.budget_reason = answer_budget(config.max_new_tokens, engine.max_context - len(ids))
         self.text = TextStream(engine.target.tokenizer, config.stop_strings)
         self.eos = set(engine.target.eos_ids)
         self.n_out = self.forwards = 0
@@ -253,8 +258,7 @@ class _Run:
 
     def choose(self, logits: torch.Tensor, position: int) -> int:
         """Plain decoding's choice from (V,) logits for the token at `position`."""
-        s = self.cfg.sampling
-        return int(greedy_tokens(logits)) if s.greedy else sample_at(logits[None], [position], s, self.seed)[0]
+        return plain_choice(logits, position, self.cfg.sampling, self.seed)
 
     def first_step(self, should_stop=None) -> StepEvent:
         t0 = self.now()

@@ -47,6 +47,13 @@ def target_probs(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
     return shaped_logits(logits, s).softmax(-1)
 
 
+def plain_choice(logits: torch.Tensor, position: int, s: SamplingConfig, seed: int) -> int:
+    """Plain decoding's choice from (V,) logits for the token at `position`: the argmax, or the seed's
+    Gumbel-max draw at that position (core.decoding.gumbel). The engine's steps and core.decoding.batched
+    both choose through it, so their answers agree token for token."""
+    return int(greedy_tokens(logits)) if s.greedy else sample_at(logits[None], [position], s, seed)[0]
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) argmax token ids: plain decoding's and verification's choice.
 

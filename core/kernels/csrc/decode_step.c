@@ -159,9 +159,10 @@ static void step_mem_free(step_mem *s) {
 // tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
 // its own key and value go to slot at + i (a tree or a plain step: at == committed; the branches of
 // core.decoding.batched: committed 0, at the cache's length, each row's ancestors its own branch).
-// features (n, nf * H) or NULL: the hidden state after stage ids[f] (0: embeddings, l + 1: decoder layer l). hidden (n, H): after the final norm; logits
-// (n, vocab) or NULL. only_max: the caller reads only each row's argmax (greedy), so a screened LM
-// head (m->screen) may leave -inf where a logit cannot be the row's maximum (lm_screen_team).
+// features (n, nf * H) or NULL: the hidden state after stage ids[f] (0: embeddings, l + 1: decoder layer l).
+// hidden (n, H): after the final norm; logits (n, vocab) or NULL. only_max: the caller reads only each
+// row's argmax (greedy), so a screened LM head (m->screen) may leave -inf where a logit cannot be the
+// row's maximum (lm_screen_team).
 // choices (n,) or NULL: each row's argmax of its logits (argmax_bf16, the kernel greedy decoding's
 // choice runs on), found in this call while the logits are in cache. One OpenMP team for the whole
 // forward. Returns STEP_OK or a STEP_* error.
