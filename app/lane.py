@@ -24,6 +24,8 @@ class Ticket:
 
     stop: threading.Event = field(default_factory=threading.Event)
     clear_chat: bool = False
+    running: bool = False  # its handler has started (it was not, or no longer, waiting in the queue)
+    ended: threading.Event = field(default_factory=threading.Event)  # its handler has yielded its last update
     visitor: str = ""  # visitor_of(the request): bounds the requests one visitor holds
     joined: float = field(default_factory=time.monotonic)  # when Send was pressed: the visitor's clock
 
@@ -71,6 +73,7 @@ class Tickets:
         return ticket if ticket is not None else self._add(request)
 
     def done(self, request, ticket: Ticket) -> None:
+        ticket.ended.set()
         session = session_of(request)
         with self._guard:
             tickets = self._tickets.get(session, [])
@@ -79,13 +82,20 @@ class Tickets:
             if not tickets:
                 self._tickets.pop(session, None)
 
-    def cancel(self, request, clear_chat: bool = False) -> int:
-        """Stop (or Clear) every request of this session, waiting or running; returns how many."""
+    def cancel(self, request, clear_chat: bool = False) -> list[Ticket]:
+        """Stop (or Clear) every request of this session, waiting or running; returns their tickets."""
         with self._guard:
             tickets = list(self._tickets.get(session_of(request), []))
         for t in tickets:
             t.cancel(clear_chat)
-        return len(tickets)
+        return tickets
+
+    @staticmethod
+    def wait_running(tickets: list[Ticket], seconds: float) -> bool:
+        """Wait (at most `seconds` in all) until those of `tickets` that were running have ended;
+        whether they all did. Requests still waiting in the queue are not waited for."""
+        deadline = time.monotonic() + seconds
+        return all(t.ended.wait(max(0.0, deadline - time.monotonic())) for t in tickets if t.running)
 
     def forget(self, request) -> None:
         """The session ended (its browser tab closed): drop its state."""

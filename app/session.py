@@ -38,6 +38,8 @@ from core.models import ModelLoadError
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
 NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
+# Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
+CLEAR_WAIT_S = 10.0
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
 STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
@@ -136,8 +138,10 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         self.tickets.cancel(request)
 
     def clear(self, request: gr.Request = None):
-        """Empty the chat; an answer still streaming stops and ends by showing the empty chat."""
-        self.tickets.cancel(request, clear_chat=True)
+        """Empty the chat; an answer still streaming stops and ends by showing the empty chat.
+        The empty chat is returned once that answer has yielded its last update (within a step):
+        an answer that was finishing as Clear arrived cannot show its full chat after this."""
+        self.tickets.wait_running(self.tickets.cancel(request, clear_chat=True), CLEAR_WAIT_S)
         return self.cleared()
 
     def session_end(self, request: gr.Request = None):
@@ -171,6 +175,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
              empty_message=EMPTY_MESSAGE):
         """Drive one queued request: its ticket, and every problem turned into a message."""
         ticket = self.tickets.ticket(request)
+        ticket.running = True
         try:
             if empty_first:
                 raise UserError(empty_message)

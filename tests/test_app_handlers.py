@@ -149,10 +149,45 @@ def test_stop_closes_the_stream_within_a_step(bigram):
     assert stats["stopped"] and stats["tokens"] <= 3 and "Stopped." in rest[-1][7]
     outs, *_ = answer(h, "w6", rest[-1][1])  # the next message works and sees the stopped answer
     assert len(outs[-1][1]) == 4 and not outs[-1][5]["stopped"]
-    stream = h.respond("w7", outs[-1][1], SYSTEM, *GREEDY._replace(spec=False, max_new=40), request=None)
-    next(stream), next(stream)
-    assert h.clear(None)[:2] == ([], [])
-    assert list(stream)[-1][:2] == ([], []), "a Clear mid-answer ends the stream on the empty chat"
+
+
+class Driven:
+    """A handler's stream pulled in a thread, as Gradio's worker pulls it: every update with the time
+    it was taken (`send_s`: how long sending one takes), and when the handler had ended."""
+
+    def __init__(self, stream, send_s: float = 0.0):
+        self.updates: list[tuple[float, tuple]] = []
+        self.ended_at = None
+        self.thread = threading.Thread(target=self._pull, args=(stream, send_s), daemon=True)
+        self.thread.start()
+
+    def _pull(self, stream, send_s):
+        for update in stream:
+            self.updates.append((time.monotonic(), update))
+            time.sleep(send_s)
+        self.ended_at = time.monotonic()
+
+    def wait_for(self, n: int, seconds: float = 30) -> None:
+        deadline = time.monotonic() + seconds
+        while len(self.updates) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.updates) >= n
+
+
+def test_clear_answers_after_the_running_answers_last_update(bigram):
+    """Clear's empty chat must be the last thing the page shows: it returns only once a running answer
+    has yielded its last update (which is the empty chat too), however slowly updates are sent."""
+    h = handlers_for(slow(Engine(bigram[0]), 0.02))
+    for send_s in (0.0, 0.15):  # the second: the answer's updates are still being sent when Clear arrives
+        driven = Driven(h.respond("w7", [], SYSTEM, *GREEDY._replace(spec=False, max_new=60), request=None), send_s)
+        driven.wait_for(2)
+        assert h.clear(None)[:2] == ([], [])
+        cleared_at = time.monotonic()
+        driven.thread.join(10)
+        assert driven.ended_at is not None and driven.ended_at <= cleared_at, "Clear replied before the answer ended"
+        assert driven.updates[-1][1][:2] == ([], []), "a Clear mid-answer ends the stream on the empty chat"
+        assert len(driven.updates) < 60, "the answer stopped within a step"
+    assert h.tickets.sessions() == set()
 
 
 def test_without_head_speculation_falls_back_to_plain_with_a_notice(bigram):

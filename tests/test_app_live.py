@@ -126,14 +126,21 @@ def test_a_seed_gives_one_sampled_answer_with_speculation_on_or_off(client, app_
     assert again[0][-1]["content"] == fresh[0][-1]["content"]
 
 
+def streaming(job, outputs: int = 3, seconds: float = 60) -> None:
+    """Wait until `job` has streamed `outputs` updates, i.e. it is running, not waiting to join the queue
+    (a Stop or Clear sent before it joined would reach no request)."""
+    deadline = time.monotonic() + seconds
+    while len(job.outputs()) < outputs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(job.outputs()) >= outputs, f"the answer did not start streaming within {seconds:g} s"
+
+
 def test_stop_regenerate_clear_and_bad_input(client):
     from gradio_client.exceptions import ValidationError
     from httpx import HTTPStatusError
 
     job = client.submit(*chat_args("Write a long story about a dragon.", spec=False, max_new=400), api_name="/chat")
-    deadline = time.monotonic() + 60
-    while len(job.outputs()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    streaming(job)
     stopped_at = time.monotonic()
     client.predict(api_name="/stop")
     out = job.result()
@@ -150,11 +157,12 @@ def test_stop_regenerate_clear_and_bad_input(client):
         client.predict(*chat_args("hi", top_p=0.0), api_name="/chat")
     _, kept = stream(client, *chat_args("Thanks!", spec=False, max_new=4))
     assert len(kept[0]) == 6, "errors never lose the conversation"
-    job = client.submit(*chat_args("Tell me everything about France.", spec=False, max_new=400), api_name="/chat")
-    while len(job.outputs()) < 3 and time.monotonic() < deadline + 60:
-        time.sleep(0.05)
+    # the longest answer the slider allows (seconds even on a fast machine), so Clear reaches it running
+    job = client.submit(*chat_args("Write a long story about a dragon.", spec=False, max_new=2048), api_name="/chat")
+    streaming(job)
     cleared = client.predict(api_name="/clear")
     assert cleared[0] == [] and cleared[3] == ""
+    # (the client reads the answer's stream in its own thread: its last update may land just after)
     assert job.result(timeout=30)[0] == [], "Clear stops a streaming answer, which then shows the empty chat"
     _, fresh = stream(client, *chat_args("Hi", spec=False, max_new=4))
     assert len(fresh[0]) == 2, "after Clear the conversation starts over"
