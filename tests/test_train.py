@@ -385,6 +385,39 @@ def test_resume_after_interruption_no_duplicates(tmp_path):
         train(new_head(tiny.model.config), fz, seqs[:20], cfg, tmp_path / "split", tiny.model.config)
 
 
+def test_held_out_checks_return_the_best_head_and_stop_when_it_stops_improving(trained, tmp_path):
+    """With held-out sequences every checkpoint checks the head; training that only makes it worse (here:
+    features replaced by noise) stops after `patience` checks and returns the starting head, bit for bit;
+    training that helps returns the best head checked, whose score is what the check recorded."""
+    from core.train.trainer import BEST_DIR, read_best
+
+    tiny, good, fz, _, _, _, _ = trained
+    val = features_for(tiny, toy_conversations(16, 3))
+    noisy = [replace(s, hidden=torch.randn_like(s.hidden.float()).half() * 5) for s in
+             features_for(tiny, toy_conversations(32, 6))]
+    head = new_head(tiny.model.config, seed=1)
+    head.load_state_dict(good.state_dict())
+    start_score = evaluate_features(good, fz, val, depth=3).top1[0]
+    cfg = TrainConfig(lr=3e-2, epochs=50, batch_size=8, warmup_steps=1, unroll=2, ckpt_every_s=0.0, patience=2)
+    res = train(head, fz, noisy, cfg, tmp_path / "worse", tiny.model.config, val=val)
+    assert res.stopped_early and not res.finished and res.step == 2, "two checks without a better score, then stop"
+    assert res.best.step == 0 and res.best.score == pytest.approx(start_score, abs=1e-6) and res.best.checks_since == 2
+    for k, v in good.state_dict().items():
+        assert torch.equal(head.state_dict()[k], v), f"{k}: the starting head is returned"
+    assert read_best(tmp_path / "worse") == res.best
+    assert evaluate_features(load_head(tmp_path / "worse" / BEST_DIR, tiny.model.config)[0], fz, val,
+                             depth=3).top1[0] == pytest.approx(start_score, abs=1e-6)
+
+    seqs = features_for(tiny, toy_conversations(64, 2))
+    head = new_head(tiny.model.config, seed=1)
+    untrained = evaluate_features(head, fz, val, depth=3).top1[0]
+    cfg = TrainConfig(lr=3e-3, epochs=3, batch_size=8, warmup_steps=5, unroll=2, ckpt_every_s=0.0)
+    res = train(head, fz, seqs, cfg, tmp_path / "better", tiny.model.config, val=val)
+    assert res.finished and not res.stopped_early and res.best.step > 0 and res.best.score > untrained + 0.1
+    assert evaluate_features(head, fz, val, depth=3).top1[0] == pytest.approx(res.best.score, abs=1e-6)
+    assert res.best.top1[0] == res.best.score
+
+
 def test_eval_summary_literal():
     from core.train.evaluate import PromptResult, format_table, summarize
 

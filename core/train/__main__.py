@@ -181,6 +181,14 @@ def parser() -> argparse.ArgumentParser:
                         "'fc.,layers.0.' to train only the layers --head-layers added")
     g.add_argument("--epochs", type=float, default=10.0)
     g.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    g.add_argument("--val-data", type=Path, default=None,
+                   help="held-out conversations (a file like --data's, never trained on): the features stage "
+                        "caches them too, and training checks the head on all of them at every checkpoint "
+                        "and returns the best head checked (default: the built-in held-out answers, a quarter "
+                        "of them, and only without --data)")
+    g.add_argument("--patience", type=int, default=0,
+                   help="stop training after this many held-out checks in a row without a better depth-1 "
+                        "top-1 (0: train for --epochs / --minutes; the best head checked is returned either way)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--unroll", type=int, default=None,
                    help="training-time unroll steps (default 1 = EAGLE-1 recipe; eagle3: 7)")
@@ -320,6 +328,8 @@ def stage_fixed(args) -> None:
 
 
 def conversation_files(args, split: str = "train") -> list[Path]:
+    if split == "heldout" and args.val_data:
+        return [args.val_data]
     if split == "heldout":
         path = args.work / "heldout_distill.jsonl"
         path = path if path.is_file() else HELDOUT_CONVERSATIONS
@@ -420,7 +430,10 @@ def stage_train(args) -> None:
     seqs = [s for f in folders for s in load_sequences(f, last_only=last_only)]
     held, held_last = feature_source(args, "heldout")
     heldout = load_sequences(held, last_only=held_last) if (held / "manifest.json").is_file() else []
-    val = heldout[::4] or None  # a quarter of them for the periodic check (it costs training time)
+    # a file of held-out conversations is checked whole; of the built-in ones a quarter (checks cost training time)
+    val = (heldout if args.val_data else heldout[::4]) or None
+    if args.val_data and not val:
+        raise DataError(f"no held-out features for --val-data {args.val_data}: run the features stage with it first")
     layers = read_manifest(folders[0]).get("layer_ids")
     if args.init is not None:  # warm start: continue from an existing head of this kind and its vocabulary
         from core.decoding.head import load_head
@@ -451,7 +464,7 @@ def stage_train(args) -> None:
     cfg = TrainConfig(lr=args.lr, epochs=args.epochs, minutes=args.minutes, unroll=args.unroll, seed=args.seed,
                       autocast_bf16=args.bf16, noise=0.1 if args.head_kind == "eagle1" else 0.0,
                       soft_targets=not args.greedy_targets, ce_weight=args.ce_weight,
-                      reg_weight=args.reg_weight,
+                      reg_weight=args.reg_weight, patience=args.patience,
                       frozen=tuple(p.strip() for p in args.freeze.split(",") if p.strip()))
     n_tok = sum(int(s.loss_mask.sum()) for s in seqs)
     print(f"train: {args.head_kind}, {len(seqs)} sequences, {n_tok} assistant tokens, draft vocab {len(vocab)}, "
@@ -465,6 +478,8 @@ def stage_train(args) -> None:
         m = recipe.evaluate(head, fz, val, max(4, args.unroll))
         print(f"held-out: {format_accuracy(m)}")
         report["heldout"] = m.__dict__
+        report["best"] = res.best.to_json()
+        report["stopped_early"] = res.stopped_early
     report_name = f"train_report{'' if args.head_kind == 'eagle1' else '_eagle3'}.json"
     (args.ckpt / "train_report.json" if args.ckpt else args.work / report_name).write_text(json.dumps(report, indent=1))
     print(f"train: head written to {args.out} ({res.step} steps, {res.elapsed_s:.0f} s)")

@@ -57,6 +57,9 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this step (tests; simulating an interruption)
     soft_targets: bool = True  # EAGLE-3: CE against the target's distribution (False: its greedy token)
     frozen: tuple[str, ...] = ()  # parameter-name prefixes kept fixed (e.g. ("fc.", "layers.0.")), not trained
+    # with held-out sequences: stop after this many checks (one per checkpoint) in a row without a better
+    # held-out depth-1 top-1 (0: never stop early); either way the head returned is the best one checked
+    patience: int = 0
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.unroll < 1 or self.epochs <= 0:
@@ -246,6 +249,52 @@ class TrainResult:
     history: tuple[StepMetrics, ...]  # this run's logged metrics (averaged over log_every steps)
     batches: tuple[tuple[int, ...], ...]  # sample indices trained on in this run, in order
     finished: bool
+    best: "Best | None" = None  # with held-out sequences: the checked head that was returned
+    stopped_early: bool = False  # `patience` checks in a row without a better held-out score
+
+
+BEST_DIR = "best"  # in the checkpoint folder: the best head checked so far, in the published layout
+BEST_FILE = "best.json"
+
+
+@dataclass(frozen=True)
+class Best:
+    """The held-out check that chose the head: its step, score (depth-1 top-1) and how many checks since."""
+
+    step: int
+    score: float
+    checks_since: int = 0
+    top1: tuple[float, ...] = ()
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def held_out_score(m: StepMetrics) -> float:
+    """What a held-out check maximises: depth-1 top-1, the acceptance of a tree's first draft token."""
+    return m.top1[0]
+
+
+def read_best(ckpt: Path) -> Best | None:
+    import json
+
+    path = ckpt / BEST_FILE
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    return Best(int(d["step"]), float(d["score"]), int(d.get("checks_since", 0)), tuple(d.get("top1", ())))
+
+
+def write_best(ckpt: Path, best: Best, head=None, draft_vocab=None, recipe: "Recipe | None" = None) -> None:
+    """best.json, and (when `head` is given) the head itself under best/: written before the json, so a
+    crash leaves a json that names a head at least that good."""
+    import json
+
+    if head is not None:
+        (recipe or EAGLE1).save(head, ckpt / BEST_DIR, draft_vocab)
+    tmp = ckpt / (BEST_FILE + ".partial")
+    tmp.write_text(json.dumps(best.to_json(), indent=1))
+    tmp.rename(ckpt / BEST_FILE)
 
 
 @dataclass(frozen=True)
@@ -335,10 +384,16 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
     order = EpochOrder(seqs, cfg.batch_size, cfg.seed)
     total = math.ceil(cfg.epochs * order.per_epoch)
     stop_at = total if cfg.max_steps is None else min(total, cfg.max_steps)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    best = read_best(ckpt) if val else None
+    checked = step if best is not None else None  # the step last checked held out
+    if val and best is None:  # the starting head (a warm start's) is the first candidate
+        best, checked = check(head, fz, val, cfg, recipe, step, None, ckpt), step
     t0, last_ckpt = time.time() - elapsed0, time.time()
     history, seen, window = [], [], []
     bar = tqdm(total=stop_at, initial=step, unit="step", desc="train")
-    while step < stop_at and not (cfg.minutes and time.time() - t0 > cfg.minutes * 60):
+    while step < stop_at and not (cfg.minutes and time.time() - t0 > cfg.minutes * 60) \
+            and not (best and cfg.patience and best.checks_since >= cfg.patience):
         idx = order.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             loss, metrics = recipe.loss(head, fz, [seqs[i] for i in idx], cfg, cfg.noise)
@@ -353,16 +408,40 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
                             lr=f"{opt.param_groups[0]['lr']:.1e}")
             window = []
         if time.time() - last_ckpt > cfg.ckpt_every_s:
+            if val:
+                best, checked = check(head, fz, val, cfg, recipe, step, best, ckpt), step
             save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs), recipe)
             last_ckpt = time.time()
-            if val:  # held-out accuracy one depth beyond the trained ones
-                print(f"\nstep {step}: {format_accuracy(recipe.evaluate(head, fz, val, cfg.unroll + 1))}",
-                      flush=True)
-                head.train()
     bar.close()
+    stopped_early = bool(best and cfg.patience and best.checks_since >= cfg.patience)
+    if val and checked != step:
+        best = check(head, fz, val, cfg, recipe, step, best, ckpt)
     save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs), recipe)
+    if val and best.step != step:  # an earlier head scored better on the held-out sequences: return that one
+        print(f"train: the head of step {best.step} scored best held out (depth-1 top-1 {best.score:.4f}); "
+              "returning it", flush=True)
+        head.load_state_dict(recipe.load(ckpt / BEST_DIR, target_config).state_dict(), strict=True)
     head.eval().requires_grad_(False)
-    return TrainResult(step, time.time() - t0, tuple(history), tuple(seen), step >= total)
+    return TrainResult(step, time.time() - t0, tuple(history), tuple(seen), step >= total, best, stopped_early)
+
+
+def check(head, fz: "Frozen", val: list[Sequence], cfg: TrainConfig, recipe: Recipe, step: int,
+          best: Best | None, ckpt: Path) -> Best:
+    """One held-out check (accuracy one depth beyond the trained ones): a better depth-1 top-1 than
+    `best` becomes the best, its head kept under ckpt/best/; -> the best so far."""
+    m = recipe.evaluate(head, fz, val, cfg.unroll + 1)
+    score = held_out_score(m)
+    better = best is None or score > best.score
+    mark = "best so far" if better else f"best {best.score:.4f} at step {best.step}"
+    print(f"\nstep {step}: held-out {format_accuracy(m)} ({mark})", flush=True)
+    head.train()
+    if better:
+        best = Best(step, score, 0, tuple(m.top1))
+        write_best(ckpt, best, head, fz.draft_vocab, recipe)
+    else:
+        best = Best(best.step, best.score, best.checks_since + 1, best.top1)
+        write_best(ckpt, best)
+    return best
 
 
 def _average(ms: list[StepMetrics]) -> StepMetrics:
