@@ -599,6 +599,20 @@ def test_issue31_reproduce_script_continues_the_previous_head_on_the_magpie_answ
     assert (train.unroll, train.minutes, train.lr, str(train.init)) == (3, 115.0, 1e-3, "runs/repro31/init")
 
 
+def test_all_data_reproduce_script_checks_the_head_on_conversations_it_never_trains_on():
+    """scripts/reproduce_head_all.sh: its commands parse with today's flags; the held-out file is cached by
+    the features stage, checked by training, and is none of the training files; training keeps the best head."""
+    values, commands = script_commands("reproduce_head_all.sh")
+    assert set(values) == {"$OUT", "$MIN", "$LR", "$PATIENCE", "$THREADS", "$INIT_COMMIT"}
+    assert [c.stage for c in commands] == ["features", "train"]
+    features, train = commands
+    assert features.head_kind == "eagle3" and train.head_kind == "eagle1"  # one feature pass serves both
+    assert str(features.val_data) == str(train.val_data) == "runs/repro_all/data/val.jsonl"
+    assert str(features.val_data) not in {str(d) for d in features.data} and len(features.data) == 4
+    assert (train.unroll, train.minutes, train.lr, train.patience, str(train.init)) == \
+        (3, 60.0, 3e-4, 5, "runs/repro_all/init")
+
+
 def test_magpie_data_script_parses_with_todays_flags():
     """scripts/magpie_data.sh: its two stages parse with today's flags; the answers come from the served
     engine, 32 at a time as branches of one cache."""

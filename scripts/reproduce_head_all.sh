@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The sixteenth session's retrain: the shipped EAGLE-1 head (INIT_COMMIT's) continued on every Magpie answer
+# it never saw plus a replay of ones it did, checked on 272 held-out Magpie conversations at every checkpoint;
+# the best head checked is the result (training stops after PATIENCE checks without a better one).
+#
+#   scripts/reproduce_head_all.sh [OUT] [MIN]
+#
+# OUT (default runs/repro_all) receives the conversation files (lines of the committed
+# assets/train-data/magpie-distill.jsonl.gz), init/ (the starting head, from git), features_eagle3/ and
+# features_eagle3_heldout/ (one feature pass serves both head kinds), ckpt/ (with best/ and best.json), head/
+# (the result) and times.txt. Rerun the same line after a stop: features skip written shards, training resumes
+# from ckpt/. Compare with the shipped head through the engine on the natural held-out prompts:
+#   python scripts/ab.py assets/heldout_natural.jsonl --head OUT/head --plain
+set -euo pipefail
+OUT=${1:-runs/repro_all}
+MIN=${2:-60}
+LR=${LR:-3e-4}
+PATIENCE=${PATIENCE:-5}
+THREADS=${THREADS:-2}
+INIT_COMMIT=${INIT_COMMIT:-895fb1f}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT/init" "$OUT/data"
+. scripts/stage.sh  # stage NAME CMD..., stage_total (the cd above made the repository root the folder)
+all="$OUT/data/magpie_distill.jsonl"
+[ -s "$all" ] || gunzip -c assets/train-data/magpie-distill.jsonl.gz > "$all"
+# the folders' names order the training sequences (fresh, new, old, train): the same order as the run measured
+part() { [ -s "$OUT/data/$1.jsonl" ] || sed -n "$2,$3p" "$all" > "$OUT/data/$1.jsonl"; }
+part old 1 2087         # a replay of answers the starting head trained on
+part train 9049 10248   # the thirteenth session's answers ...
+part fresh 10249 11200
+part val 11201 11472    # ... less 272 held out (never trained on by any head)
+part new 11473 17564    # the next 6,092 (the fourteenth and fifteenth sessions'; the run measured stopped its
+                        # feature pass there, at 04:00 UTC, to leave an hour for training)
+for f in config.json model.safetensors draft_vocab.safetensors; do
+    [ -s "$OUT/init/$f" ] || git show "$INIT_COMMIT:assets/smollm2-135m-eagle/$f" > "$OUT/init/$f"
+done
+stage features python -m core.train features --work "$OUT" --threads "$THREADS" --head-kind eagle3 \
+    --layer-ids 2,15,27 --data "$OUT/data/old.jsonl" --data "$OUT/data/train.jsonl" --data "$OUT/data/fresh.jsonl" \
+    --data "$OUT/data/new.jsonl" --val-data "$OUT/data/val.jsonl"
+stage train python -m core.train train --work "$OUT" --threads "$THREADS" --head-kind eagle1 --init "$OUT/init" \
+    --unroll 3 --lr "$LR" --bf16 --minutes "$MIN" --patience "$PATIENCE" --val-data "$OUT/data/val.jsonl" \
+    --out "$OUT/head" --ckpt "$OUT/ckpt"
+stage_total
