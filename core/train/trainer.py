@@ -17,6 +17,7 @@ Glossary (one sequence t_0..t_{n-1}, target features f_0..f_{n-1}, m = n - 1 row
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -269,6 +270,10 @@ class Best:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def exhausted(self, patience: int) -> bool:
+        """`patience` checks in a row without a better score (patience 0: never)."""
+        return bool(patience) and self.checks_since >= patience
+
 
 def held_out_score(m: StepMetrics) -> float:
     """What a held-out check maximises: depth-1 top-1, the acceptance of a tree's first draft token."""
@@ -276,20 +281,16 @@ def held_out_score(m: StepMetrics) -> float:
 
 
 def read_best(ckpt: Path) -> Best | None:
-    import json
-
     path = ckpt / BEST_FILE
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
-    return Best(int(d["step"]), float(d["score"]), int(d.get("checks_since", 0)), tuple(d.get("top1", ())))
+    return Best(**{**d, "top1": tuple(d["top1"])})
 
 
 def write_best(ckpt: Path, best: Best, head=None, draft_vocab=None, recipe: "Recipe | None" = None) -> None:
     """best.json, and (when `head` is given) the head itself under best/: written before the json, so a
     crash leaves a json that names a head at least that good."""
-    import json
-
     if head is not None:
         (recipe or EAGLE1).save(head, ckpt / BEST_DIR, draft_vocab)
     tmp = ckpt / (BEST_FILE + ".partial")
@@ -385,15 +386,14 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
     total = math.ceil(cfg.epochs * order.per_epoch)
     stop_at = total if cfg.max_steps is None else min(total, cfg.max_steps)
     ckpt.mkdir(parents=True, exist_ok=True)
-    best = read_best(ckpt) if val else None
-    checked = step if best is not None else None  # the step last checked held out
-    if val and best is None:  # the starting head (a warm start's) is the first candidate
-        best, checked = check(head, fz, val, cfg, recipe, step, None, ckpt), step
+    # the starting head (a warm start's) is the first candidate; a resumed run's head was checked when saved
+    best = (read_best(ckpt) or check(head, fz, val, cfg, recipe, step, None, ckpt)) if val else None
+    checked = step  # the step last checked held out
     t0, last_ckpt = time.time() - elapsed0, time.time()
     history, seen, window = [], [], []
     bar = tqdm(total=stop_at, initial=step, unit="step", desc="train")
     while step < stop_at and not (cfg.minutes and time.time() - t0 > cfg.minutes * 60) \
-            and not (best and cfg.patience and best.checks_since >= cfg.patience):
+            and not (best and best.exhausted(cfg.patience)):
         idx = order.batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
             loss, metrics = recipe.loss(head, fz, [seqs[i] for i in idx], cfg, cfg.noise)
@@ -413,7 +413,7 @@ def train(head: EagleHead, fz: Frozen, seqs: list[Sequence], cfg: TrainConfig, c
             save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs), recipe)
             last_ckpt = time.time()
     bar.close()
-    stopped_early = bool(best and cfg.patience and best.checks_since >= cfg.patience)
+    stopped_early = bool(best and best.exhausted(cfg.patience))
     if val and checked != step:
         best = check(head, fz, val, cfg, recipe, step, best, ckpt)
     save_checkpoint(ckpt, head, fz.draft_vocab, opt, step, time.time() - t0, cfg, len(seqs), recipe)
