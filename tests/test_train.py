@@ -566,7 +566,7 @@ def script_commands(name: str) -> tuple[dict, list]:
     for line in text.splitlines():
         if "python -m core.train" not in line or line.lstrip().startswith("#"):
             continue
-        for var, val in values.items():
+        for var, val in sorted(values.items(), key=lambda kv: -len(kv[0])):  # $MIN2 before $MIN
             line = line.replace(var, val)
         argv = shlex.split(line.split("python -m core.train", 1)[1])
         commands.append(parser().parse_args(argv))
@@ -601,16 +601,26 @@ def test_issue31_reproduce_script_continues_the_previous_head_on_the_magpie_answ
 
 def test_all_data_reproduce_script_checks_the_head_on_conversations_it_never_trains_on():
     """scripts/reproduce_head_all.sh: its commands parse with today's flags; the held-out file is cached by
-    the features stage, checked by training, and is none of the training files; training keeps the best head."""
+    the features stages, checked by both training runs, and is none of the training files; training keeps the
+    best head; the second run continues the first's head on all of the data from a work folder of its own (so
+    the first run's checkpoint still resumes on its own sequences)."""
     values, commands = script_commands("reproduce_head_all.sh")
-    assert set(values) == {"$OUT", "$MIN", "$LR", "$PATIENCE", "$THREADS", "$INIT_COMMIT"}
-    assert [c.stage for c in commands] == ["features", "train"]
-    features, train = commands
-    assert features.head_kind == "eagle3" and train.head_kind == "eagle1"  # one feature pass serves both
-    assert str(features.val_data) == str(train.val_data) == "runs/repro_all/data/val.jsonl"
-    assert str(features.val_data) not in {str(d) for d in features.data} and len(features.data) == 4
+    assert set(values) == {"$OUT", "$MIN", "$MIN2", "$LR", "$PATIENCE", "$THREADS", "$INIT_COMMIT"}
+    assert [c.stage for c in commands] == ["features", "train", "features", "train"]
+    features, train, features_rest, train_all = commands
+    assert features.head_kind == features_rest.head_kind == "eagle3"  # one feature pass serves both head kinds
+    assert train.head_kind == train_all.head_kind == "eagle1"
+    val = "runs/repro_all/data/val.jsonl"
+    assert {str(c.val_data) for c in commands} == {val}
+    assert val not in {str(d) for d in features.data + features_rest.data}
+    assert len(features.data) == 4 and [str(d) for d in features_rest.data] == ["runs/repro_all/data/rest.jsonl"]
     assert (train.unroll, train.minutes, train.lr, train.patience, str(train.init)) == \
-        (1, 32.0, 1e-4, 0, "runs/repro_all/init")  # the depth-1 recipe the shipped head was trained with
+        (1, 32.0, 1e-4, 0, "runs/repro_all/init")  # the depth-1 recipe
+    assert (str(train.work), str(features_rest.work), str(train_all.work)) == \
+        ("runs/repro_all", "runs/repro_all/all", "runs/repro_all/all")
+    assert (train_all.unroll, train_all.minutes, train_all.lr, str(train_all.init), str(train_all.out)) == \
+        (1, 60.0, 1e-4, str(train.out), "runs/repro_all/head_all")  # run 2 starts from run 1's result
+    assert str(train_all.ckpt) != str(train.ckpt)
 
 
 def test_magpie_data_script_parses_with_todays_flags():
