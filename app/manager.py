@@ -284,6 +284,11 @@ class ModelManager:
         if t.plain_from_temperature:  # TreeConfig.speculates_hot: measured slower than plain this hot
             shape += (f"; plain decoding when sampling at temperature {t.plain_from_temperature:g} or above "
                       "(chat answers start plain there and speculate while it measures faster)")
+        if t.row_floor:  # the floor follows what a verified row costs now
+            from core.decoding import rowcost
+
+            shape += (f"; greedy steps verify only drafts likely enough to pay for their row at the cost measured "
+                      f"while answering (now {rowcost.floor(e.row_costs):.0%} and up)")
         return f"{shape} · {origin}" if origin else shape
 
 

@@ -382,7 +382,10 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
     the machine's GEMM makes them cost: nearly nothing up to 16 rows on AMX tiles, ~10% of a
     one-row call each with 8-bit activations on AVX-512).
     hot (with confirm_top > 1): sampled answers measure from which temperature plain decoding is
-    faster (`hot_sampling`, the tree's plain_from_temperature)."""
+    faster (`hot_sampling`, the tree's plain_from_temperature).
+    On 8-bit activations, where each verified row costs integer work, the tree drops the drafts
+    too unlikely to pay for their rows at the costs measured while answering (`row_floor`,
+    core.decoding.rowcost)."""
     if not engine.has_head:
         raise ValueError("choosing a tree needs a draft head")
     if not refresh and (tree := cached_tree(engine)) is not None:
@@ -393,7 +396,8 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
                       steps_at=calibrate_long(engine, top_k))
     candidates = rank(profile)
     tree, rate = pick(candidates)
-    default_lookup = default_tokens(engine.step is not None and engine.step.info.activations == "int8")
+    dear_rows = engine.step is not None and engine.step.info.activations == "int8"  # a row costs integer work
+    default_lookup = default_tokens(dear_rows)
     confirmed = {}
     if confirm_top > 1:
         trees = [tree]  # then the best depth of each next-best size: size is what costs
@@ -417,7 +421,7 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
     if hot and confirm_top > 1:
         plain_from, by_temperature = hot_sampling(engine, chain_tree(replace(tree, lookup=lookup)))
     tree = chain_tree(replace(tree, lookup=lookup, long_context=long_context_caps(profile, tree, engine.max_context),
-                              plain_from_temperature=plain_from))
+                              plain_from_temperature=plain_from, row_floor=dear_rows))
     save_tuned(engine, tree, {"predicted_tokens_per_s": rate, "verify_s": verify, "draft_s": drafts,
                               "other_s": other, "attend_s_per_row_and_context_token": attend,
                               "numerics": engine.numerics.describe(),

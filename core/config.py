@@ -106,6 +106,10 @@ class TreeConfig:
     The hotter the sampling, the less often a drafted token is accepted; where the rows and the
     drafting then cost more than they save, plain decoding is faster and follows the same
     distribution. core.autotune measures both modes at a few temperatures and sets it.
+    row_floor: greedy steps verify only the draft nodes whose cumulative draft probability pays for
+    their row at the row costs measured while answering (core.decoding.rowcost); where a verified
+    row is not nearly free (8-bit activations on a CPU) dropping the unlikely drafts is faster, and
+    verification keeps every answer as it was.
     """
 
     depth: int = 6
@@ -116,6 +120,7 @@ class TreeConfig:
     lookup_total_tokens: int = 0
     long_context: tuple[tuple[int, int, int], ...] = ()
     plain_from_temperature: float = 0.0
+    row_floor: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.long_context, tuple) or any(not isinstance(c, tuple) for c in self.long_context):
@@ -147,6 +152,7 @@ class TreeConfig:
                and 0 <= self.plain_from_temperature <= 100,
                f"tree plain_from_temperature must be a number in 0..100 (0 = speculate at every temperature), "
                f"got {self.plain_from_temperature!r}")
+        _check(isinstance(self.row_floor, bool), f"tree row_floor must be true or false, got {self.row_floor!r}")
         if self.static_paths is not None:
             paths = set(self.static_paths)
             _check(len(paths) > 0, "static tree needs at least one path")
@@ -180,7 +186,7 @@ class TreeConfig:
         return TreeConfig(depth=min(self.depth, depth), top_k=self.top_k,
                           total_tokens=min(self.total_tokens, total), lookup=self.lookup,
                           lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0,
-                          plain_from_temperature=self.plain_from_temperature)
+                          plain_from_temperature=self.plain_from_temperature, row_floor=self.row_floor)
 
     SHAPE = ("depth", "top_k", "total_tokens", "static_paths")  # what lookup_total_tokens was tuned for
 

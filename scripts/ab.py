@@ -5,6 +5,7 @@
     python scripts/ab.py PROMPTS.jsonl --tree 3,8,12 [--tree DEPTH,TOP_K,TOTAL ...] [--limit N]
     python scripts/ab.py PROMPTS.jsonl --temperature 0.7 --plain --tree 3,8,6   # which tree pays when sampling
     python scripts/ab.py PROMPTS.jsonl --plain --tree 1,8,3,10 --tree 1,8,3,24   # context-lookup lengths
+    python scripts/ab.py PROMPTS.jsonl --plain --toggle-row-floor   # drafts pruned by the measured row cost
 
 The first contender is always the shipped head with its `tree.json`; each `--head` adds a
 head folder drafting the same tree, each `--tree` that depth, top-k and size (lookup and
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sampled")
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
     p.add_argument("--plain", action="store_true", help="add plain decoding (no speculation) as a contender")
+    p.add_argument("--toggle-row-floor", action="store_true",
+                   help="add the shipped head and tree with TreeConfig.row_floor switched (on where shipped off, and off where on)")
     p.add_argument("--out", type=Path, help="write tau, tok/s and tau per category per contender here (JSON)")
     args = p.parse_args(argv)
     shapes = {}
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"tree {spec}" if name == "shipped" else f"{name} tree {spec}"
             runs[label] = (engine, replace(tree, depth=depth, top_k=top_k, total_tokens=total,
                                                   lookup=lookup[0] if lookup else tree.lookup))
+    if args.toggle_row_floor:
+        runs[f"row_floor {'off' if tree.row_floor else 'on'}"] = (shipped, replace(tree, row_floor=not tree.row_floor))
     if args.plain:
         runs["plain"] = (shipped, None)
     sampling = SamplingConfig(temperature=args.temperature)

@@ -322,6 +322,7 @@ def test_a_refused_head_pickle_shows_torchs_whole_reason(tmp_path, monkeypatch):
 
 def test_the_panel_says_where_the_default_tree_came_from(bigram):
     from app.ui import build
+    from core.decoding.rowcost import RowCosts
 
     engine = Engine(*bigram)
     engine.tree_choice = TreeChoice(TreeConfig(depth=4, top_k=3, total_tokens=9),
@@ -336,6 +337,11 @@ def test_the_panel_says_where_the_default_tree_came_from(bigram):
                                     "shipped with the head")
     assert h.manager.tree_markdown() == ("Default tree: depth 4, top-k 3, 9 nodes; in long chats 6 nodes from 1,024 "
                                          "tokens, depth 2 and 4 nodes from 4,096 tokens · shipped with the head")
+    engine.tree_choice = TreeChoice(TreeConfig(depth=1, top_k=8, total_tokens=2, row_floor=True), "shipped with the head")
+    engine.row_costs = RowCosts(one=2.6e-3, two=3.75e-3, head=0.6e-3)  # a row at 36% of a step: drafts from 36%
+    assert h.manager.tree_markdown() == ("Default tree: depth 1, top-k 8, 2 nodes; greedy steps verify only drafts "
+                                         "likely enough to pay for their row at the cost measured while answering "
+                                         "(now 36% and up) · shipped with the head")
 
 
 def test_side_by_side_is_a_race_with_both_columns_streaming(bigram):

@@ -79,6 +79,7 @@ def test_choose_tree_measures_once_and_caches(tmp_path, monkeypatch):
     assert cached_tree(engine) is None
     tree = choose_tree(engine, top_k=4)
     assert isinstance(tree, TreeConfig) and tree.top_k == 4
+    assert not tree.row_floor  # bf16 rows through transformers: no 8-bit integer work per row
     assert cached_tree(engine) == tree
     assert len(list((tmp_path / "autotune").glob("*.json"))) == 1
     with pytest.raises(ValueError, match="draft head"):

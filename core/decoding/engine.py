@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from core.decoding import adaptive, cache as kv, prefix
+from core.decoding import adaptive, cache as kv, prefix, rowcost
 from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
@@ -90,6 +90,7 @@ class Engine:
                                              target.model.config._attn_implementation, None)
         self.tree_choice = TreeChoice(TreeConfig(), BUILT_IN)  # Engine.load: tuned / shipped
         self.prefix: prefix.Prefix | None = None  # the last prompt's rows (read_prompt)
+        self.row_costs = rowcost.RowCosts()  # measured by greedy steps of trees with row_floor
 
     @classmethod
     def load(cls, model: str = EMBEDDED, head: str | None = "default", *, dtype: str = "auto",
@@ -363,6 +364,9 @@ class _Run:
         noise = None if s.greedy else DraftNoise(s.temperature, self.seed, committed + 1)
         tree = draft(self.e.drafter, self.head_cache, self.token, self.root_hidden, shape, noise, self.root_top)
         self.root_top = None
+        floor = s.greedy and shape.row_floor
+        if floor:  # only the drafts likely enough to pay for their rows at what a row costs now
+            tree = rowcost.prune(tree, rowcost.floor(self.e.row_costs))
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()
@@ -379,6 +383,8 @@ class _Run:
         kv.keep(self.cache, committed, result.path)
         self.forwards += 1
         carry = self._draft_carry  # spent before t0, so the step starts that much earlier
+        if floor:
+            self.e.row_costs = rowcost.record(self.e.row_costs, tree.size, t2 - t1, (t1 - t0) + carry)
         event = self.emit(list(result.tokens), result.accepted, tree.size, (t1 - t0) + carry, t2 - t1, t0 - carry)
         self._draft_carry = 0.0
         self.token = result.bonus
