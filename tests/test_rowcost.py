@@ -32,6 +32,8 @@ def test_record_keeps_exponential_means_per_forward_size():
     c3 = rowcost.record(c2, 11, 9e-3, 1e-3)  # a lookup chain's forward: not a 1- or 2-row cost
     assert (c3.one, c3.two) == (c2.one, c2.two)
     assert rowcost.record(c3, 1, 0.0, 1e-3) == c3  # an untimed forward (a coarse clock) is ignored
+    c4 = rowcost.record(c3, 1, 2e-3, None)  # an adaptive answer's plain step: a 1-row forward, no head work
+    assert c4.one == pytest.approx(c3.one + rowcost.WEIGHT * (2e-3 - c3.one)) and c4.head == c3.head
 
 
 def tree_of(scores, parents):
@@ -100,10 +102,20 @@ def test_greedy_answers_with_a_row_floor_are_plain_decodings(costs, tree, monkey
             assert any(drafted) and not all(drafted)
 
 
-def test_the_engine_measures_row_costs_only_for_trees_with_a_row_floor():
+def test_the_engine_measures_row_costs_only_for_trees_with_a_row_floor(monkeypatch):
     target = tiny_target(mix=0.3, seed=2)
     engine = Engine(target, random_head(target))
     answer(engine, PROMPTS[0], GenerationConfig(max_new_tokens=24, tree=TreeConfig(1, 8, 2)))
     assert engine.row_costs == RowCosts()
     answer(engine, PROMPTS[0], GenerationConfig(max_new_tokens=24, tree=TreeConfig(1, 8, 2, row_floor=True)))
     assert engine.row_costs.head is not None and (engine.row_costs.one or engine.row_costs.two)
+    # an adaptive answer's plain steps measure the 1-row forward too
+    engine.row_costs = RowCosts()
+    answer(engine, PROMPTS[0], GenerationConfig(max_new_tokens=24, speculative=False))
+    assert engine.row_costs == RowCosts()  # plain decoding asked for: nothing of the tree's
+    calls = []
+    recorded = rowcost.record
+    monkeypatch.setattr(rowcost, "record", lambda c, *a: calls.append(a) or recorded(c, *a))
+    capped = TreeConfig(1, 8, 2, row_floor=True, long_context=((1, 0, 0),))  # an adaptive answer starts plain
+    answer(engine, PROMPTS[0], GenerationConfig(max_new_tokens=24, tree=capped, adaptive=True))
+    assert any(rows == 1 and head is None for rows, _, head in calls)  # its plain steps: T1, no head work

@@ -343,6 +343,8 @@ class _Run:
             self.token = self.choose(logits, committed + 1)
         if self.speeds is not None:  # for the head, should a later step speculate
             self.pending.append((torch.tensor([self.token], device=self.device), features))
+            if self.cfg.sampling.greedy and self.cfg.tree.row_floor:  # a 1-row forward: the floor's T1
+                self.e.row_costs = rowcost.record(self.e.row_costs, 1, t1 - t0, None)
         self.forwards += 1
         return self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
 

@@ -46,12 +46,13 @@ def _mean(old: float | None, new: float) -> float:
     return new if old is None else old + WEIGHT * (new - old)
 
 
-def record(costs: RowCosts, rows: int, forward_s: float, head_s: float) -> RowCosts:
-    """`costs` with one greedy step's forward (`rows` rows, `forward_s`) and head work (`head_s`)
-    taken in; forwards of other sizes (a lookup chain's) leave the forward means as they are."""
-    if forward_s <= 0 or head_s < 0:
+def record(costs: RowCosts, rows: int, forward_s: float, head_s: float | None) -> RowCosts:
+    """`costs` with one greedy step's forward (`rows` rows, `forward_s`) and head work (`head_s`;
+    None: a plain step, which drafts nothing) taken in; forwards of other sizes (a lookup chain's)
+    leave the forward means as they are."""
+    if forward_s <= 0 or (head_s is not None and head_s < 0):
         return costs
-    head = _mean(costs.head, head_s)
+    head = costs.head if head_s is None else _mean(costs.head, head_s)
     if rows == 1:
         return RowCosts(_mean(costs.one, forward_s), costs.two, head)
     if rows == 2:
