@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 import weakref
 from pathlib import Path
@@ -51,13 +52,19 @@ def test_download_reports_bytes_and_resumes_a_dropped_connection(hub_cache):
     assert len(set(done)) >= 3
 
 
-def test_gated_missing_and_unreachable_hub_fail_fast_with_clear_messages(hub_cache):
+def test_gated_missing_and_unreachable_hub_fail_fast_with_clear_messages(hub_cache, monkeypatch):
     with HubServer({"org/ok": {"config.json": b"{}"}}, gated=("meta-llama/Llama-2-7b-chat-hf",)) as hub:
         with pytest.raises(ModelLoadError, match="gated.*HF_TOKEN"):
             download_with_progress("meta-llama/Llama-2-7b-chat-hf", lambda n, t: None, endpoint=hub.url)
         with pytest.raises(ModelLoadError, match="not found"):
             download_with_progress("org/nothing", lambda n, t: None, endpoint=hub.url)
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the hub is unreachable
+    # a 7B download is refused first where the disk cannot hold it (test_app_handlers checks that message):
+    # this machine's free space must not decide which error this test sees
+    import app.manager as manager_mod
+
+    usage = shutil.disk_usage
+    monkeypatch.setattr(manager_mod.shutil, "disk_usage", lambda path: usage(path)._replace(free=10**15))
     handlers = Handlers(ModelManager(loader=None, choice=ModelChoice(), engine=object(), endpoint=closed), Access())
     start = time.monotonic()
     with pytest.warns(UserWarning, match="cannot reach the Hugging Face hub.*current model keeps serving"):
