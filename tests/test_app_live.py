@@ -139,12 +139,18 @@ def test_stop_regenerate_clear_and_bad_input(client):
     from gradio_client.exceptions import ValidationError
     from httpx import HTTPStatusError
 
-    job = client.submit(*chat_args("Write a long story about a dragon.", spec=False, max_new=400), api_name="/chat")
+    # the longest answer the slider allows (seconds even on a fast machine: plain decoding here ran 520 tok/s),
+    # so Stop reaches it running; what it wrote by then is read off its last streamed update
+    job = client.submit(*chat_args("Write a long story about a dragon.", spec=False, max_new=2048), api_name="/chat")
     streaming(job)
+    seen = (job.outputs()[-1][4] or {}).get("tokens", 0)
     stopped_at = time.monotonic()
     client.predict(api_name="/stop")
     out = job.result()
-    assert out[4]["stopped"] and out[4]["tokens"] < 60, "Stop must end the answer within a step or two"
+    assert out[4]["stopped"] and out[4]["tokens"] < 2048
+    # Stop ends the answer within its step, not at the end of the budget: the page's updates (0.1 s apart) and
+    # the request's round trip are what separate the two counts, under 0.5 s of decoding at this speed
+    assert out[4]["tokens"] - seen < 256, f"Stop must end the answer within a step or two ({seen} -> {out[4]['tokens']})"
     assert time.monotonic() - stopped_at < 10
     assert "Stopped" in out[6]
     _, again = stream(client, *chat_args("Say hello.", spec=False))
