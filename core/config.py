@@ -183,10 +183,10 @@ class TreeConfig:
         _, depth, total = caps[-1]
         if depth >= self.depth and total >= max(self.total_tokens, self.lookup_total_tokens):
             return self
-        return TreeConfig(depth=min(self.depth, depth), top_k=self.top_k,
-                          total_tokens=min(self.total_tokens, total), lookup=self.lookup,
-                          lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0,
-                          plain_from_temperature=self.plain_from_temperature, row_floor=self.row_floor)
+        # one step's shape, its caps applied: every other setting (lookup, plain_from_temperature, row_floor, ...) stays
+        return replace(self, depth=min(self.depth, depth), total_tokens=min(self.total_tokens, total),
+                       lookup_total_tokens=min(self.lookup_total_tokens, total) if self.lookup_total_tokens else 0,
+                       long_context=())
 
     SHAPE = ("depth", "top_k", "total_tokens", "static_paths")  # what lookup_total_tokens was tuned for
 
