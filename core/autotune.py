@@ -471,7 +471,7 @@ def main(argv=None) -> None:
                         "the fastest (0 = trust the cost model; default 4)")
     p.add_argument("--ship", action="store_true",
                    help=f"also write the choice beside the head: to tree.<gemm>.json where the head has one for "
-                        f"this machine's GEMM (amx, avx512, amx-w4a8, avx512-w4a8), else to {TREE_FILE}")
+                        f"this machine's GEMM (amx, avx512, avx2, amx-w4a8, avx512-w4a8, avx2-w4a8), else to {TREE_FILE}")
     a = p.parse_args(argv)
     core.threads.start()  # no-op where the command line already did
     core.threads.set_threads(a.threads)

@@ -460,7 +460,7 @@ def measure_prefill(engine: Engine, lengths: Sequence[int], modes: Sequence[str]
 
 # ---------------------------------------------------------------------------- results
 
-FEATURES = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")  # what the kernels use
+FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")  # what the kernels use
 
 
 def machine() -> dict:
@@ -591,7 +591,7 @@ def format_table(result: dict) -> str:
     lines += _llama_cpp_lines(result)
     if "machine" in result:
         m = result["machine"]
-        lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {' '.join(m['features']) or 'no AVX-512'}"
+        lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {' '.join(m['features']) or 'no AVX2'}"
                      + (f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""))
     lines.append(f"numerics: {result.get('numerics', '?')}"
                  + (f"; draft head weights: {result['draft_weights']}" if result.get("draft_weights") else ""))

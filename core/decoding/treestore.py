@@ -5,7 +5,7 @@ measures and writes it), so neither imports the other. A tree is looked up in or
   1. tuned on this machine: `~/.cache/eagle-chat/autotune/<key>.json`, keyed by model, head,
      device, dtype, attention, draft vocabulary, thread count and OpenMP wait policy;
   2. shipped: `tree.<gemm>.json` beside the head where this machine's decoding GEMM
-     (`engine_gemm`: "amx", "avx512", "amx-w4a8", "avx512-w4a8") has its own tuned tree, else `tree.json`
+     (`engine_gemm`: "amx", "avx512", "avx2", "amx-w4a8", "avx512-w4a8", "avx2-w4a8") has its own tuned tree, else `tree.json`
      (tuned where the head was trained). A verified row costs about 1.5 ms with the AVX-512
      GEMM and almost nothing on AMX tiles, so the fastest tree differs between them;
   3. built in: `TreeConfig()`.

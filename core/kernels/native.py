@@ -33,8 +33,10 @@ instead of eight torch ops.
 
 Built once per machine with gcc into `cache_home()/kernels`, loaded with ctypes, and checked
 (against fp32 references, and row by row against a batch) before first use. Where any step
-fails (not x86-64 Linux, no avx512_bf16, no gcc) `status()` says why and callers keep torch's
-kernels. `EAGLE_CHAT_KERNELS=torch` turns them off.
+fails (not x86-64 Linux, neither avx512_bf16 nor AVX2, no gcc) `status()` says why and callers keep
+torch's kernels. `EAGLE_CHAT_KERNELS=torch` turns them off. A CPU without avx512_bf16 builds the same
+sources for AVX2 (csrc/avx2.h: each 512-bit intrinsic on two 256-bit halves, the same lane operations;
+`EAGLE_CHAT_KERNELS=avx2` picks that build on an AVX-512 CPU too).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")  # gcc >= 11; an older co
 COMPAT_FLAGS = ("-O3", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-msse4.1", "-msse4.2", "-mssse3", "-mavx", "-mavx2",
                 "-mbmi", "-mbmi2", "-mf16c", "-mfma", "-mlzcnt", "-mmovbe", "-mxsave", "-mavx512f", "-mavx512bw",
                 "-mavx512cd", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
+# A CPU without avx512_bf16 (AMD Zen 1-3, Intel's desktop chips): the same sources on AVX2 + FMA + F16C,
+# each 512-bit intrinsic as two 256-bit halves (csrc/avx2.h). -ffp-contract=off: a multiply and an add the
+# kernels write as two roundings stay two (the AVX-512 build gets that from its explicit-rounding intrinsics).
+AVX2_FLAGS = ("-O3", "-march=x86-64-v3", "-DEAGLE_AVX2", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+AVX2_FEATURES = frozenset({"avx2", "fma", "f16c", "bmi2"})  # x86-64-v3's, as far as the kernels use them
 BUILD_TIMEOUT_S = 300  # one build takes 4-5 s on two cores (each file on a core of its own); a hung compiler must not hang the load
 # Calls with more rows (a long prefill) run on AMX tiles where the machine has them (`prompt_usable`),
 # else in oneDNN's compute-bound GEMM. It exceeds the largest tree the engine can verify (TreeConfig:
@@ -84,6 +91,7 @@ class NativeStatus:
     amx: bool = False  # GEMMs with K % 32 == 0 and N % 16 == 0 run on AMX tiles (csrc/gemm_amx.c)
     amx_attention: bool = False  # rows of head_dim 64 with enough keys attend on AMX tiles (csrc/attention_amx.c)
     amx_attention_from: int = 0  # ... from this many keys (a row's context and ancestors)
+    isa: str = "avx512"  # the vector instructions the kernels were built for: "avx512", or "avx2" (csrc/avx2.h)
 
     def describe(self) -> str:
         if not self.available:
@@ -93,6 +101,8 @@ class NativeStatus:
                     "AVX-512 below and RMSNorm (core/kernels/csrc)")
         if self.amx:
             return "AMX bf16 GEMM, AVX-512 attention and RMSNorm (core/kernels/csrc)"
+        if self.isa == "avx2":
+            return "AVX2 GEMM, attention and RMSNorm (core/kernels/csrc, AVX-512 kernels on 256-bit halves)"
         return "AVX-512 bf16 GEMM, attention and RMSNorm (core/kernels/csrc)"  # as before AMX: autotune keys hold it
 
 
@@ -188,11 +198,11 @@ def _compile(cc: str, flags: tuple[str, ...], lib: Path) -> str:
     return ""
 
 
-def _build() -> Path:
+def _build(isa: str = "avx512") -> Path:
     """Compile the kernels (once per source, flags and compiler) and return the library path.
-    With AMX flags first; where the compiler refuses them, without (csrc/gemm_amx.c then builds
+    AVX-512: with AMX flags first; where the compiler refuses them, without (csrc/gemm_amx.c then builds
     stubs and the AVX-512 GEMM serves every shape); where it refuses -march=x86-64-v4 too (gcc
-    10), with the same instruction sets named one by one."""
+    10), with the same instruction sets named one by one. AVX2: AVX2_FLAGS."""
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if cc is None:
         raise RuntimeError("no C compiler (gcc) on PATH")
@@ -202,7 +212,7 @@ def _build() -> Path:
         raise RuntimeError(f"{cc} --version did not answer within 60 s") from None
     folder = _kernel_dir()
     problem = ""
-    for flags in (FLAGS + AMX_FLAGS, FLAGS, COMPAT_FLAGS):
+    for flags in ((AVX2_FLAGS,) if isa == "avx2" else (FLAGS + AMX_FLAGS, FLAGS, COMPAT_FLAGS)):
         key = hashlib.sha1(" ".join((source_digest(), *flags, *version)).encode()).hexdigest()[:12]
         lib = folder / f"decode-{key}.so"
         if lib.is_file() and not (_owned_and_private(lib) and _whole_elf(lib)):
@@ -215,14 +225,23 @@ def _build() -> Path:
     raise RuntimeError(f"gcc failed: {problem}")
 
 
-def _load() -> ctypes.CDLL:
+def _load(isa: str = "avx512") -> ctypes.CDLL:
     """The built library; a cached file that does not load (corrupt) is rebuilt once."""
-    lib = _build()
+    lib = _build(isa)
     try:
         return ctypes.CDLL(str(lib))
     except OSError:
         lib.unlink(missing_ok=True)
-        return ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build(isa)))
+
+
+def kernel_isa() -> str | None:
+    """Which build this CPU runs: "avx512" (avx512_bf16), "avx2" (AVX2 + FMA + F16C, or
+    EAGLE_CHAT_KERNELS=avx2 on any CPU that has them), or None (neither)."""
+    flags = _cpu_flags()
+    if os.environ.get(OFF_ENV, "").lower() == "avx2" or "avx512_bf16" not in flags:
+        return "avx2" if AVX2_FEATURES <= flags else None
+    return "avx512"
 
 
 # The classes a `// ctypes:` declaration names -> ctypes types (void: no result)
@@ -300,10 +319,11 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
         return None, NativeStatus(False, f"{OFF_ENV}={os.environ[OFF_ENV]}")
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return None, NativeStatus(False, f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}")
-    if "avx512_bf16" not in _cpu_flags():
-        return None, NativeStatus(False, "this CPU lacks avx512_bf16")
+    isa = kernel_isa()
+    if isa is None:
+        return None, NativeStatus(False, "this CPU lacks both avx512_bf16 and AVX2 + FMA + F16C")
     try:
-        kernels = _Kernels(_load())
+        kernels = _Kernels(_load(isa))
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     amx = bool(kernels.amx_enable(int(amx_wanted())))
@@ -313,12 +333,12 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")
     return kernels, NativeStatus(True, "built and self-tested", amx=amx, amx_attention=attention_amx,
-                                 amx_attention_from=int(kernels.attn_amx_min_keys(-1)))
+                                 amx_attention_from=int(kernels.attn_amx_min_keys(-1)), isa=isa)
 
 
 def amx_wanted() -> bool:
     """The CPU has AMX bf16 tiles and EAGLE_CHAT_AMX does not turn them off (Linux must still grant them)."""
-    return ({"amx_tile", "amx_bf16"} <= _cpu_flags()
+    return ({"amx_tile", "amx_bf16"} <= _cpu_flags() and kernel_isa() == "avx512"
             and not switched_off(AMX_ENV))
 
 
@@ -349,10 +369,10 @@ def status() -> NativeStatus:
 
 
 def gemm_kind() -> str | None:
-    """Which decoding GEMM runs here: "amx", "avx512", or None (torch's kernels). What a verified
+    """Which decoding GEMM runs here: "amx", "avx512", "avx2", or None (torch's kernels). What a verified
     row costs depends on it, so shipped draft trees may differ by it (core.decoding.treestore)."""
     st = status()
-    return ("amx" if st.amx else "avx512") if st.available else None
+    return ("amx" if st.amx else st.isa) if st.available else None
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -544,7 +564,7 @@ def _self_test(k: _Kernels) -> str | None:
     k.silu_mul_bf16(g.data_ptr(), 37, u.data_ptr(), 37, act.data_ptr(), 37, 3, 37, 1)
     if not torch.allclose(act.float(), (F.silu(g.float()) * u.float()), rtol=2e-2, atol=1e-2):
         return "wrong SiLU x up results"
-    if "avx512_vnni" in _cpu_flags():
+    if "avx512_vnni" in _cpu_flags() or kernel_isa() == "avx2":  # int8_available(), before _library returns
         w = torch.randn(40, 100, generator=gen).bfloat16()
         x = torch.randn(5, 100, generator=gen).bfloat16()
         ref = x.float() @ w.float().T
@@ -702,8 +722,9 @@ S8_MAX_ROWS = 64  # int8 drafting GEMM: decoding-sized calls only (a prompt's ca
 
 @functools.cache
 def int8_available() -> bool:
-    """Whether the int8 drafting GEMM runs here (the kernels, and VNNI's vpdpbusd)."""
-    return _library()[0] is not None and "avx512_vnni" in _cpu_flags()
+    """Whether the int8 drafting GEMM runs here (the kernels, and VNNI's vpdpbusd or, in the AVX2
+    build, its exact emulation: csrc/avx2.h)."""
+    return _library()[0] is not None and ("avx512_vnni" in _cpu_flags() or status().isa == "avx2")
 
 
 def quantize(weight: torch.Tensor) -> Int8Weight:

@@ -108,7 +108,7 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 float *st = s + t * cap;
                 const uint16_t *qv = q + i * qs_row + h * qs_head;
                 __m512bh qc[8];
-                for (int c = 0; c < chunks; c++) qc[c] = (__m512bh)_mm512_loadu_si512(qv + 32 * c);
+                for (int c = 0; c < chunks; c++) qc[c] = AS_BH(_mm512_loadu_si512(qv + 32 * c));
                 // scores, 16 keys at a time; key slots past `count` point at slot 0 and are masked
                 __m512 vmax = _mm512_set1_ps(-INFINITY);
                 for (int64_t j0 = 0; j0 < count; j0 += 16) {
@@ -117,7 +117,7 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                         int64_t j = j0 + u, slot = j < count ? key_slot(j, L, anc + i * anc_stride) : 0;
                         const uint16_t *kr = kh + slot * kv_pos;
                         __m512 a = _mm512_setzero_ps();
-                        for (int c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, qc[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                        for (int c = 0; c < chunks; c++) a = _mm512_dpbf16_ps(a, qc[c], AS_BH(_mm512_loadu_si512(kr + 32 * c)));
                         acc[u] = a;
                     }
                     __m512 sv = _mm512_mul_ps(in_order16(reduce16(acc)), _mm512_set1_ps(scale));

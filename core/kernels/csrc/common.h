@@ -1,6 +1,11 @@
 // Shared by the decoding kernels: bf16 <-> fp32 and the fixed lane-reduction tree.
 #pragma once
 #include <immintrin.h>
+#ifdef EAGLE_AVX2  // a CPU without AVX-512: the same kernels on AVX2 halves (avx2.h)
+#include "avx2.h"
+#else
+#define AS_BH(v) ((__m512bh)(v))  // 32 bf16 in a vector register, as vdpbf16ps reads them
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

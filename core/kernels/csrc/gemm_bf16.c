@@ -20,17 +20,17 @@ static inline void tile_##MB##x##NB(const uint16_t *x, int64_t ldx, const uint16
     int k = 0;                                                                                \
     for (; k + 32 <= K; k += 32) {                                                            \
         __m512bh wv[NB];                                                                      \
-        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);   \
+        for (int j = 0; j < NB; j++) wv[j] = AS_BH(_mm512_loadu_si512(w + j * ldw + k));   \
         for (int i = 0; i < MB; i++) {                                                        \
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);                      \
+            __m512bh xv = AS_BH(_mm512_loadu_si512(x + i * ldx + k));                      \
             for (int j = 0; j < NB; j++) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]); \
         }                                                                                     \
     }                                                                                         \
     if (k < K) {                                                                              \
         __m512bh wv[NB];                                                                      \
-        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + j * ldw + k); \
+        for (int j = 0; j < NB; j++) wv[j] = AS_BH(_mm512_maskz_loadu_epi16(tail, w + j * ldw + k)); \
         for (int i = 0; i < MB; i++) {                                                        \
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + i * ldx + k);          \
+            __m512bh xv = AS_BH(_mm512_maskz_loadu_epi16(tail, x + i * ldx + k));          \
             for (int j = 0; j < NB; j++) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]); \
         }                                                                                     \
     }                                                                                         \

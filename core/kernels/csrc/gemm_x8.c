@@ -95,9 +95,9 @@ static void quantize_row_x8(const uint16_t *x, int K, int8_t *q, float *d, float
         __m512 a = bf16x16_to_ps(x + 32 * kb), b = bf16x16_to_ps(x + 32 * kb + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
         float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m512 lim = _mm512_set1_ps(127.0f);
-        __m512 fa = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a, _mm512_set1_ps(id)), -lim), lim);
-        __m512 fb = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(b, _mm512_set1_ps(id)), -lim), lim);
+        const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+        __m512 fa = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a, _mm512_set1_ps(id)), nlim), lim);
+        __m512 fb = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(b, _mm512_set1_ps(id)), nlim), lim);
         __m512i ia = _mm512_cvt_roundps_epi32(fa, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m512i ib = _mm512_cvt_roundps_epi32(fb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128((__m128i *)(q + 32 * kb), _mm512_cvtepi32_epi8(ia));
@@ -132,6 +132,7 @@ static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); ret
 
 // One block's 16 integer sums: ops[r] holds K positions 4r..4r+3 of the 16 output rows (unsigned
 // bytes), qx the row's 32 signed codes; two chains of four vpdpbusd, then their sum (exact).
+#ifndef EAGLE_AVX2
 static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int p = 0; p < 4; p++) {
@@ -140,6 +141,42 @@ static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
     }
     return _mm512_add_epi32(s0, s1);
 }
+#define block_isum_nibbles block_isum  // codes below 16 (Q4, the screen's h): the same instructions
+#else
+// AVX2 has no vpdpbusd. vpmaddubsw multiplies unsigned by signed bytes and adds pairs into 16 bits,
+// saturating; for codes below 16 a pair is at most 2 x 15 x 127 = 3,810, so the block's 8 vectors
+// add up in 16 bits (<= 30,480) and one vpmaddwd by 1 gives each dword its 4 lanes' sum: the same
+// integers as vpdpbusd's, at a quarter of the emulated instruction's work.
+static inline __m256i isum_nibbles8(const __m256i *ops, int half, const int8_t *qx) {
+    __m256i s = _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {
+        int32_t lo, hi;
+        memcpy(&lo, qx + 4 * p, 4);
+        memcpy(&hi, qx + 16 + 4 * p, 4);
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[2 * p + half], _mm256_set1_epi32(lo)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[2 * (4 + p) + half], _mm256_set1_epi32(hi)));
+    }
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+static inline __m512i block_isum_nibbles(const __m512i *ops, const int8_t *qx) {
+    const __m256i *o = (const __m256i *)ops;  // ops[r] = (lo, hi): o[2 r + half]
+    __m512i r = {isum_nibbles8(o, 0, qx), isum_nibbles8(o, 1, qx)};
+    return r;
+}
+// Full bytes (Q8 codes + 128): each split into nibbles, u = 16 h + l, both sums exact as above.
+static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i lo[16], hi[16];
+    const __m256i *o = (const __m256i *)ops;
+    for (int t = 0; t < 16; t++) {
+        lo[t] = _mm256_and_si256(o[t], low);
+        hi[t] = _mm256_and_si256(_mm256_srli_epi16(o[t], 4), low);
+    }
+    __m512i l = {isum_nibbles8(lo, 0, qx), isum_nibbles8(lo, 1, qx)};
+    __m512i h = {isum_nibbles8(hi, 0, qx), isum_nibbles8(hi, 1, qx)};
+    return _mm512_add_epi32(_mm512_slli_epi32(h, 4), l);
+}
+#endif
 
 // AMX-INT8 (Intel Sapphire Rapids and later) from AMX_X8_MIN_ROWS rows: one TDPBSUD multiplies
 // 16 rows of x by a block of 16 output rows, a 16th of VNNI's integer instructions per row (the
@@ -251,7 +288,7 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
         __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
-            acc[i] = block_q4_fp32(acc[i], block_isum(ops, a->q + m * K + 32 * kb), dw, mw, a->d[blk], a->ds[blk]);
+            acc[i] = block_q4_fp32(acc[i], block_isum_nibbles(ops, a->q + m * K + 32 * kb), dw, mw, a->d[blk], a->ds[blk]);
         }
     }
 }
@@ -498,7 +535,7 @@ static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qr
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
             // sum q_x (16 h + 7.5 - 128) = (32 sum q_x h - 241 sum q_x) / 2: an exact integer, halved in d
-            __m512i ia = _mm512_sub_epi32(_mm512_slli_epi32(block_isum(ops, a->q + m * K + 32 * kb), 5),
+            __m512i ia = _mm512_sub_epi32(_mm512_slli_epi32(block_isum_nibbles(ops, a->q + m * K + 32 * kb), 5),
                                           _mm512_set1_epi32(241 * a->s[blk]));
             acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(0.5f * a->d[blk])), _mm512_cvtepi32_ps(ia), acc[i]);
         }
