@@ -220,7 +220,8 @@ def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
 @pytest.mark.slow
 def test_greedy_steps_screen_the_lm_head_and_choose_what_the_full_head_chooses(smollm2_w4a8):
     """The embedded engine screens its LM head on greedy steps (core.kernels.screen): along greedy
-    answers, a screened forward of one row and of a two-row chain chooses the full head's token at
+    answers, a screened forward of one row and of a two-row chain (and a five-row one on AVX2, where the
+    screen serves up to 16 rows: core.kernels.step.screen_rows) chooses the full head's token at
     every row, its computed logits are the full head's bits, and it leaves most of the head unread."""
     eng, step = smollm2_w4a8, smollm2_w4a8.step
     assert step.screen is not None and "greedy steps screen the LM head" in eng.numerics.describe()
@@ -233,7 +234,8 @@ def test_greedy_steps_screen_the_lm_head_and_choose_what_the_full_head_chooses(s
             _, last = prefill(step, ids, cache)
             token, pos = int(last.float().argmax()), len(ids)
             for _ in range(40):
-                for n in (1, 2):  # a plain step; a chain whose draft repeats the token
+                # a plain step; chains whose drafts repeat the token (5 rows where the screen serves them: AVX2)
+                for n in (1, 2, 5) if step.screen_rows >= 5 else (1, 2):
                     args = (torch.tensor([token] * n), torch.arange(pos, pos + n), pos,
                             torch.arange(n).repeat(n, 1), torch.arange(1, n + 1), cache)  # row i: nodes 0..i
                     _, screened = step.forward(*args, only_max=True)

@@ -40,6 +40,14 @@ SCREEN_ENV = "EAGLE_CHAT_SCREEN"  # "0": greedy steps read the whole LM head
 # real chains, target forward screened / full: 1 row 0.962-0.974, 2 rows 0.967-0.993, 3 rows 1.00-1.02,
 # 8 rows 1.08 (scripts/screen_cost.py; docs/native-step.md).
 SCREEN_ROWS = 2
+# On AVX2 (csrc/avx2.h) the full head's 8-bit codes cost two nibble passes per row and the screen's first
+# pass one, so there it saves integer work too and serves every forward it can (csrc: up to 16 rows).
+SCREEN_ROWS_AVX2 = 16
+
+
+def screen_rows() -> int:
+    """How many rows a greedy forward may have and still screen the LM head, on this machine's kernels."""
+    return SCREEN_ROWS_AVX2 if native.status().isa == "avx2" else SCREEN_ROWS
 
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 STEP_TYPES = ("llama", "mistral", "qwen2")
@@ -167,6 +175,7 @@ class NativeStep:
                          scale=attn.scaling, embed=weight("model.embed_tokens.weight"),
                          lm_head=weight(lm_name), norm=ptr(model.model.norm.weight), layer=layers)
         self.screen = None  # core.kernels.screen.Screen once set_screen gives one
+        self.screen_rows = screen_rows()
         self._lm_name = lm_name
         self._tables(4096)
         self._bound = None  # (weakref to the cache, its room in positions, buffers_epoch()) once bound
@@ -326,7 +335,7 @@ class NativeStep:
             ctypes.byref(self._m), tokens, positions, n, committed, at, ancestors, stride, counts,
             None if ids is None else ids.data_ptr(), 0 if ids is None else ids.shape[0],
             None if feats is None else feats.data_ptr(), hidden.data_ptr(), logits.data_ptr(), choices,
-            int(only_max and n <= SCREEN_ROWS), torch.get_num_threads())
+            int(only_max and n <= self.screen_rows), torch.get_num_threads())
         if code:
             raise StepError(f"the native step failed: {_ERRORS.get(code, code)}")
         for layer in cache.layers:

@@ -278,6 +278,45 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
 #endif
 
 // Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q4_X8 weight -> acc[i]
+#ifdef EAGLE_AVX2
+// AVX2 (16 vector registers): one half of the group (8 output rows) at a time, its 8 code vectors kept in
+// registers across the rows of x (both halves' 16 spill: every product then reloads its operand). The
+// same integers (isum_nibbles8's, summed in another order: exact) and block_q4_fp32's steps per lane.
+static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = w + (int64_t)kb * 320;
+        prefetch_ahead(b, 320);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
+        for (int h = 0; h < 2; h++) {
+            __m256i ops[8];
+            for (int p = 0; p < 4; p++) {
+                __m256i z = _mm256_loadu_si256((const __m256i *)(b + 64 * p + 32 * h));
+                ops[p] = _mm256_and_si256(z, low);
+                ops[4 + p] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+            }
+            __m256 dwh = h ? dw.hi : dw.lo, mwh = h ? mw.hi : mw.lo;
+            for (int i = 0; i < rows; i++) {
+                int64_t m = m0 + i, blk = m * KB + kb;
+                const int8_t *qx = a->q + m * K + 32 * kb;
+                __m256i s = _mm256_setzero_si256();
+                for (int p = 0; p < 4; p++) {
+                    int32_t lo, hi;
+                    memcpy(&lo, qx + 4 * p, 4);
+                    memcpy(&hi, qx + 16 + 4 * p, 4);
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[p], _mm256_set1_epi32(lo)));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[4 + p], _mm256_set1_epi32(hi)));
+                }
+                __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+                __m256 *ah = h ? &acc[i].hi : &acc[i].lo;
+                __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(dwh, _mm256_set1_ps(a->d[blk])), isum, *ah);
+                *ah = _mm256_fmadd_ps(mwh, _mm256_set1_ps(a->ds[blk]), t);
+            }
+        }
+    }
+}
+#else
 static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = w + (int64_t)kb * 320;
@@ -292,7 +331,70 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
         }
     }
 }
+#endif
 
+#ifdef EAGLE_AVX2
+// AVX2: a block's codes u = 16 h + l split into nibbles once per half of the group (8 output rows), not
+// once per row: vector t of each (K positions 4t .. 4t + 3) against the row's 4 codes there, the two sums
+// exact in 16 bits (isum_nibbles8's bound), u's sum = 16 sum(h) + sum(l); then block_q8_fp32's steps per lane.
+static inline void half_q8(const __m256i *oh, const __m256i *ol, int h, __m256 dwh, const qrows *a, int K, int KB,
+                           int kb, const int *rows, int m0, int count, __m512 *acc) {
+    for (int c = 0; c < count; c++) {
+        int64_t m = rows ? rows[c] : m0 + c, blk = m * KB + kb;
+        const int8_t *qx = a->q + m * K + 32 * kb;
+        __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            int32_t v;
+            memcpy(&v, qx + 4 * t, 4);
+            __m256i xb = _mm256_set1_epi32(v);
+            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(oh[t], xb));
+            sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(ol[t], xb));
+        }
+        __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(sh, _mm256_set1_epi16(16)), _mm256_madd_epi16(sl, _mm256_set1_epi16(1)));
+        __m256i t8 = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * a->s[blk]));
+        __m256 *ah = h ? &acc[c].hi : &acc[c].lo;
+        *ah = _mm256_fmadd_ps(_mm256_mul_ps(dwh, _mm256_set1_ps(a->d[blk])), _mm256_cvtepi32_ps(t8), *ah);
+    }
+}
+
+static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = w + (int64_t)kb * 544;
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 512)));
+        for (int h = 0; h < 2; h++) {
+            __m256i oh[8], ol[8];
+            for (int t = 0; t < 8; t++) {
+                __m256i u = _mm256_loadu_si256((const __m256i *)(b + 64 * t + 32 * h));
+                oh[t] = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+                ol[t] = _mm256_and_si256(u, low);
+            }
+            half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, NULL, m0, rows, acc);
+        }
+    }
+}
+
+static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, const int *rows, int count,
+                             __m512 *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *hi = split_hi(w, g, kb), *lo = split_lo(w, g, kb);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
+        for (int h = 0; h < 2; h++) {
+            __m256i oh[8], ol[8];  // Q4_X8's nibble order: vector p low nibbles (K 4p ..), 4 + p high (16 + 4p ..)
+            for (int p = 0; p < 4; p++) {
+                __m256i zh = _mm256_loadu_si256((const __m256i *)(hi + 64 * p + 32 * h));
+                __m256i zl = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
+                oh[p] = _mm256_and_si256(zh, low);
+                oh[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zh, 4), low);
+                ol[p] = _mm256_and_si256(zl, low);
+                ol[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zl, 4), low);
+            }
+            half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows, 0, count, acc);
+        }
+    }
+}
+#else
 // The same for a Q8_X8 weight.
 static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
@@ -322,6 +424,8 @@ static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, i
         }
     }
 }
+
+#endif
 
 // One 16-row group of one job, every row of x.
 static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
