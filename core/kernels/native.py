@@ -597,8 +597,10 @@ def prompt_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     size). There a 1,024-row prefill chunk costs less than in oneDNN's bf16 GEMM, which reorders the
     weight on every call and needs K_CHUNK's fp32 partials for row invariance (docs/long-context.md,
     2026-12-05, twelfth session). Without tiles the vector kernel re-reads the weight for every 16 rows,
-    so oneDNN keeps those calls."""
-    return _gemm_args(x, weight) and x.shape[-1] == weight.shape[1] and _tile_shape(*weight.shape)
+    so oneDNN keeps those calls. On AVX2 (no avx512_bf16) torch's bf16 GEMM is a dot-product loop
+    (`bf16_dot_with_fp32_arith`: 73% of a 552-token prefill, 30 s), so the vector kernel serves them all there."""
+    return _gemm_args(x, weight) and x.shape[-1] == weight.shape[1] and (
+        _tile_shape(*weight.shape) or status().isa == "avx2")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -326,14 +326,22 @@ SH sh_ps sh_permutex2var_ps(sh_ps a, sh_si idx, sh_ps b) {
     return PS(r[0], r[1]);
 }
 #define _mm512_permutex2var_ps sh_permutex2var_ps
-SH sh_si sh_permutexvar_epi16(sh_si idx, sh_si a) {  // 32 words
-    uint16_t t[32], i[32], o[32];
-    memcpy(t, &a.lo, 32); memcpy(t + 16, &a.hi, 32);
-    memcpy(i, &idx.lo, 32); memcpy(i + 16, &idx.hi, 32);
-    for (int j = 0; j < 32; j++) o[j] = t[i[j] & 31];
-    sh_si r;
-    memcpy(&r.lo, o, 32); memcpy(&r.hi, o + 16, 32);
-    return r;
+// 32 words of a picked by idx & 31: vpshufb within each 128-bit quarter of a (broadcast to both lanes),
+// then the quarter chosen by bits 3 and 4 of the index (the Q4 dequantizer's 16-entry table lookup)
+SH __m256i sh_perm32w(__m256i idx, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+    __m256i i = _mm256_and_si256(idx, _mm256_set1_epi16(31));
+    __m256i ctrl = _mm256_add_epi16(_mm256_mullo_epi16(_mm256_and_si256(i, _mm256_set1_epi16(7)), _mm256_set1_epi16(0x0202)),
+                                    _mm256_set1_epi16(0x0100));
+    __m256i b3 = _mm256_cmpeq_epi16(_mm256_and_si256(i, _mm256_set1_epi16(8)), _mm256_set1_epi16(8));
+    __m256i b4 = _mm256_cmpeq_epi16(_mm256_and_si256(i, _mm256_set1_epi16(16)), _mm256_set1_epi16(16));
+    __m256i r01 = _mm256_blendv_epi8(_mm256_shuffle_epi8(q0, ctrl), _mm256_shuffle_epi8(q1, ctrl), b3);
+    __m256i r23 = _mm256_blendv_epi8(_mm256_shuffle_epi8(q2, ctrl), _mm256_shuffle_epi8(q3, ctrl), b3);
+    return _mm256_blendv_epi8(r01, r23, b4);
+}
+SH sh_si sh_permutexvar_epi16(sh_si idx, sh_si a) {
+    __m256i q0 = _mm256_permute2x128_si256(a.lo, a.lo, 0x00), q1 = _mm256_permute2x128_si256(a.lo, a.lo, 0x11);
+    __m256i q2 = _mm256_permute2x128_si256(a.hi, a.hi, 0x00), q3 = _mm256_permute2x128_si256(a.hi, a.hi, 0x11);
+    return SI(sh_perm32w(idx.lo, q0, q1, q2, q3), sh_perm32w(idx.hi, q0, q1, q2, q3));
 }
 #define _mm512_permutexvar_epi16 sh_permutexvar_epi16
 
