@@ -327,7 +327,13 @@ def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
     x = torch.randn(700, 1536).bfloat16()  # a prefill-sized call: dequantized per call, then AMX tiles or oneDNN
     with safe_open(embedded_model_dir() / "model.safetensors", "pt") as f:
         weight = f.get_tensor("model.layers.3.mlp.down_proj.weight").bfloat16()
-    ref = native.linear(x, weight) if native.prompt_usable(x, weight) else chunked_linear(x, weight, None)
+    if native.status().amx:
+        ref = native.linear(x, weight)
+    elif native.status().isa == "avx2":  # the blocks' own kernel, MAX_ROWS rows a call (no bf16 dot product there)
+        ref = torch.cat([native.linear_w(x[:native.MAX_ROWS], down.wmat), native.linear_w(x[native.MAX_ROWS:], down.wmat)])
+        assert torch.equal(ref, torch.cat([native.linear_w(x[i:i + 1], down.wmat) for i in range(len(x))]))
+    else:
+        ref = chunked_linear(x, weight, None)
     assert torch.equal(down(x), ref) and torch.equal(down(x[:5]), native.linear_w(x[:5], down.wmat))
     # a prefill's call of PROMPT_TILE_ROWS rows or more takes the tiles too (where this machine has them);
     # decoding's calls of as many rows (a tree) keep the 8-bit kernel, whose rows do not depend on the others
@@ -341,8 +347,8 @@ def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
 @pytest.mark.slow
 def test_without_tiles_a_prompts_block_layers_dequantize_for_onednn(smollm2, monkeypatch):
     """Where AMX tiles do not serve (the AMD machines; EAGLE_CHAT_AMX=0 here) a prompt-sized call dequantizes the
-    blocks (on every thread) for oneDNN (for the vector kernel on AVX2, where torch's bf16 GEMM is a
-    dot-product loop), and a prefill's smaller calls keep the 8-bit kernel."""
+    blocks (on every thread) for oneDNN, and a prefill's smaller calls keep the 8-bit kernel. On AVX2 (no bf16
+    dot product) the 8-bit kernel serves prompt-sized calls too."""
     down = smollm2.target.model.model.layers[3].mlp.down_proj
     x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(5)).bfloat16()
     tiles = native.status().amx
@@ -354,9 +360,10 @@ def test_without_tiles_a_prompts_block_layers_dequantize_for_onednn(smollm2, mon
         weight = native.dequantize(down.wmat)
         torch.set_num_threads(1)
         assert torch.equal(native.dequantize(down.wmat), weight)  # one thread or two: the same values
-        avx2 = native.status().isa == "avx2"
-        assert native.prompt_usable(x, weight) == avx2
-        assert torch.equal(down(x), native.linear(x, weight) if avx2 else chunked_linear(x, weight, None))
+        if native.status().isa == "avx2":
+            assert torch.equal(down(x), torch.cat([native.linear_w(x[i:i + 350], down.wmat) for i in (0, 350)]))
+        else:
+            assert torch.equal(down(x), chunked_linear(x, weight, None))
         with reading_prompt():
             assert torch.equal(down(x[:200]), native.linear_w(x[:200], down.wmat))
     finally:
