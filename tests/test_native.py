@@ -841,7 +841,7 @@ def test_c_kernels_report_what_they_cannot_do_instead_of_crashing():
 # ---- CPUs without AVX-512: the same kernels on AVX2 halves (csrc/avx2.h) ----
 
 needs_avx2 = pytest.mark.skipif(not native.AVX2_FEATURES <= native._cpu_flags() or platform.machine() != "x86_64",
-                                reason="this CPU lacks AVX2 + FMA + F16C")
+                                reason="this CPU lacks x86-64-v3 (AVX2, FMA, F16C, ...)")
 
 
 @needs_avx2

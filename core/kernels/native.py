@@ -70,9 +70,11 @@ COMPAT_FLAGS = ("-O3", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-msse4.1", "-m
                 "-mavx512cd", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
 # A CPU without avx512_bf16 (AMD Zen 1-3, Intel's desktop chips): the same sources on AVX2 + FMA + F16C,
 # each 512-bit intrinsic as two 256-bit halves (csrc/avx2.h). -ffp-contract=off: a multiply and an add the
-# kernels write as two roundings stay two (the AVX-512 build gets that from its explicit-rounding intrinsics).
+# kernels write as two roundings stay two (the AVX-512 build fuses a few where that cannot change a target logit:
+# csrc/avx2.h's header).
 AVX2_FLAGS = ("-O3", "-march=x86-64-v3", "-DEAGLE_AVX2", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-AVX2_FEATURES = frozenset({"avx2", "fma", "f16c", "bmi2"})  # x86-64-v3's, as far as the kernels use them
+# x86-64-v3, as /proc/cpuinfo names its features (abm: LZCNT): what -march=x86-64-v3 lets gcc emit
+AVX2_FEATURES = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 BUILD_TIMEOUT_S = 300  # one build takes 4-5 s on two cores (each file on a core of its own); a hung compiler must not hang the load
 # Calls with more rows (a long prefill) run on AMX tiles where the machine has them (`prompt_usable`),
 # else in oneDNN's compute-bound GEMM. It exceeds the largest tree the engine can verify (TreeConfig:
@@ -236,7 +238,7 @@ def _load(isa: str = "avx512") -> ctypes.CDLL:
 
 
 def kernel_isa() -> str | None:
-    """Which build this CPU runs: "avx512" (avx512_bf16), "avx2" (AVX2 + FMA + F16C, or
+    """Which build this CPU runs: "avx512" (avx512_bf16), "avx2" (x86-64-v3: AVX2, FMA, F16C, ...; or
     EAGLE_CHAT_KERNELS=avx2 on any CPU that has them), or None (neither)."""
     flags = _cpu_flags()
     if os.environ.get(OFF_ENV, "").lower() == "avx2" or "avx512_bf16" not in flags:
@@ -321,7 +323,7 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
         return None, NativeStatus(False, f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}")
     isa = kernel_isa()
     if isa is None:
-        return None, NativeStatus(False, "this CPU lacks both avx512_bf16 and AVX2 + FMA + F16C")
+        return None, NativeStatus(False, "this CPU lacks both avx512_bf16 and AVX2 (x86-64-v3: AVX2, FMA, F16C, BMI2, ...)")
     try:
         kernels = _Kernels(_load(isa))
     except (OSError, RuntimeError) as e:
