@@ -884,3 +884,52 @@ def test_a_cpu_with_neither_avx512_nor_avx2_keeps_torchs_kernels_and_says_why(mo
     st = native.status()
     assert not st.available and "lacks both avx512_bf16 and AVX2" in st.reason and native.gemm_kind() is None
     assert not list(fresh_cache.glob("*"))  # nothing was built
+
+
+def _kernel_outputs() -> list[torch.Tensor]:
+    """What the target's kernels compute on fixed inputs (the w4a8 and bf16 GEMMs, attention, RMSNorm,
+    SiLU x up, rotary, argmax) with whichever library serves now."""
+    from gguf import quants
+
+    from core.kernels import quant
+
+    gen = torch.Generator().manual_seed(21)
+    w = torch.randn(96, 576, generator=gen) * 0.05
+    outs = []
+    for kind, type_id in (("Q4_1", 3), ("Q4_0", 2), ("Q8_0", 8)):
+        raw = quants.quantize(w.numpy(), getattr(quants.GGMLQuantizationType, kind))
+        blocks = quant.Blocks(type_id, torch.from_numpy(raw.copy()), 96, 576)
+        for packed in (quant.pack_x8(blocks),) + ((quant.split_q8(blocks),) if kind == "Q8_0" else ()):
+            x = torch.randn(9, 576, generator=gen).bfloat16()
+            outs.append(native.linear_w(x, native.wmat(blocks=packed)))
+    x, wb = torch.randn(7, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16()
+    outs.append(native.linear(x, wb))
+    q, key, value, anc, counts = _tree_case(300, 9, 3, 64, seed=6)
+    outs.append(native.attention(q, key, value, 300, anc, counts, 0.125))
+    outs.append(native.rms_norm(x, torch.randn(100, generator=gen).bfloat16(), 1e-5))
+    outs.append(native.silu_mul(x, x * 3))
+    angles = torch.randn(5, 32, generator=gen) * 10
+    cos, sin = torch.cat([angles.cos()] * 2, -1).bfloat16(), torch.cat([angles.sin()] * 2, -1).bfloat16()
+    outs.append(native.rotary(torch.randn(5, 4 * 64, generator=gen).bfloat16(), cos, sin, 4))
+    outs.append(native.argmax(torch.randn(3, 49152, generator=gen).bfloat16()))
+    return outs
+
+
+@needs_avx512
+def test_the_avx2_build_computes_the_avx512_builds_bits(monkeypatch):
+    """csrc/avx2.h computes each AVX-512 intrinsic lane for lane on 256-bit halves: on an AVX-512 machine (AMX off,
+    as AVX2 machines have none) the two builds give the target's kernels the same bits."""
+    monkeypatch.setenv(native.AMX_ENV, "0")
+    native._library.cache_clear()
+    try:
+        assert native.status().isa == "avx512"
+        wide = _kernel_outputs()
+        monkeypatch.setenv(native.OFF_ENV, "avx2")
+        native._library.cache_clear()
+        assert native.status().isa == "avx2", native.status().reason
+        halves = _kernel_outputs()
+    finally:
+        monkeypatch.delenv(native.OFF_ENV, raising=False)
+        monkeypatch.delenv(native.AMX_ENV)
+        native._library.cache_clear()
+    assert [i for i, (a, b) in enumerate(zip(wide, halves)) if not torch.equal(a, b)] == []
