@@ -892,13 +892,14 @@ def _kernel_outputs() -> list[torch.Tensor]:
     from gguf import quants
 
     from core.kernels import quant
+    from tests.test_step import TYPES
 
     gen = torch.Generator().manual_seed(21)
     w = torch.randn(96, 576, generator=gen) * 0.05
     outs = []
-    for kind, type_id in (("Q4_1", 3), ("Q4_0", 2), ("Q8_0", 8)):
-        raw = quants.quantize(w.numpy(), getattr(quants.GGMLQuantizationType, kind))
-        blocks = quant.Blocks(type_id, torch.from_numpy(raw.copy()), 96, 576)
+    for kind in ("Q4_1", "Q4_0", "Q8_0"):
+        raw = quants.quantize(w.numpy(), TYPES[kind])
+        blocks = quant.Blocks(int(TYPES[kind]), torch.from_numpy(raw.copy()), 96, 576)
         for packed in (quant.pack_x8(blocks),) + ((quant.split_q8(blocks),) if kind == "Q8_0" else ()):
             x = torch.randn(9, 576, generator=gen).bfloat16()
             outs.append(native.linear_w(x, native.wmat(blocks=packed)))

@@ -340,7 +340,7 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
 
 def amx_wanted() -> bool:
     """The CPU has AMX bf16 tiles and EAGLE_CHAT_AMX does not turn them off (Linux must still grant them)."""
-    return ({"amx_tile", "amx_bf16"} <= _cpu_flags() and kernel_isa() == "avx512"
+    return ({"amx_tile", "amx_bf16"} <= _cpu_flags()
             and not switched_off(AMX_ENV))
 
 
@@ -566,7 +566,7 @@ def _self_test(k: _Kernels) -> str | None:
     k.silu_mul_bf16(g.data_ptr(), 37, u.data_ptr(), 37, act.data_ptr(), 37, 3, 37, 1)
     if not torch.allclose(act.float(), (F.silu(g.float()) * u.float()), rtol=2e-2, atol=1e-2):
         return "wrong SiLU x up results"
-    if "avx512_vnni" in _cpu_flags() or kernel_isa() == "avx2":  # int8_available(), before _library returns
+    if _int8_kernel(kernel_isa()):  # int8_available(), before _library returns
         w = torch.randn(40, 100, generator=gen).bfloat16()
         x = torch.randn(5, 100, generator=gen).bfloat16()
         ref = x.float() @ w.float().T
@@ -728,7 +728,13 @@ S8_MAX_ROWS = 64  # int8 drafting GEMM: decoding-sized calls only (a prompt's ca
 def int8_available() -> bool:
     """Whether the int8 drafting GEMM runs here (the kernels, and VNNI's vpdpbusd or, in the AVX2
     build, its exact emulation: csrc/avx2.h)."""
-    return _library()[0] is not None and ("avx512_vnni" in _cpu_flags() or status().isa == "avx2")
+    return _library()[0] is not None and _int8_kernel(status().isa)
+
+
+def _int8_kernel(isa: str | None) -> bool:
+    """Whether gemm_s8 has its integer dot product in this build: VNNI's vpdpbusd, or the AVX2 build's
+    exact emulation of it."""
+    return isa == "avx2" or "avx512_vnni" in _cpu_flags()
 
 
 def quantize(weight: torch.Tensor) -> Int8Weight:

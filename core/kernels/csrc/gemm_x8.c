@@ -163,19 +163,6 @@ static inline __m512i block_isum_nibbles(const __m512i *ops, const int8_t *qx) {
     __m512i r = {isum_nibbles8(o, 0, qx), isum_nibbles8(o, 1, qx)};
     return r;
 }
-// Full bytes (Q8 codes + 128): each split into nibbles, u = 16 h + l, both sums exact as above.
-static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256i lo[16], hi[16];
-    const __m256i *o = (const __m256i *)ops;
-    for (int t = 0; t < 16; t++) {
-        lo[t] = _mm256_and_si256(o[t], low);
-        hi[t] = _mm256_and_si256(_mm256_srli_epi16(o[t], 4), low);
-    }
-    __m512i l = {isum_nibbles8(lo, 0, qx), isum_nibbles8(lo, 1, qx)};
-    __m512i h = {isum_nibbles8(hi, 0, qx), isum_nibbles8(hi, 1, qx)};
-    return _mm512_add_epi32(_mm512_slli_epi32(h, 4), l);
-}
 #endif
 
 // AMX-INT8 (Intel Sapphire Rapids and later) from AMX_X8_MIN_ROWS rows: one TDPBSUD multiplies
