@@ -578,7 +578,18 @@ void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *ou
 // relative on |W||x| terms, 2^-10 on the norms), and x here is the activation as quantized (the
 // exact pass multiplies that too).
 
-int64_t screen_work_floats(int M, int N, int nthreads) { return (int64_t)M * (N / 16) + (int64_t)nthreads * M * 2 + M; }
+// Pass one's bound per group of 16 rows of W, or on AVX2 per half group (8 rows): there the exact pass
+// computes a half at a time (half_q8), and a group whose best bound reaches the maximum often reaches it
+// in one half only.
+#ifdef EAGLE_AVX2
+#define SCREEN_PARTS 2
+#else
+#define SCREEN_PARTS 1
+#endif
+
+int64_t screen_work_floats(int M, int N, int nthreads) {
+    return (int64_t)M * (N / 16) * SCREEN_PARTS + (int64_t)nthreads * M * 2 + M;
+}
 
 static int64_t screen_mine_bytes(int M, int K, int r) {
     return x8_work_bytes(16, K) + ((int64_t)M * (r + 4) + K + 64) * 4 + 64;
@@ -629,8 +640,8 @@ static void screen_row(const lm_screen *sc, const qrows *a, int K, int m, float 
     if (!(X < INFINITY) || !(Z < INFINITY) || !(b[0] < INFINITY) || !(b[2] < INFINITY)) b[0] = -1.0f;
 }
 
-// Pass one over group g, rows [m0, m0 + rows): each row's largest upper bound in the group, and the
-// thread's best centre so far.
+// Pass one over group g, rows [m0, m0 + rows): each row's largest upper bound in the group (in each half
+// of it: SCREEN_PARTS), and the thread's best centre so far.
 static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qrows *a, int K, int m0, int rows,
                          const float *z, const float *b, float *gmax, int64_t G, float *bestv, int32_t *bestg) {
     int KB = K / 32, r = sc->rank;
@@ -662,7 +673,13 @@ static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qr
         __m512 bound = _mm512_fmadd_ps(e1, _mm512_set1_ps(bi[0]), _mm512_mul_ps(e2, _mm512_set1_ps(bi[1])));
         bound = _mm512_fmadd_ps(es, _mm512_set1_ps(bi[3]), _mm512_fmadd_ps(e3, _mm512_set1_ps(bi[2]), bound));
         bound = _mm512_mul_ps(bound, _mm512_set1_ps(1.0f + 0x1p-10f));
-        gmax[(m0 + i) * G + g] = _mm512_reduce_max_ps(_mm512_add_ps(acc[i], bound));
+        __m512 reach = _mm512_add_ps(acc[i], bound);
+#ifdef EAGLE_AVX2
+        gmax[((m0 + i) * G + g) * 2] = sh_reduce8(reach.lo, 1);
+        gmax[((m0 + i) * G + g) * 2 + 1] = sh_reduce8(reach.hi, 1);
+#else
+        gmax[(m0 + i) * G + g] = _mm512_reduce_max_ps(reach);
+#endif
         float centre = _mm512_reduce_max_ps(acc[i]);
         if (centre > bestv[m0 + i]) {
             bestv[m0 + i] = centre;
@@ -671,6 +688,41 @@ static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qr
     }
 }
 
+#ifdef EAGLE_AVX2
+// Pass two on AVX2: the exact logits of each half h of group g (8 rows of W) for the rows of x listed in
+// rows[h] (group_q8s's steps per lane, so Q8_X8's bits), -inf in the halves a row does not reach.
+static void screen_exact_halves(const wmat *w, int64_t g, const qrows *a, int K, int rows[2][16], const int *count,
+                                uint16_t *y, int64_t ldy) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    int KB = K / 32;
+    __m512 acc[2][16];
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < count[h]; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *hi = split_hi(w, g, kb), *lo = split_lo(w, g, kb);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
+        for (int h = 0; h < 2; h++) {
+            if (!count[h]) continue;
+            __m256i oh[8], ol[8];
+            for (int p = 0; p < 4; p++) {
+                __m256i zh = _mm256_loadu_si256((const __m256i *)(hi + 64 * p + 32 * h));
+                __m256i zl = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
+                oh[p] = _mm256_and_si256(zh, low);
+                oh[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zh, 4), low);
+                ol[p] = _mm256_and_si256(zl, low);
+                ol[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zl, 4), low);
+            }
+            half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows[h], 0, count[h], acc[h]);
+        }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < count[h]; c++) {  // + a zero bias, as x8_group adds; this half's 8 bf16 values
+            __m256i v = to_bf16x16(_mm512_add_ps(acc[h][c], _mm512_setzero_ps()));
+            __m128i half = h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+            _mm_storeu_si128((__m128i *)(y + (int64_t)rows[h][c] * ldy + 16 * g + 8 * h), half);
+        }
+}
+#else
 // Pass two: the exact logits of group g for the listed rows (group_q8s's steps, so Q8_X8's bits).
 static void screen_exact(const wmat *w, int64_t g, const qrows *a, int K, const int *rows, int count, uint16_t *y,
                          int64_t ldy) {
@@ -680,6 +732,7 @@ static void screen_exact(const wmat *w, int64_t g, const qrows *a, int K, const 
     for (int c = 0; c < count; c++)  // + a zero bias, as x8_group adds
         _mm256_storeu_si256((__m256i *)(y + (int64_t)rows[c] * ldy + 16 * g), to_bf16x16(_mm512_add_ps(acc[c], _mm512_setzero_ps())));
 }
+#endif
 
 int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_screen *sc, uint16_t *y, int64_t ldy,
                    int M, void *mine, int64_t mine_bytes, float *shared) {
@@ -694,9 +747,9 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
                         a.s + (int64_t)m * KB);
         screen_row(sc, &a, K, m, xh, z + m * r, b + m * 4);
     }
-    // shared: each row's largest bound per group (M x G), then per thread and row its best centre and
-    // that centre's group (nt x M each), then each row's threshold (M)
-    float *gmax = shared, *centres = shared + M * G, *th = centres + (int64_t)nt * M * 2;
+    // shared: each row's largest bound per group or half group (M x G x SCREEN_PARTS), then per thread and
+    // row its best centre and that centre's group (nt x M each), then each row's threshold (M)
+    float *gmax = shared, *centres = shared + M * G * SCREEN_PARTS, *th = centres + (int64_t)nt * M * 2;
     int32_t *groups = (int32_t *)(centres + (int64_t)nt * M);
     float *bestv = centres + me * M;
     int32_t *bestg = groups + me * M;
@@ -727,6 +780,18 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
                     ? -INFINITY : v - fabsf(v) * 0x1p-7f - 0x1p-100f;
     }
     const __m256i minus_inf = _mm256_set1_epi16((short)0xFF80);
+#ifdef EAGLE_AVX2
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        int rows[2][16], count[2] = {0, 0};
+        for (int i = 0; i < M; i++)
+            for (int h = 0; h < 2; h++) {
+                if (!(gmax[(i * G + g) * 2 + h] < th[i])) rows[h][count[h]++] = i;  // NaN bounds count as reaching
+                else _mm_storeu_si128((__m128i *)(y + (int64_t)i * ldy + 16 * g + 8 * h), _mm256_castsi256_si128(minus_inf));
+            }
+        if (count[0] || count[1]) screen_exact_halves(w, g, &a, K, rows, count, y, ldy);
+    }
+#else
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < G; g++) {
         int rows[16], count = 0;
@@ -736,6 +801,7 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
         }
         if (count) screen_exact(w, g, &a, K, rows, count, y, ldy);
     }
+#endif
     return 0;
 }
 
