@@ -117,6 +117,34 @@ def test_step_logits_bit_identical_to_the_transformers_path_alone_and_in_random_
     assert_step_equals_transformers(model, step, torch.Generator().manual_seed(7), cases=6)
 
 
+def test_the_profiled_build_computes_the_same_bits_and_times_each_stage(monkeypatch, tmp_path):
+    """EAGLE_CHAT_PROFILE=1 builds the kernels with per-stage clocks (a library of its own): the step
+    still equals the transformers path bit for bit, each stage a forward runs has taken time, reading
+    the times zeroes them; the default build has no clocks and says so."""
+    import core.models
+
+    assert native.stage_times() is None  # the default build
+    monkeypatch.setattr(core.models, "cache_home", lambda: tmp_path / "home")
+    monkeypatch.setenv(native.PROFILE_ENV, "1")
+    native._library.cache_clear()
+    try:
+        model, blocks = quantized_llama("Q4_1", True)
+        step = NativeStep(model, blocks, "test")
+        native.stage_times()
+        assert_step_equals_transformers(model, step, torch.Generator().manual_seed(3), cases=2)
+        times = native.stage_times()
+        target = times["target"]
+        assert set(target) == set(native.STAGES)
+        for stage in ("embed", "norm", "qkv", "rotary", "attention", "o", "add", "gate/up", "silu", "down",
+                      "final norm", "lm head"):
+            assert target[stage] > 0, stage
+        assert all(v == 0 for v in times["head"].values())  # no draft head ran
+        assert all(v == 0 for part in native.stage_times().values() for v in part.values())
+        assert len(list((tmp_path / "home" / "kernels").glob("decode-*.so"))) == 1
+    finally:
+        native._library.cache_clear()
+
+
 def test_eagle3_feature_layers_match_transformers_hidden_states():
     model = wide_llama()
     make_invariant(model)

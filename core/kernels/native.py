@@ -84,6 +84,12 @@ OFF_ENV = "EAGLE_CHAT_KERNELS"
 AMX_ENV = "EAGLE_CHAT_AMX"  # "0" keeps the GEMM and attention on AVX-512 where the CPU has AMX tiles
 # "0" keeps attention alone on AVX-512 (for measuring; the GEMM's tiles stay): csrc/attention_amx.c
 AMX_ATTENTION_ENV = "EAGLE_CHAT_AMX_ATTENTION"
+# "1" builds the kernels with per-stage clocks (-DEAGLE_PROFILE, a library of its own): `stage_times`,
+# scripts/step_stages.py. Every number they compute is the same; thread 0 reads the clock between stages.
+PROFILE_ENV = "EAGLE_CHAT_PROFILE"
+# csrc/common.h's ST_* order: the stages of a forward, each ending at its closing barrier
+STAGES = ("features", "norm", "qkv", "rotary", "attention", "o", "add", "gate/up", "silu", "down", "embed",
+          "final norm", "lm head", "screen one", "screen centre", "screen two", "head fc")
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,9 @@ def _build(isa: str = "avx512") -> Path:
         raise RuntimeError(f"{cc} --version did not answer within 60 s") from None
     folder = _kernel_dir()
     problem = ""
+    profile = ("-DEAGLE_PROFILE",) if os.environ.get(PROFILE_ENV) == "1" else ()
     for flags in ((AVX2_FLAGS,) if isa == "avx2" else (FLAGS + AMX_FLAGS, FLAGS, COMPAT_FLAGS)):
+        flags = flags + profile
         key = hashlib.sha1(" ".join((source_digest(), *flags, *version)).encode()).hexdigest()[:12]
         lib = folder / f"decode-{key}.so"
         if lib.is_file() and not (_owned_and_private(lib) and _whole_elf(lib)):
@@ -368,6 +376,20 @@ def set_x8_amx(on: bool) -> bool:
 
 def status() -> NativeStatus:
     return _library()[1]
+
+
+def stage_times() -> dict[str, dict[str, float]] | None:
+    """Seconds spent in each stage of the target's forwards ("target") and the draft head's ("head") since
+    the last call, then zeroed; None where the kernels were not built with EAGLE_CHAT_PROFILE=1."""
+    k = _library()[0]
+    if k is None:
+        return None
+    buf = (ctypes.c_double * (2 * len(STAGES)))()
+    count = k.step_profile(buf, len(buf))
+    if count < 0:
+        return None
+    assert count == len(STAGES), f"csrc/common.h has {count} stages, STAGES names {len(STAGES)}"
+    return {part: {name: buf[j * count + i] for i, name in enumerate(STAGES)} for j, part in enumerate(("target", "head"))}
 
 
 def gemm_kind() -> str | None:

@@ -10,6 +10,31 @@
 #include <stdint.h>
 #include <string.h>
 
+// Where a forward's time goes (EAGLE_CHAT_PROFILE=1 builds with -DEAGLE_PROFILE; scripts/step_stages.py):
+// thread 0 adds the wall time since its previous mark to stage_seconds[stage_set][i] at each STAGE(i),
+// after the stage's closing barrier, so a stage's time includes the wait for the slowest thread; set 0
+// holds the target's forwards (decode_step), set 1 the draft head's (head_step). Without the flag STAGE is
+// nothing and the objects are the same as before it existed.
+enum { ST_FEATURES, ST_NORM, ST_QKV, ST_ROTARY, ST_ATTENTION, ST_O, ST_ADD, ST_GATE_UP, ST_SILU, ST_DOWN, ST_EMBED,
+       ST_FINAL_NORM, ST_LM_HEAD, ST_SCREEN_ONE, ST_SCREEN_CENTRE, ST_SCREEN_TWO, ST_HEAD_FC, ST_COUNT };
+#ifdef EAGLE_PROFILE
+#include <omp.h>
+#include <time.h>
+extern double stage_seconds[2][ST_COUNT], stage_mark;
+extern int stage_set;
+static inline void stage_clock(int i) {
+    if (omp_get_thread_num()) return;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    double now = t.tv_sec + t.tv_nsec * 1e-9;
+    if (i >= 0) stage_seconds[stage_set][i] += now - stage_mark;
+    stage_mark = now;
+}
+#define STAGE(i) stage_clock(i)
+#else
+#define STAGE(i) ((void)0)
+#endif
+
 static inline uint16_t to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);

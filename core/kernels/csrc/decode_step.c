@@ -51,6 +51,29 @@ typedef struct {
 
 enum { STEP_OK = 0, STEP_NO_MEMORY = -1, STEP_BAD_TOKEN = -2, STEP_BAD_POSITION = -3, STEP_BAD_WEIGHT = -4 };
 
+#ifdef EAGLE_PROFILE
+double stage_seconds[2][ST_COUNT], stage_mark;
+int stage_set;
+#endif
+
+// The stage times thread 0 gathered since the last call (seconds; the target's ST_COUNT in common.h's order,
+// then the draft head's) into seconds[0 .. count-1], then zeroed; returns ST_COUNT, or -1 in a build
+// without EAGLE_PROFILE.
+// ctypes: step_profile(ptr seconds, i32 count) -> i32
+int step_profile(double *seconds, int count) {
+#ifdef EAGLE_PROFILE
+    for (int i = 0; i < 2 * ST_COUNT; i++) {
+        if (i < count) seconds[i] = stage_seconds[i / ST_COUNT][i % ST_COUNT];
+        stage_seconds[i / ST_COUNT][i % ST_COUNT] = 0.0;
+    }
+    return ST_COUNT;
+#else
+    (void)seconds;
+    (void)count;
+    return -1;
+#endif
+}
+
 // x = bf16(x + d), as torch's bf16 add, split over the team
 static void add_team(uint16_t *x, const uint16_t *d, int64_t count) {
     int64_t tasks = (count + 255) / 256;
@@ -86,9 +109,11 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
     if (L->ln1) {
         rmsnorm_team(t->x, H, L->ln1, t->h, H, n, H, m->eps);
         in = t->h;
+        STAGE(ST_NORM);
     }
     gemm_job qkv[3] = {{&L->q, L->bq, t->q, qw}, {&L->k, L->bk, t->k, kw}, {&L->v, L->bv, t->v, kw}};
     if (gemm_team(in, H, qkv, 3, n, H, pack, scratch)) return -1;
+    STAGE(ST_QKV);
 #pragma omp for schedule(static)
     for (int i = 0; i < n; i++) {  // rotary, then this row's key and value into its cache slot
         const uint16_t *c = m->cos + positions[i] * hd, *s = m->sin + positions[i] * hd;
@@ -100,18 +125,27 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, c
             memcpy(L->vc + slot, t->v + i * kw + (int64_t)j * hd, (size_t)hd * 2);
         }
     }
+    STAGE(ST_ROTARY);
     attention_team(t->qr, qw, hd, L->kc, L->vc, L->kv_head, hd, anc, anc_stride, counts, t->q, n, nh, kvh, hd,
                    committed, m->scale, attn_work, attn_per_thread);  // q: attention out
+    STAGE(ST_ATTENTION);
     gemm_job o = {&L->o, NULL, t->o, H};
     if (gemm_team(t->q, qw, &o, 1, n, (int)qw, pack, scratch)) return -1;
+    STAGE(ST_O);
     add_team(t->x, t->o, (int64_t)n * H);
+    STAGE(ST_ADD);
     rmsnorm_team(t->x, H, L->ln2, t->h, H, n, H, m->eps);
+    STAGE(ST_NORM);
     gemm_job gu[2] = {{&L->gate, NULL, t->g, F}, {&L->up, NULL, t->u, F}};
     if (gemm_team(t->h, H, gu, 2, n, H, pack, scratch)) return -1;
+    STAGE(ST_GATE_UP);
     silu_mul_team(t->g, F, t->u, F, t->a, F, n, F);
+    STAGE(ST_SILU);
     gemm_job down = {&L->down, NULL, t->o, H};
     if (gemm_team(t->a, F, &down, 1, n, F, pack, scratch)) return -1;
+    STAGE(ST_DOWN);
     add_team(t->x, t->o, (int64_t)n * H);
+    STAGE(ST_ADD);
     return 0;
 }
 
@@ -188,11 +222,14 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
             int me = omp_get_thread_num(), bad = 0;
             uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
             amx_begin();
+            STAGE(-1);
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t->x + (int64_t)i * H);
+            STAGE(ST_EMBED);
             if (features) {  // the same branch on every thread: the single's barrier only where it runs
 #pragma omp single
                 keep_features(t->x, n, H, 0, feature_ids, nf, features);
+                STAGE(ST_FEATURES);
             }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
                 bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack,
@@ -200,14 +237,19 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
                 if (features) {
 #pragma omp single
                     keep_features(t->x, n, H, l + 1, feature_ids, nf, features);
+                    STAGE(ST_FEATURES);
                 }
             }
             if (!bad) {
                 rmsnorm_team(t->x, H, m->norm, hidden, H, n, H, m->eps);
+                STAGE(ST_FINAL_NORM);
                 gemm_job lm = {&m->lm_head, NULL, logits, m->vocab};
                 if (screened) bad = lm_screen_team(hidden, H, &m->lm_head, m->screen, logits, m->vocab, n, mine,
                                                    scratch_elems(H) * 2, s.screen);
-                else if (logits) bad = gemm_team(hidden, H, &lm, 1, n, H, s.pack, mine);
+                else if (logits) {
+                    bad = gemm_team(hidden, H, &lm, 1, n, H, s.pack, mine);
+                    STAGE(ST_LM_HEAD);
+                }
             }
             amx_end();
             if (bad) {
@@ -237,6 +279,9 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
     if (fc->K != 2 * H || fc->N != H) return STEP_BAD_WEIGHT;
     step_mem s;
     int status = step_mem_alloc(&s, m, n, 2 * H, committed, anc, anc_stride, counts, nthreads, 0);
+#ifdef EAGLE_PROFILE
+    stage_set = 1;  // the draft head's stages
+#endif
     if (status == STEP_OK) {
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
@@ -244,8 +289,10 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
             int me = omp_get_thread_num(), bad = 0;
             uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
             amx_begin();
+            STAGE(-1);
             gemm_job in = {fc, fc_bias, t->x, H};
             bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, s.pack, mine);
+            STAGE(ST_HEAD_FC);
             for (int l = 0; l < m->layers && !bad; l++)
                 bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack, mine,
                                  s.scores, s.per_thread);
@@ -257,6 +304,9 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
         }
         if (status == STEP_OK) memcpy(out, t->x, (size_t)n * H * 2);
     }
+#ifdef EAGLE_PROFILE
+    stage_set = 0;
+#endif
     step_mem_free(&s);
     return status;
 }

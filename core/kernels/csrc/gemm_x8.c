@@ -754,12 +754,14 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
     float *bestv = centres + me * M;
     int32_t *bestg = groups + me * M;
     for (int i = 0; i < M; i++) { bestv[i] = -INFINITY; bestg[i] = 0; }
+    STAGE(ST_LM_HEAD);  // the rows quantized and projected, by every thread
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < G; g++) {
         if (!LM_STREAM && g + 2 < G) prefetch_bytes(split_hi(w, g + 2, 0), KB * 288);
         for (int m0 = 0; m0 < M; m0 += ROWS_X8)
             screen_group(w, sc, g, &a, K, m0, M - m0 < ROWS_X8 ? M - m0 : ROWS_X8, z, b, gmax, G, bestv, bestg);
     }
+    STAGE(ST_SCREEN_ONE);
 #pragma omp for schedule(static)
     for (int i = 0; i < M; i++) {  // the exact maximum of the group with the best centre
         int64_t g = 0;
@@ -779,6 +781,7 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
         th[i] = b[i * 4] < 0.0f || !(best > -INFINITY) || !(v > -INFINITY && v < INFINITY)
                     ? -INFINITY : v - fabsf(v) * 0x1p-7f - 0x1p-100f;
     }
+    STAGE(ST_SCREEN_CENTRE);
     const __m256i minus_inf = _mm256_set1_epi16((short)0xFF80);
 #ifdef EAGLE_AVX2
 #pragma omp for schedule(static)
@@ -802,6 +805,7 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
         if (count) screen_exact(w, g, &a, K, rows, count, y, ldy);
     }
 #endif
+    STAGE(ST_SCREEN_TWO);  // the loop's closing barrier: every group written
     return 0;
 }
 
