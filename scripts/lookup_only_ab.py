@@ -27,7 +27,7 @@ MODES = ("shipped", "lookup", "plain")
 REAL = (E.draft, E._Run.catch_up)
 
 
-def root_only(drafter, cache, token, hidden, shape, noise) -> DraftTree:
+def root_only(drafter, cache, token, hidden, shape, noise, root_top=None) -> DraftTree:
     """A 'draft' of the root alone: the lookup chain, if any, is grafted under it."""
     return DraftTree(tokens=torch.tensor([token]), parents=torch.tensor([-1]), depths=torch.tensor([0]))
 

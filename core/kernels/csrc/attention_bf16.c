@@ -65,6 +65,67 @@ static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
     _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16x16(_mm512_permutex2var_ps(a, hi, b)));
 }
 
+#ifdef EAGLE_AVX2
+// AVX2, head_dim 64: the scores of tn query heads (tn <= QK_HEADS, the g heads of one kv head) in one sweep
+// over the keys: each key row is loaded and split into its even and odd fp32 halves once for all of them
+// (vdpbf16ps's emulation splits both operands at every call), then per head and lane the instruction's two
+// fused steps in its order (odd products, then even), chunk after chunk: the bits the generic loop below
+// gives each head alone. Then per head reduce16's tree, the scale, the mask: row t's scores at s + t * cap.
+#define QK_HEADS 4
+static void qk_shared(const uint16_t *q, int64_t qs_head, int tn, const uint16_t *kh, int64_t kv_pos,
+                      int64_t count, int64_t L, const int64_t *anc_row, float scale, float *s, int64_t cap) {
+    const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 qe[QK_HEADS][4], qo[QK_HEADS][4];  // head t, chunk c half h -> [t][2 c + h]
+    for (int t = 0; t < tn; t++)
+        for (int v = 0; v < 4; v++) {
+            __m256i z = _mm256_loadu_si256((const __m256i *)(q + t * qs_head + 16 * v));
+            qe[t][v] = _mm256_castsi256_ps(_mm256_slli_epi32(z, 16));
+            qo[t][v] = _mm256_castsi256_ps(_mm256_and_si256(z, odd));
+        }
+    for (int64_t j0 = 0; j0 < count; j0 += 16) {
+        __m512 acc[QK_HEADS][16];
+        for (int u = 0; u < 16; u++) {
+            int64_t j = j0 + u, slot = j < count ? key_slot(j, L, anc_row) : 0;
+            const uint16_t *kr = kh + slot * kv_pos;
+            __m256 ke[4], ko[4];
+            for (int v = 0; v < 4; v++) {
+                __m256i z = _mm256_loadu_si256((const __m256i *)(kr + 16 * v));
+                ke[v] = _mm256_castsi256_ps(_mm256_slli_epi32(z, 16));
+                ko[v] = _mm256_castsi256_ps(_mm256_and_si256(z, odd));
+            }
+            for (int t = 0; t < tn; t++) {
+                __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+                for (int c = 0; c < 2; c++) {  // vdpbf16ps on chunk c: lanes 0-7 from half 2c, 8-15 from 2c + 1
+                    lo = _mm256_fmadd_ps(qe[t][2 * c], ke[2 * c], _mm256_fmadd_ps(qo[t][2 * c], ko[2 * c], lo));
+                    hi = _mm256_fmadd_ps(qe[t][2 * c + 1], ke[2 * c + 1], _mm256_fmadd_ps(qo[t][2 * c + 1], ko[2 * c + 1], hi));
+                }
+                acc[t][u] = PS(lo, hi);
+            }
+        }
+        __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+        for (int t = 0; t < tn; t++) {
+            __m512 sv = _mm512_mul_ps(in_order16(reduce16(acc[t])), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(s + t * cap + j0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv));
+        }
+    }
+}
+
+// One head's scores s[0 .. count) -> e_j = exp(s_j - max) in place, and 1 / sum e_j at inv: the loop below.
+static void softmax_row(float *s, int64_t count, float *inv) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < count; j0 += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j0));
+    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 dsum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < count; j0 += 16) {
+        __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m)));
+        _mm512_storeu_ps(s + j0, e);
+        dsum = _mm512_add_ps(dsum, e);
+    }
+    *inv = 1.0f / hsum16(dsum);
+}
+#endif
+
 // q (n, nh, hd) with strides (qs_row, qs_head); k, v (kvh, T, hd) with strides (kv_head, kv_pos);
 // anc (n, anc_stride) int64 cache-slot offsets past L; na (n,) counts; out (n, nh, hd) contiguous.
 // One task per (row, kv head): its g query heads share each key and value row, so a value row
@@ -95,7 +156,11 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
     if (!nv) return;
     int64_t cap = score_cap(na, n, L);
     float *s = work + omp_get_thread_num() * per_thread, *inv = s + g * cap;
+#ifdef EAGLE_AVX2
+    int hg = g <= QK_HEADS ? g : 1;  // query heads per task: all of a kv head's (qk_shared reads each key once for them)
+#else
     int hg = nv * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
+#endif
     int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass, <= 16
     {
 #pragma omp for schedule(static)
@@ -103,9 +168,19 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
             int i = vrows[unit / (nh / hg)], h0 = unit % (nh / hg) * hg, kh_i = h0 / g;
             int64_t count = L + na[i];
             const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
+#ifdef EAGLE_AVX2
+            if (chunks == 2) qk_shared(q + i * qs_row + h0 * qs_head, qs_head, hg, kh, kv_pos, count, L,
+                                       anc + i * anc_stride, scale, s, cap);
+#endif
             for (int t = 0; t < hg; t++) {
                 int h = h0 + t;
                 float *st = s + t * cap;
+#ifdef EAGLE_AVX2
+                if (chunks == 2) {  // scores written by qk_shared: the softmax below
+                    softmax_row(st, count, inv + t);
+                    continue;
+                }
+#endif
                 const uint16_t *qv = q + i * qs_row + h * qs_head;
                 __m512bh qc[8];
                 for (int c = 0; c < chunks; c++) qc[c] = AS_BH(_mm512_loadu_si512(qv + 32 * c));
