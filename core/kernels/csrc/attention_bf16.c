@@ -157,15 +157,24 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
     int64_t cap = score_cap(na, n, L);
     float *s = work + omp_get_thread_num() * per_thread, *inv = s + g * cap;
 #ifdef EAGLE_AVX2
-    int hg = g <= QK_HEADS ? g : 1;  // query heads per task: all of a kv head's (qk_shared reads each key once for them)
+    // Each thread an even share of the (row, head) pairs, in order; within it a kv head's heads are one task
+    // (qk_shared reads each key once for all of them, pv each value). A plain step's row: heads 0-3 and 4-8
+    // (kv heads {0}, {1} and {1}, {2} on two threads), where whole kv heads would give one thread two of three.
+    int64_t pairs = (int64_t)nv * nh, nt = omp_get_num_threads(), me = omp_get_thread_num(), p1 = pairs * (me + 1) / nt;
+    {
+        for (int64_t p = pairs * me / nt; p < p1;) {
+            int i = vrows[p / nh], h0 = (int)(p % nh), kh_i = h0 / g;
+            int hg = g > QK_HEADS ? 1 : (int)((kh_i + 1) * g - h0 < p1 - p ? (kh_i + 1) * g - h0 : p1 - p);
+            int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass
+            p += hg;
 #else
     int hg = nv * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
-#endif
     int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass, <= 16
     {
 #pragma omp for schedule(static)
         for (int unit = 0; unit < nv * (nh / hg); unit++) {
             int i = vrows[unit / (nh / hg)], h0 = unit % (nh / hg) * hg, kh_i = h0 / g;
+#endif
             int64_t count = L + na[i];
             const uint16_t *kh = k + kh_i * kv_head, *vh = v + kh_i * kv_head;
 #ifdef EAGLE_AVX2
@@ -239,6 +248,9 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
             }
         }
     }
+#ifdef EAGLE_AVX2
+#pragma omp barrier  // as the worksharing loop ends elsewhere: every row's output written
+#endif
 }
 
 // The score rows' length every row of this call fits in.
