@@ -41,14 +41,19 @@ def timed_calls(spent: dict[str, float]) -> None:
         setattr(lib, name, timed)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of this script and of scripts/step_stages.py: prompts, mode, how many, how long."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("prompts", nargs="?", default="assets/heldout_handwritten.jsonl")
     p.add_argument("--mode", choices=("plain", "eagle"), default="eagle")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser(__doc__).parse_args()
     torch.set_num_threads(a.threads)
     engine = Engine.load()
     spent = dict.fromkeys(CALLS, 0.0)

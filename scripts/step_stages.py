@@ -11,7 +11,6 @@ and projected by every thread) count as "lm head"; its passes as "screen one" (t
 Two passes over the prompts; the second is printed. Run it on a quiet machine (docs/native-step.md).
 """
 
-import argparse
 import json
 import os
 import time
@@ -28,15 +27,11 @@ import torch  # noqa: E402
 from core.config import GenerationConfig  # noqa: E402
 from core.decoding.engine import Engine  # noqa: E402
 from core.kernels import native  # noqa: E402
+from python_share import parser  # noqa: E402  (scripts/: this script's folder)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("prompts", nargs="?", default="assets/heldout_handwritten.jsonl")
-    p.add_argument("--mode", choices=("plain", "eagle"), default="eagle")
-    p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
+    p = parser(__doc__)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     engine = Engine.load()

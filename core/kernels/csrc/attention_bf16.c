@@ -65,6 +65,20 @@ static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
     _mm256_storeu_si256((__m256i *)(dst + 16), to_bf16x16(_mm512_permutex2var_ps(a, hi, b)));
 }
 
+// One head's scores s[0 .. count), their lane maxima vmax -> e_j = exp(s_j - max) in place; returns 1 / sum e_j
+// (16 lanes in key order, then reduce16's tree).
+static inline __attribute__((always_inline)) float softmax_in_place(float *s, int64_t count, __m512 vmax) {
+    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 dsum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < count; j0 += 16) {
+        __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m)));
+        _mm512_storeu_ps(s + j0, e);
+        dsum = _mm512_add_ps(dsum, e);
+    }
+    return 1.0f / hsum16(dsum);
+}
+
 #ifdef EAGLE_AVX2
 // AVX2, head_dim 64: the scores of tn query heads (tn <= QK_HEADS, the g heads of one kv head) in one sweep
 // over the keys: each key row is loaded and split into its even and odd fp32 halves once for all of them
@@ -110,19 +124,12 @@ static void qk_shared(const uint16_t *q, int64_t qs_head, int tn, const uint16_t
     }
 }
 
-// One head's scores s[0 .. count) -> e_j = exp(s_j - max) in place, and 1 / sum e_j at inv: the loop below.
+// One head's scores s[0 .. count) (-inf past count, to the next 16) -> e_j = exp(s_j - max) in place, and 1 / sum
+// e_j at inv; the scores' lane maxima as attention_team's own loop gathers them, then softmax_in_place.
 static void softmax_row(float *s, int64_t count, float *inv) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < count; j0 += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j0));
-    __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 dsum = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < count; j0 += 16) {
-        __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
-        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j0), m)));
-        _mm512_storeu_ps(s + j0, e);
-        dsum = _mm512_add_ps(dsum, e);
-    }
-    *inv = 1.0f / hsum16(dsum);
+    *inv = softmax_in_place(s, count, vmax);
 }
 #endif
 
@@ -210,15 +217,7 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     _mm512_storeu_ps(st + j0, sv);
                     vmax = _mm512_max_ps(vmax, sv);
                 }
-                __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-                __m512 dsum = _mm512_setzero_ps();
-                for (int64_t j0 = 0; j0 < count; j0 += 16) {
-                    __mmask16 valid = count - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j0)) - 1u);
-                    __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + j0), m)));
-                    _mm512_storeu_ps(st + j0, e);
-                    dsum = _mm512_add_ps(dsum, e);
-                }
-                inv[t] = 1.0f / hsum16(dsum);
+                inv[t] = softmax_in_place(st, count, vmax);
             }
             // out = sum_j e_j v_j, key order, fp32: up to 16 accumulators (heads x value vectors) a pass
             for (int t0 = 0; t0 < hg; t0 += gb) {

@@ -374,9 +374,22 @@ static inline void group_q8(const uint8_t *w, int KB, const qrows *a, int K, int
     }
 }
 
+// Half h of a WT_Q8_SPLIT block's two parts (h codes at hi, l codes at lo) as half_q8's operands, in Q4_X8's
+// nibble order: vector p the low nibbles (K positions 4p ..), 4 + p the high ones (16 + 4p ..).
+static inline void split_half(const uint8_t *hi, const uint8_t *lo, int h, __m256i *oh, __m256i *ol) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int p = 0; p < 4; p++) {
+        __m256i zh = _mm256_loadu_si256((const __m256i *)(hi + 64 * p + 32 * h));
+        __m256i zl = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
+        oh[p] = _mm256_and_si256(zh, low);
+        oh[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zh, 4), low);
+        ol[p] = _mm256_and_si256(zl, low);
+        ol[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zl, 4), low);
+    }
+}
+
 static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, const int *rows, int count,
                              __m512 *acc, int stream) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *hi = split_hi(w, g, kb), *lo = split_lo(w, g, kb);
         if (stream) {  // a weight's groups in order (x8_group), not the screen's chosen few
@@ -385,15 +398,8 @@ static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, i
         }
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
         for (int h = 0; h < 2; h++) {
-            __m256i oh[8], ol[8];  // Q4_X8's nibble order: vector p low nibbles (K 4p ..), 4 + p high (16 + 4p ..)
-            for (int p = 0; p < 4; p++) {
-                __m256i zh = _mm256_loadu_si256((const __m256i *)(hi + 64 * p + 32 * h));
-                __m256i zl = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
-                oh[p] = _mm256_and_si256(zh, low);
-                oh[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zh, 4), low);
-                ol[p] = _mm256_and_si256(zl, low);
-                ol[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zl, 4), low);
-            }
+            __m256i oh[8], ol[8];
+            split_half(hi, lo, h, oh, ol);
             half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows, 0, count, acc);
         }
     }
@@ -693,7 +699,6 @@ static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qr
 // rows[h] (group_q8s's steps per lane, so Q8_X8's bits), -inf in the halves a row does not reach.
 static void screen_exact_halves(const wmat *w, int64_t g, const qrows *a, int K, int rows[2][16], const int *count,
                                 uint16_t *y, int64_t ldy) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
     int KB = K / 32;
     __m512 acc[2][16];
     for (int h = 0; h < 2; h++)
@@ -704,14 +709,7 @@ static void screen_exact_halves(const wmat *w, int64_t g, const qrows *a, int K,
         for (int h = 0; h < 2; h++) {
             if (!count[h]) continue;
             __m256i oh[8], ol[8];
-            for (int p = 0; p < 4; p++) {
-                __m256i zh = _mm256_loadu_si256((const __m256i *)(hi + 64 * p + 32 * h));
-                __m256i zl = _mm256_loadu_si256((const __m256i *)(lo + 64 * p + 32 * h));
-                oh[p] = _mm256_and_si256(zh, low);
-                oh[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zh, 4), low);
-                ol[p] = _mm256_and_si256(zl, low);
-                ol[4 + p] = _mm256_and_si256(_mm256_srli_epi16(zl, 4), low);
-            }
+            split_half(hi, lo, h, oh, ol);
             half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows[h], 0, count[h], acc[h]);
         }
     }
