@@ -388,8 +388,10 @@ static inline void split_half(const uint8_t *hi, const uint8_t *lo, int h, __m25
     }
 }
 
-static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, const int *rows, int count,
-                             __m512 *acc, int stream) {
+// Group g of a WT_Q8_SPLIT weight, half h (8 rows of W) for the rows of x listed in rows[h] (none: the half is
+// skipped), into acc[h][c]'s lanes of that half.
+static inline void group_q8s_halves(const wmat *w, int64_t g, int KB, const qrows *a, int K, const int *const *rows,
+                                    const int *count, __m512 *const *acc, int stream) {
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *hi = split_hi(w, g, kb), *lo = split_lo(w, g, kb);
         if (stream) {  // a weight's groups in order (x8_group), not the screen's chosen few
@@ -398,11 +400,19 @@ static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, i
         }
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
         for (int h = 0; h < 2; h++) {
+            if (!count[h]) continue;
             __m256i oh[8], ol[8];
             split_half(hi, lo, h, oh, ol);
-            half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows, 0, count, acc);
+            half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows[h], 0, count[h], acc[h]);
         }
     }
+}
+
+static inline void group_q8s(const wmat *w, int64_t g, int KB, const qrows *a, int K, const int *rows, int count,
+                             __m512 *acc, int stream) {
+    const int *both[2] = {rows, rows}, counts[2] = {count, count};
+    __m512 *accs[2] = {acc, acc};  // half 0 writes the low lanes, half 1 the high ones
+    group_q8s_halves(w, g, KB, a, K, both, counts, accs, stream);
 }
 #else
 // The same for a Q8_X8 weight.
@@ -699,20 +709,12 @@ static void screen_group(const wmat *w, const lm_screen *sc, int64_t g, const qr
 // rows[h] (group_q8s's steps per lane, so Q8_X8's bits), -inf in the halves a row does not reach.
 static void screen_exact_halves(const wmat *w, int64_t g, const qrows *a, int K, int rows[2][16], const int *count,
                                 uint16_t *y, int64_t ldy) {
-    int KB = K / 32;
     __m512 acc[2][16];
     for (int h = 0; h < 2; h++)
         for (int c = 0; c < count[h]; c++) acc[h][c] = _mm512_setzero_ps();
-    for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *hi = split_hi(w, g, kb), *lo = split_lo(w, g, kb);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hi + 256)));
-        for (int h = 0; h < 2; h++) {
-            if (!count[h]) continue;
-            __m256i oh[8], ol[8];
-            split_half(hi, lo, h, oh, ol);
-            half_q8(oh, ol, h, h ? dw.hi : dw.lo, a, K, KB, kb, rows[h], 0, count[h], acc[h]);
-        }
-    }
+    const int *lists[2] = {rows[0], rows[1]};
+    __m512 *accs[2] = {acc[0], acc[1]};
+    group_q8s_halves(w, g, K / 32, a, K, lists, count, accs, 0);
     for (int h = 0; h < 2; h++)
         for (int c = 0; c < count[h]; c++) {  // + a zero bias, as x8_group adds; this half's 8 bf16 values
             __m256i v = to_bf16x16(_mm512_add_ps(acc[h][c], _mm512_setzero_ps()));
