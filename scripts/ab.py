@@ -21,7 +21,7 @@ instead (seed `--seed` + the prompt's index, the same for every contender; a sam
 function of the seed and its position, so the answers are identical across contenders too), with
 speculation at every temperature (the tree's `plain_from_temperature` pause off: what pays is what
 this measures), and `--plain` adds plain decoding as a contender, so the speed-up over it is
-measured in the same run.
+measured in the same run; `--adaptive` the shipped head and tree in the chat's adaptive mode.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sampled")
     p.add_argument("--seed", type=int, default=0, help="sampling: prompt i uses seed + i")
     p.add_argument("--plain", action="store_true", help="add plain decoding (no speculation) as a contender")
+    p.add_argument("--adaptive", action="store_true",
+                   help="add the shipped head and tree in adaptive mode (GenerationConfig.adaptive: the chat's default)")
     p.add_argument("--toggle-row-floor", action="store_true",
                    help="add the shipped head and tree with TreeConfig.row_floor switched (on where shipped off, and off where on)")
     p.add_argument("--out", type=Path, help="write tau, tok/s and tau per category per contender here (JSON)")
@@ -87,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
                                                   lookup=lookup[0] if lookup else tree.lookup))
     if args.toggle_row_floor:
         runs[f"row_floor {'off' if tree.row_floor else 'on'}"] = (shipped, replace(tree, row_floor=not tree.row_floor))
+    if args.adaptive:
+        runs["adaptive"] = (shipped, tree)
     if args.plain:
         runs["plain"] = (shipped, None)
     sampling = SamplingConfig(temperature=args.temperature)
-    def config_for(t, max_new_tokens: int, seed: int) -> GenerationConfig:
+    def config_for(t, max_new_tokens: int, seed: int, adaptive: bool = False) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, speculative=t is not None, tree=t or tree,
+                                adaptive=adaptive,
                                 sampling=sampling, seed=seed if args.temperature else None,
                                 reuse_prompt=False)  # every contender reads the prompt from its start
     skip = {q.id for q in load_prompts(args.exclude)} if args.exclude else set()
@@ -99,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     names = list(runs)
     stats = {k: {"tokens": 0, "forwards": 0, "seconds": 0.0, "cat": {}, "steps": [0] * (DEPTHS + 1)} for k in names}
     identical = 0
-    for engine, t in runs.values():  # warm-up
-        list(engine.generate(prompts[0].turns[0], config_for(t, 16, args.seed)))
+    for k, (engine, t) in runs.items():  # warm-up
+        list(engine.generate(prompts[0].turns[0], config_for(t, 16, args.seed, k == "adaptive")))
     from tqdm import tqdm
 
     for i, prompt in enumerate(tqdm(prompts, unit="prompt", desc="a/b")):
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in (order if i % 2 else order[::-1]):
             engine, t = runs[k]
             start = time.perf_counter()
-            config = config_for(t, args.max_new_tokens, args.seed + i)
+            config = config_for(t, args.max_new_tokens, args.seed + i, k == "adaptive")
             events = list(engine.generate(prompt.turns[0], config))
             s = stats[k]
             s["seconds"] += time.perf_counter() - start
