@@ -4,7 +4,7 @@
 // A row's result does not depend on the other rows or the thread count.
 #include "common.h"
 
-static void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int H, float eps) {
+void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int H, float eps) {
     {
         __m512 acc = _mm512_setzero_ps();
         int h = 0;
@@ -17,8 +17,13 @@ static void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         float r = 1.0f / sqrtf(hsum16(acc) / (float)H + eps);
-        for (h = 0; h < H; h++)
-            yr[h] = to_bf16(from_bf16(w[h]) * from_bf16(to_bf16(from_bf16(xr[h]) * r)));
+        __m512 rv = _mm512_set1_ps(r);
+        for (h = 0; h < H; h += 16) {  // to_bf16x16: to_bf16's bits on 16 lanes
+            __mmask16 m = H - h >= 16 ? 0xFFFF : (__mmask16)((1u << (H - h)) - 1u);
+            __m256i t = to_bf16x16(_mm512_mul_ps(bf16x16_to_ps_masked(xr + h, m), rv));
+            __m512 tv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(t), 16));
+            _mm256_mask_storeu_epi16(yr + h, m, to_bf16x16(_mm512_mul_ps(bf16x16_to_ps_masked(w + h, m), tv)));
+        }
     }
 }
 
