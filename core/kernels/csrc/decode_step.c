@@ -18,7 +18,6 @@
 
 void rmsnorm_team(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy, int M, int H,
                   float eps);
-void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int H, float eps);
 void rotary_bf16(const uint16_t *x, int64_t ldx, const uint16_t *cos, const uint16_t *sin, int64_t ldc,
                  uint16_t *out, int n, int heads, int hd);
 void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const uint16_t *k, const uint16_t *v,
@@ -75,40 +74,16 @@ int step_profile(double *seconds, int count) {
 #endif
 }
 
-// Up to this many rows (a decoding step, a tree, a catch-up) every thread keeps its own copy of the
-// residual stream and of the normalized rows: each thread adds and normalizes all rows itself (the same
-// kernels on the same inputs, so every copy holds the same bits) and reads its own copy into the
-// GEMMs, so those stages end at no barrier: 4 of a layer's 11 (the threads met at each, ~1.5 us on a
-// 2-core VM, 330 a forward). More rows (a prompt's chunk): the team splits them, as before.
-#define OWN_ROWS 16
-
-// x[i0, i1) = bf16(x + d), as torch's bf16 add
-static void add_range(uint16_t *x, const uint16_t *d, int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i += 16) {
-        __mmask16 m = i1 - i >= 16 ? 0xFFFF : (__mmask16)((1u << (i1 - i)) - 1u);
-        __m512 s = _mm512_add_ps(bf16x16_to_ps_masked(x + i, m), bf16x16_to_ps_masked(d + i, m));
-        _mm256_mask_storeu_epi16(x + i, m, to_bf16x16(s));
-    }
-}
-
-// x = bf16(x + d) over count elements: this thread's own copy of x whole, or split over the team
-static void add_rows(uint16_t *x, const uint16_t *d, int64_t count, int own) {
-    if (own) {
-        add_range(x, d, 0, count);
-        return;
-    }
+// x = bf16(x + d), as torch's bf16 add, split over the team
+static void add_team(uint16_t *x, const uint16_t *d, int64_t count) {
     int64_t tasks = (count + 255) / 256;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; t++) add_range(x, d, 256 * t, 256 * (t + 1) < count ? 256 * (t + 1) : count);
-}
-
-// y = RMSNorm(x) for n rows: this thread's own copy whole, or split over the team
-static void norm_rows(const uint16_t *x, const uint16_t *w, uint16_t *y, int n, int H, float eps, int own) {
-    if (own) {
-        for (int i = 0; i < n; i++) rmsnorm_row(x + (int64_t)i * H, w, y + (int64_t)i * H, H, eps);
-        return;
-    }
-    rmsnorm_team(x, H, w, y, H, n, H, eps);
+    for (int64_t t = 0; t < tasks; t++)
+        for (int64_t i = 256 * t; i < count && i < 256 * (t + 1); i += 16) {
+            __mmask16 m = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1u);
+            __m512 s = _mm512_add_ps(bf16x16_to_ps_masked(x + i, m), bf16x16_to_ps_masked(d + i, m));
+            _mm256_mask_storeu_epi16(x + i, m, to_bf16x16(s));
+        }
 }
 
 static void keep_features(const uint16_t *x, int n, int H, int stage, const int32_t *ids, int nf, uint16_t *features) {
@@ -121,21 +96,19 @@ typedef struct {  // the step's activations, n rows each
     uint16_t *x, *h, *o, *q, *qr, *k, *kr, *v, *g, *u, *a;
 } acts;
 
-// One decoder layer on the team: every stage that the team splits ends at a barrier (its worksharing
-// loop's), so the next reads what the whole team wrote. x, h: the residual stream and the normalized
-// rows this thread reads, its own copies (own: OWN_ROWS) or the team's (t->x, t->h).
+// One decoder layer on the team: every stage ends at a barrier (its worksharing loop's), so the
+// next reads what the whole team wrote.
 // Row i's key and value go to cache slot at + i (a target forward: at == committed; a head's draft
 // round: after the draft nodes fed before it). ln1 NULL: no input norm (the EAGLE heads' layer).
-static int layer_team(const step_model *m, const step_layer *L, const acts *t, uint16_t *x, uint16_t *h, int own,
-                      const int64_t *positions, int n, int64_t committed, int64_t at, const int64_t *anc,
-                      int64_t anc_stride, const int64_t *counts, uint16_t *pack, uint16_t *scratch, float *attn_work,
-                      int64_t attn_per_thread) {
+static int layer_team(const step_model *m, const step_layer *L, const acts *t, const int64_t *positions, int n,
+                      int64_t committed, int64_t at, const int64_t *anc, int64_t anc_stride, const int64_t *counts,
+                      uint16_t *pack, uint16_t *scratch, float *attn_work, int64_t attn_per_thread) {
     int H = m->hidden, nh = m->heads, kvh = m->kv_heads, hd = m->head_dim, F = m->ffn;
     int64_t qw = (int64_t)nh * hd, kw = (int64_t)kvh * hd;
-    const uint16_t *in = x;
+    const uint16_t *in = t->x;
     if (L->ln1) {
-        norm_rows(x, L->ln1, h, n, H, m->eps, own);
-        in = h;
+        rmsnorm_team(t->x, H, L->ln1, t->h, H, n, H, m->eps);
+        in = t->h;
         STAGE(ST_NORM);
     }
     gemm_job qkv[3] = {{&L->q, L->bq, t->q, qw}, {&L->k, L->bk, t->k, kw}, {&L->v, L->bv, t->v, kw}};
@@ -159,19 +132,19 @@ static int layer_team(const step_model *m, const step_layer *L, const acts *t, u
     gemm_job o = {&L->o, NULL, t->o, H};
     if (gemm_team(t->q, qw, &o, 1, n, (int)qw, pack, scratch)) return -1;
     STAGE(ST_O);
-    add_rows(x, t->o, (int64_t)n * H, own);
+    add_team(t->x, t->o, (int64_t)n * H);
     STAGE(ST_ADD);
-    norm_rows(x, L->ln2, h, n, H, m->eps, own);
+    rmsnorm_team(t->x, H, L->ln2, t->h, H, n, H, m->eps);
     STAGE(ST_NORM);
     gemm_job gu[2] = {{&L->gate, NULL, t->g, F}, {&L->up, NULL, t->u, F}};
-    if (gemm_team(h, H, gu, 2, n, H, pack, scratch)) return -1;
+    if (gemm_team(t->h, H, gu, 2, n, H, pack, scratch)) return -1;
     STAGE(ST_GATE_UP);
     silu_mul_team(t->g, F, t->u, F, t->a, F, n, F);
     STAGE(ST_SILU);
     gemm_job down = {&L->down, NULL, t->o, H};
     if (gemm_team(t->a, F, &down, 1, n, F, pack, scratch)) return -1;
     STAGE(ST_DOWN);
-    add_rows(x, t->o, (int64_t)n * H, own);
+    add_team(t->x, t->o, (int64_t)n * H);
     STAGE(ST_ADD);
     return 0;
 }
@@ -185,16 +158,7 @@ typedef struct {
     int kmax;
     int64_t per_thread;
     float *screen;            // lm_screen_team's shared work, or NULL
-    uint16_t *own;            // n <= OWN_ROWS: each thread's own x and h (2 n H a thread), else NULL
 } step_mem;
-
-// This thread's residual stream and normalized rows: its own copies where the rows are few, else the team's.
-static uint16_t *stream_x(const step_mem *s, int n, int H) {
-    return s->own ? s->own + (int64_t)omp_get_thread_num() * 2 * n * H : s->t.x;
-}
-static uint16_t *stream_h(const step_mem *s, int n, int H) {
-    return s->own ? stream_x(s, n, H) + (int64_t)n * H : s->t.h;
-}
 
 static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int64_t committed, const int64_t *anc,
                           int64_t anc_stride, const int64_t *counts, int nthreads, int screened) {
@@ -210,9 +174,7 @@ static int step_mem_alloc(step_mem *s, const step_model *m, int n, int kin, int6
     s->scratch = (uint16_t *)malloc((size_t)nthreads * scratch_elems(s->kmax) * 2);
     s->scores = (float *)malloc((size_t)nthreads * s->per_thread * sizeof(float));
     s->screen = screened ? (float *)malloc((size_t)screen_work_floats(n, m->vocab, nthreads) * sizeof(float)) : NULL;
-    s->own = n <= OWN_ROWS ? (uint16_t *)malloc((size_t)nthreads * 2 * n * H * 2) : NULL;
-    if (!(s->work && s->pack && s->scratch && s->scores) || (screened && !s->screen) || (n <= OWN_ROWS && !s->own))
-        return STEP_NO_MEMORY;
+    if (!(s->work && s->pack && s->scratch && s->scores) || (screened && !s->screen)) return STEP_NO_MEMORY;
     acts *t = &s->t;
     t->x = s->work; t->h = t->x + (int64_t)n * H; t->o = t->h + (int64_t)n * H;
     t->q = t->o + (int64_t)n * H; t->qr = t->q + n * qw; t->k = t->qr + n * qw; t->kr = t->k + n * kw;
@@ -226,7 +188,6 @@ static void step_mem_free(step_mem *s) {
     free(s->scratch);
     free(s->scores);
     free(s->screen);
-    free(s->own);
 }
 
 // tokens, positions (n,); row i sees cache slots [0, committed) and committed + anc[i][0 .. counts[i]-1];
@@ -258,50 +219,35 @@ int decode_step(const step_model *m, const int64_t *tokens, const int64_t *posit
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
         {
-            int me = omp_get_thread_num(), bad = 0, own = s.own != NULL;
-            uint16_t *mine = s.scratch + me * scratch_elems(s.kmax), *x = stream_x(&s, n, H), *h = stream_h(&s, n, H);
+            int me = omp_get_thread_num(), bad = 0;
+            uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
             amx_begin();
             STAGE(-1);
-            if (own) {  // every thread its own copy
-                for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], x + (int64_t)i * H);
-            } else {
 #pragma omp for schedule(static)
-                for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], x + (int64_t)i * H);
-            }
+            for (int i = 0; i < n; i++) weight_row(&m->embed, tokens[i], t->x + (int64_t)i * H);
             STAGE(ST_EMBED);
-            // features: thread 0 copies them from its own stream (no barrier), or one thread from the team's
-            // (the same branch on every thread: the single's barrier only where it runs)
-            if (features && own) {
-                if (me == 0) keep_features(x, n, H, 0, feature_ids, nf, features);
-                STAGE(ST_FEATURES);
-            } else if (features) {
+            if (features) {  // the same branch on every thread: the single's barrier only where it runs
 #pragma omp single
-                keep_features(x, n, H, 0, feature_ids, nf, features);
+                keep_features(t->x, n, H, 0, feature_ids, nf, features);
                 STAGE(ST_FEATURES);
             }
             for (int l = 0; l < m->layers && !bad; l++) {  // every thread takes the same path (bad is shared in value)
-                bad = layer_team(m, &m->layer[l], t, x, h, own, positions, n, committed, at, anc, anc_stride, counts,
-                                 s.pack, mine, s.scores, s.per_thread);
-                if (features && own) {
-                    if (me == 0) keep_features(x, n, H, l + 1, feature_ids, nf, features);
-                    STAGE(ST_FEATURES);
-                } else if (features) {
+                bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack,
+                                 mine, s.scores, s.per_thread);
+                if (features) {
 #pragma omp single
-                    keep_features(x, n, H, l + 1, feature_ids, nf, features);
+                    keep_features(t->x, n, H, l + 1, feature_ids, nf, features);
                     STAGE(ST_FEATURES);
                 }
             }
             if (!bad) {
-                // the final norm: into this thread's own rows (thread 0 also copies them out), or the team's
-                uint16_t *normed = own ? h : hidden;
-                norm_rows(x, m->norm, normed, n, H, m->eps, own);
-                if (own && me == 0) memcpy(hidden, h, (size_t)n * H * 2);
+                rmsnorm_team(t->x, H, m->norm, hidden, H, n, H, m->eps);
                 STAGE(ST_FINAL_NORM);
                 gemm_job lm = {&m->lm_head, NULL, logits, m->vocab};
-                if (screened) bad = lm_screen_team(normed, H, &m->lm_head, m->screen, logits, m->vocab, n, mine,
+                if (screened) bad = lm_screen_team(hidden, H, &m->lm_head, m->screen, logits, m->vocab, n, mine,
                                                    scratch_elems(H) * 2, s.screen);
                 else if (logits) {
-                    bad = gemm_team(normed, H, &lm, 1, n, H, s.pack, mine);
+                    bad = gemm_team(hidden, H, &lm, 1, n, H, s.pack, mine);
                     STAGE(ST_LM_HEAD);
                 }
             }
@@ -340,19 +286,16 @@ int head_step(const step_model *m, const wmat *fc, const uint16_t *fc_bias, cons
         const acts *t = &s.t;
 #pragma omp parallel num_threads(nthreads)
         {
-            int me = omp_get_thread_num(), bad = 0, own = s.own != NULL;
-            uint16_t *mine = s.scratch + me * scratch_elems(s.kmax), *x = stream_x(&s, n, H), *h = stream_h(&s, n, H);
+            int me = omp_get_thread_num(), bad = 0;
+            uint16_t *mine = s.scratch + me * scratch_elems(s.kmax);
             amx_begin();
             STAGE(-1);
             gemm_job in = {fc, fc_bias, t->x, H};
-            bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, s.pack, mine);  // its barrier: t->x whole
-            if (own) memcpy(x, t->x, (size_t)n * H * 2);
+            bad = gemm_team(xin, 2 * H, &in, 1, n, 2 * H, s.pack, mine);
             STAGE(ST_HEAD_FC);
             for (int l = 0; l < m->layers && !bad; l++)
-                bad = layer_team(m, &m->layer[l], t, x, h, own, positions, n, committed, at, anc, anc_stride, counts,
-                                 s.pack, mine, s.scores, s.per_thread);
-            // the output: thread 0's copy into t->x (the others read t->x only before the layers' barriers)
-            if (own && me == 0 && !bad) memcpy(t->x, x, (size_t)n * H * 2);
+                bad = layer_team(m, &m->layer[l], t, positions, n, committed, at, anc, anc_stride, counts, s.pack, mine,
+                                 s.scores, s.per_thread);
             amx_end();
             if (bad) {
 #pragma omp atomic write

@@ -4,7 +4,7 @@
 // A row's result does not depend on the other rows or the thread count.
 #include "common.h"
 
-void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int H, float eps) {
+static void rmsnorm_row(const uint16_t *xr, const uint16_t *w, uint16_t *yr, int H, float eps) {
     {
         __m512 acc = _mm512_setzero_ps();
         int h = 0;
