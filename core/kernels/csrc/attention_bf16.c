@@ -56,40 +56,6 @@ static inline __attribute__((always_inline)) void pv(int tn, int cn, __m512 *o, 
     for (int a = 0; a < tn * cn; a++) o[a] = acc[a];
 }
 
-#ifdef EAGLE_AVX2
-// pv on AVX2 for tn heads x cn value vectors with tn * cn = 4 (2 heads x 32 values, or 1 head x 64): pv's
-// 512-bit accumulators are 8 256-bit registers, beside a 32-value chunk's four fp32 halves and a weight
-// (AVX2 has 16; pv's 3 heads x 64 values took 24 and spilled: every multiply-add then waited on a
-// store and a reload of its accumulator, key after key). Per lane the same fused multiply-adds in key
-// order, so the same bits.
-static inline __attribute__((always_inline)) void pv8(int tn, int cn, __m512 *o, const float *s, int64_t cap,
-                                                      const uint16_t *vh, int64_t kv_pos, int c0, int64_t count,
-                                                      int64_t L, const int64_t *anc_row) {
-    const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256 acc[8];  // accumulator a = t * cn + c of pv's: halves 2 a (lanes 0-7) and 2 a + 1
-    for (int a = 0; a < tn * cn; a++) acc[2 * a] = o[a].lo, acc[2 * a + 1] = o[a].hi;
-    for (int64_t j = 0; j < count; j++) {
-        const uint16_t *vr = vh + key_slot(j, L, anc_row) * kv_pos + 16 * c0;
-        for (int c = 0; c < cn; c += 2) {  // values 16 c .. 16 c + 31: even ones -> vector c, odd -> c + 1
-            __m256 ve[2], vo[2];
-            for (int h = 0; h < 2; h++) {
-                __m256i z = _mm256_loadu_si256((const __m256i *)(vr + 16 * c + 16 * h));
-                ve[h] = _mm256_castsi256_ps(_mm256_slli_epi32(z, 16));
-                vo[h] = _mm256_castsi256_ps(_mm256_and_si256(z, odd));
-            }
-            for (int t = 0; t < tn; t++) {
-                __m256 e = _mm256_set1_ps(s[t * cap + j]);
-                for (int h = 0; h < 2; h++) {
-                    acc[2 * (t * cn + c) + h] = _mm256_fmadd_ps(e, ve[h], acc[2 * (t * cn + c) + h]);
-                    acc[2 * (t * cn + c + 1) + h] = _mm256_fmadd_ps(e, vo[h], acc[2 * (t * cn + c + 1) + h]);
-                }
-            }
-        }
-    }
-    for (int a = 0; a < tn * cn; a++) o[a].lo = acc[2 * a], o[a].hi = acc[2 * a + 1];
-}
-#endif
-
 // pv's even / odd accumulators of 32 values -> the 32 values in order, bf16, at dst.
 static inline void pv_out(__m512 even, __m512 odd, __m512 iv, uint16_t *dst) {
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
@@ -206,6 +172,7 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
         for (int64_t p = pairs * me / nt; p < p1;) {
             int i = vrows[p / nh], h0 = (int)(p % nh), kh_i = h0 / g;
             int hg = g > QK_HEADS ? 1 : (int)((kh_i + 1) * g - h0 < p1 - p ? (kh_i + 1) * g - h0 : p1 - p);
+            int gb = hg < 8 ? hg : 8, cc = (16 / gb < ov ? 16 / gb : ov) & ~1;  // heads x value vectors per p @ V pass
             p += hg;
 #else
     int hg = nv * kvh >= 2 * omp_get_num_threads() ? g : 1;  // query heads per task
@@ -252,14 +219,9 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                 }
                 inv[t] = softmax_in_place(st, count, vmax);
             }
-            // out = sum_j e_j v_j, key order, fp32: up to 16 accumulators (heads x value vectors) a pass; on
-            // AVX2 pv8's 4 (2 heads x 2 vectors, a last head 4 at a time)
-            for (int t0 = 0; t0 < hg;) {
-#ifdef EAGLE_AVX2
-                int tn = hg - t0 >= 2 ? 2 : 1, cc = tn == 2 || ov < 4 ? 2 : 4;
-#else
+            // out = sum_j e_j v_j, key order, fp32: up to 16 accumulators (heads x value vectors) a pass
+            for (int t0 = 0; t0 < hg; t0 += gb) {
                 int tn = hg - t0 < gb ? hg - t0 : gb;
-#endif
                 for (int c0 = 0; c0 < ov; c0 += cc) {
                     int cn = ov - c0 < cc ? ov - c0 : cc;
                     __m512 o[16];
@@ -268,12 +230,6 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                     const int64_t *ar = anc + i * anc_stride;
                     // constant shapes: SmolLM2 (3 heads per kv head, head_dim 64), Llama-3.1-8B (4, 128:
                     // two passes), Vicuna / Llama-2 7B (no GQA, 128), and the other small ones
-#ifdef EAGLE_AVX2
-                    if (tn == 2 && cn == 2) pv8(2, 2, o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 1 && cn == 4) pv8(1, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else if (tn == 1 && cn == 2) pv8(1, 2, o, e0, cap, vh, kv_pos, c0, count, L, ar);
-                    else
-#endif
                     if (tn == 3 && cn == 4) pv(3, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
                     else if (tn == 4 && cn == 4) pv(4, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
                     else if (tn == 2 && cn == 4) pv(2, 4, o, e0, cap, vh, kv_pos, c0, count, L, ar);
@@ -288,7 +244,6 @@ void attention_team(const uint16_t *q, int64_t qs_row, int64_t qs_head, const ui
                         for (int c = 0; c < cn; c += 2) pv_out(o[t * cn + c], o[t * cn + c + 1], iv, dst + 16 * c);
                     }
                 }
-                t0 += tn;
             }
         }
     }
