@@ -28,10 +28,7 @@ from core.decoding.engine import Engine
 from core.decoding.forward import forward_tree, prefill
 from core.decoding.tree import tree_from_parents
 from core.kernels import native
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+from forward_cost import ints  # scripts/: this script's folder
 
 
 def main(argv=None) -> None:
