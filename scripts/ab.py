@@ -80,41 +80,41 @@ def main(argv: list[str] | None = None) -> int:
     for folder in args.head:
         d = load_any_head(folder, shipped.target.model, dtype=shipped.target.dtype)
         heads[folder] = Engine(shipped.target, d.head, d.vocab, shipped.numerics, drafter=d, step=shipped.step)
-    runs = {}
+    runs = {}  # contender -> (engine, tree or None for plain decoding, adaptive)
     for name, engine in heads.items():
-        runs[name] = (engine, tree)
+        runs[name] = (engine, tree, False)
         for spec, (depth, top_k, total, *lookup) in shapes.items():
             label = f"tree {spec}" if name == "shipped" else f"{name} tree {spec}"
             runs[label] = (engine, replace(tree, depth=depth, top_k=top_k, total_tokens=total,
-                                                  lookup=lookup[0] if lookup else tree.lookup))
+                                                  lookup=lookup[0] if lookup else tree.lookup), False)
     if args.toggle_row_floor:
-        runs[f"row_floor {'off' if tree.row_floor else 'on'}"] = (shipped, replace(tree, row_floor=not tree.row_floor))
+        runs[f"row_floor {'off' if tree.row_floor else 'on'}"] = (shipped, replace(tree, row_floor=not tree.row_floor),
+                                                                   False)
     if args.adaptive:
-        runs["adaptive"] = (shipped, tree)
+        runs["adaptive"] = (shipped, tree, True)
     if args.plain:
-        runs["plain"] = (shipped, None)
+        runs["plain"] = (shipped, None, False)
     sampling = SamplingConfig(temperature=args.temperature)
-    def config_for(t, max_new_tokens: int, seed: int, adaptive: bool = False) -> GenerationConfig:
+    def config_for(t, max_new_tokens: int, seed: int, adaptive: bool) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, speculative=t is not None, tree=t or tree,
-                                adaptive=adaptive,
-                                sampling=sampling, seed=seed if args.temperature else None,
+                                adaptive=adaptive, sampling=sampling, seed=seed if args.temperature else None,
                                 reuse_prompt=False)  # every contender reads the prompt from its start
     skip = {q.id for q in load_prompts(args.exclude)} if args.exclude else set()
     prompts = [q for q in load_prompts(args.prompts) if q.id not in skip][: args.limit or None]
     names = list(runs)
     stats = {k: {"tokens": 0, "forwards": 0, "seconds": 0.0, "cat": {}, "steps": [0] * (DEPTHS + 1)} for k in names}
     identical = 0
-    for k, (engine, t) in runs.items():  # warm-up
-        list(engine.generate(prompts[0].turns[0], config_for(t, 16, args.seed, k == "adaptive")))
+    for engine, t, adaptive in runs.values():  # warm-up
+        list(engine.generate(prompts[0].turns[0], config_for(t, 16, args.seed, adaptive)))
     from tqdm import tqdm
 
     for i, prompt in enumerate(tqdm(prompts, unit="prompt", desc="a/b")):
         order = names[i % len(names):] + names[:i % len(names)]
         outs = {}
         for k in (order if i % 2 else order[::-1]):
-            engine, t = runs[k]
+            engine, t, adaptive = runs[k]
             start = time.perf_counter()
-            config = config_for(t, args.max_new_tokens, args.seed + i, k == "adaptive")
+            config = config_for(t, args.max_new_tokens, args.seed + i, adaptive)
             events = list(engine.generate(prompt.turns[0], config))
             s = stats[k]
             s["seconds"] += time.perf_counter() - start
