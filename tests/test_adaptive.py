@@ -77,6 +77,24 @@ def test_a_repeat_waits_where_speculation_last_measured_slower_even_a_little():
     assert adaptive.probe_now(s, POLICY).speculative
 
 
+def test_a_hot_answer_keeps_plain_unless_speculation_beats_it_by_the_margin():
+    """Past the tree's hot pause the answer starts plain (patient) and the margin turns round: speculation
+    within 5% of plain, ahead or behind, hands back to plain; 10% ahead, it takes over. An answer that
+    starts plain for another reason (a long chat) keeps speculation at the same figures."""
+    for spec_rate, spec_wins in ((97.0, False), (104.0, False), (110.0, True)):  # tokens/s, plain at 100
+        for hot in (True, False):
+            s = adaptive.start(False, POLICY, patient=hot)
+            assert s.hot is hot and s.gap == (POLICY.max_gap if hot else POLICY.first_probe)
+            _, s = steps(s, [(spec_rate, 100.0)] * 2)
+            ran, s = steps(adaptive.probe_now(s, POLICY), [(spec_rate, 100.0)] * POLICY.probe_steps)
+            assert all(ran) and s.speculative is (spec_wins or not hot), (spec_rate, hot)
+    s = adaptive.start(False, POLICY, patient=True)
+    _, s = steps(s, [(100.0, 100.0)] * 2)
+    _, s = steps(adaptive.probe_now(s, POLICY), [(103.0, 100.0)] * POLICY.probe_steps)
+    _, s = steps(s, [(103.0, 100.0)] * 2)
+    assert adaptive.probe_now(s, POLICY) == s, "hot: speculation 3% ahead did not win, so a repeat waits"
+
+
 def test_the_setting_is_a_boolean():
     with pytest.raises(ConfigError, match="adaptive must be True or False, got 'yes'"):
         GenerationConfig(adaptive="yes")

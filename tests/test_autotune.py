@@ -122,8 +122,9 @@ def test_end_to_end_check_picks_the_fastest_candidate(tmp_path, monkeypatch):
 
 
 def test_hot_sampling_measures_both_modes_and_finds_where_plain_wins(monkeypatch):
-    """hot_sampling: both modes sample every prompt at each temperature with the same seeds; the
-    first temperature where plain is faster is returned (0 when the tree wins everywhere)."""
+    """hot_sampling: both modes sample every prompt at each temperature, coolest first, with the same
+    seeds; the first temperature where plain is faster is returned and the hotter ones are not
+    measured (0 when the tree wins everywhere)."""
     from core import autotune
 
     target = tiny_target()
@@ -137,13 +138,25 @@ def test_hot_sampling_measures_both_modes_and_finds_where_plain_wins(monkeypatch
 
     monkeypatch.setattr(engine, "generate", spy)
     tree = TreeConfig(depth=2, top_k=2, total_tokens=4, plain_from_temperature=0.5)
-    plain_from, rates = autotune.hot_sampling(engine, tree, temperatures=(0.6, 1.1), prompts=("a b", "c d e"),
+    plain_from, rates = autotune.hot_sampling(engine, tree, temperatures=(1.1, 0.6), prompts=("a b", "c d e"),
                                               max_new_tokens=6, reps=1)
-    assert set(rates) == {"0.6", "1.1"} and all(r["eagle"] > 0 and r["plain"] > 0 for r in rates.values())
-    assert plain_from == next((t for t in (0.6, 1.1) if rates[f"{t:g}"]["plain"] >= rates[f"{t:g}"]["eagle"]), 0.0)
-    assert len(seen) == 8 and all(p == 0.0 for *_, p in seen), "the tree's own pause is off while measuring"
-    for t in (0.6, 1.1):  # each prompt in both modes with one seed
+    assert all(r["eagle"] > 0 and r["plain"] > 0 for r in rates.values())
+    wins = [t for t in (0.6, 1.1) if f"{t:g}" in rates and rates[f"{t:g}"]["plain"] >= rates[f"{t:g}"]["eagle"]]
+    assert plain_from == (wins[0] if wins else 0.0)
+    measured = (0.6,) if plain_from == 0.6 else (0.6, 1.1)  # coolest first; none hotter than plain's first win
+    assert list(rates) == [f"{t:g}" for t in measured]
+    assert len(seen) == 4 * len(measured) and all(p == 0.0 for *_, p in seen), "the tree's own pause is off while measuring"
+    for t in measured:  # each prompt in both modes with one seed
         assert sorted((s, seed) for s, temp, seed, _ in seen if temp == t) == [(False, 0), (False, 1), (True, 0), (True, 1)]
+
+    # where plain decoding wins at the coolest temperature, no hotter one is sampled
+    monkeypatch.setattr(engine, "generate", lambda prompt, cfg, *a, **k: (seen.append(cfg.sampling.temperature) or [
+        type("Event", (), {"total_tokens": 6, "elapsed_s": 1.0 if cfg.speculative else 0.5})()]))  # plain twice as fast
+    seen.clear()
+    plain_from, rates = autotune.hot_sampling(engine, tree, temperatures=(0.3, 0.1, 0.7), prompts=("a b",),
+                                              max_new_tokens=6, reps=1)
+    assert plain_from == 0.1 and list(rates) == ["0.1"] and rates["0.1"] == {"eagle": 6.0, "plain": 12.0}
+    assert seen == [0.1, 0.1]
 
 
 def test_shipped_tree_beside_head(tmp_path):

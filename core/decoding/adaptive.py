@@ -31,7 +31,8 @@ class Policy:
     probe_steps: int = 4    # steps one probe runs
     max_gap: int = 128      # the most steps between probes (the gap doubles each time a probe confirms)
     decay: float = 0.8      # weight of a mode's figure from one step of that mode earlier
-    margin: float = 0.05    # plain decoding must measure this much faster (0.05: 5%) to be chosen
+    margin: float = 0.05    # plain decoding must measure this much faster (0.05: 5%) to be chosen; in a hot answer
+    #                         (Speeds.hot) speculation must measure this much faster than plain instead
     give_up: float = 0.7    # a probe ends early once, after 2 of its steps, its mode measures below this share of the other
 
 
@@ -45,19 +46,29 @@ class Speeds:
     steps: int = 0                    # steps since the last probe ended (or the answer began)
     gap: int = 8                      # steps between probes now
     probing: int = 0                  # steps left in the running probe, 0 when none runs
+    hot: bool = False                 # sampled past the tree's hot pause: the margin favours plain decoding
 
     def rate(self, speculative: bool) -> float | None:
         """Measured tokens per second of a mode, None before it ran."""
         tokens, seconds = self.spec if speculative else self.plain
         return tokens / seconds if seconds > 0 else None
 
+    def speculation_wins(self, margin: float) -> bool:
+        """Whether speculation is the mode to run by the figures so far: within `margin` of plain
+        decoding it wins, except in a hot answer, where it must beat plain by the margin (a tie
+        there goes to plain, which the tuned tree measured faster at that temperature)."""
+        spec, plain = self.rate(True) or 0.0, self.rate(False) or 0.0
+        return spec >= plain * (1 + margin) if self.hot else spec * (1 + margin) >= plain
+
 
 def start(speculative: bool, policy: Policy = Policy(), patient: bool = False) -> Speeds:
     """An answer's schedule, starting in the mode the tuned tree chooses at its prompt's length.
     `patient`: the start is plain because the answer samples at or past the tree's hot pause, where
     speculation measured slower on free answers: scheduled probes wait the longest gap, and a
-    repeat in the context (`probe_now`) is what probes speculation sooner."""
-    return Speeds(speculative=speculative, gap=policy.max_gap if patient else policy.first_probe)
+    repeat in the context (`probe_now`) is what probes speculation sooner, and speculation must then
+    measure `policy.margin` faster than plain to take over (on AVX2 at temperature 0.7 the two measured
+    within 5% of each other, speculation behind, and the other way round it kept the answer: 0.95x)."""
+    return Speeds(speculative=speculative, gap=policy.max_gap if patient else policy.first_probe, hot=patient)
 
 
 def record(s: Speeds, policy: Policy, ran_speculative: bool, tokens: int, seconds: float) -> Speeds:
@@ -74,7 +85,7 @@ def record(s: Speeds, policy: Policy, ran_speculative: bool, tokens: int, second
             return replace(s, probing=left)
         # the probe ended: keep the faster mode; a probe that changed nothing waits longer next time
         probed = s.speculative
-        faster = (s.rate(True) or 0.0) * (1 + policy.margin) >= (s.rate(False) or 0.0)
+        faster = s.speculation_wins(policy.margin)
         confirmed = faster != probed
         gap = min(2 * s.gap, policy.max_gap) if confirmed else policy.first_probe
         return replace(s, speculative=faster, probing=0, steps=0, gap=gap)
@@ -87,12 +98,12 @@ def probe_now(s: Speeds, policy: Policy) -> Speeds:
     """Probe speculation from this step on, out of schedule: the caller saw the context repeat
     (context lookup has a long chain to verify: an answer that copies from the chat). Unchanged
     while speculation runs or a probe does, within 2 steps of the last probe's end, and, where
-    speculation last measured slower than plain (by more than `policy.margin`), before half the gap
-    to the next scheduled probe has passed (repeats that speculation did not turn into speed: a
+    speculation last lost to plain (`Speeds.speculation_wins`), before half the gap to the next
+    scheduled probe has passed (repeats that speculation did not turn into speed: a
     sampled answer's draws leave the copied text more often than a greedy one's)."""
     if s.speculative or s.probing or s.steps < 2:
         return s
-    spec, plain = s.rate(True), s.rate(False)
-    if spec is not None and plain is not None and spec * (1 + policy.margin) < plain and 2 * s.steps < s.gap:
+    measured = s.rate(True) is not None and s.rate(False) is not None
+    if measured and not s.speculation_wins(policy.margin) and 2 * s.steps < s.gap:
         return s
     return replace(s, speculative=True, probing=policy.probe_steps, steps=0)
