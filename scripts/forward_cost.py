@@ -28,6 +28,19 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def context_cache(model, ctx: int):
+    """A synthetic context of `ctx` tokens prefilled into a fresh cache -> (its ids (ctx,), the cache)."""
+    ids = (torch.arange(100, 100 + ctx) * 7) % model.config.vocab_size
+    cache = kv.new_cache(model)
+    prefill(model, ids, cache)
+    return ids, cache
+
+
+def row_chain(ids: torch.Tensor, n: int):
+    """A chain of n rows (the context's first n tokens) to verify on top of the context."""
+    return tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), "cpu")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=ints, default=[256, 1024, 2048, 4000])
@@ -44,12 +57,10 @@ def main(argv=None) -> None:
     print("context " + " ".join(f"{n:>7}" for n in args.rows) + "   (ms per forward, rows in the call)")
     with torch.inference_mode():
         for ctx in args.contexts:
-            ids = (torch.arange(100, 100 + ctx) * 7) % model.config.vocab_size
-            cache = kv.new_cache(model)
-            prefill(model, ids, cache)
+            ids, cache = context_cache(model, ctx)
             best = []
             for n in args.rows:
-                tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), "cpu")
+                tree = row_chain(ids, n)
                 fastest = float("inf")
                 for _ in range(args.reps):
                     t0 = time.perf_counter()

@@ -25,10 +25,9 @@ import torch
 
 from core.decoding import cache as kv
 from core.decoding.engine import Engine
-from core.decoding.forward import forward_tree, prefill
-from core.decoding.tree import tree_from_parents
+from core.decoding.forward import forward_tree
 from core.kernels import native
-from forward_cost import ints  # scripts/: this script's folder
+from forward_cost import context_cache, ints, row_chain  # scripts/: this script's folder
 
 
 def main(argv=None) -> None:
@@ -55,11 +54,9 @@ def main(argv=None) -> None:
     try:
         with torch.inference_mode():
             for ctx in args.contexts:
-                ids = (torch.arange(100, 100 + ctx) * 7) % model.config.vocab_size
-                cache = kv.new_cache(model)
-                prefill(model, ids, cache)
+                ids, cache = context_cache(model, ctx)
                 for n in args.rows:
-                    tree = tree_from_parents([int(t) for t in ids[:n]], [-1] + list(range(n - 1)), "cpu")
+                    tree = row_chain(ids, n)
                     times: tuple[list[float], list[float]] = ([], [])
                     for rep in range(args.reps):
                         for v in ((0, 1) if rep % 2 else (1, 0)):
