@@ -480,6 +480,18 @@ def machine() -> dict:
             "features": [f for f in FEATURES if f in flags], "memory_gib": memory}
 
 
+def resident_memory() -> dict | None:
+    """This process's resident memory now and its peak so far, in MB (VmRSS and VmHWM of Linux's
+    /proc/self/status); None where the system does not say. Taken right after the model and head
+    load, it is what the app holds for them (the same Engine.load)."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in ("VmRSS", "VmHWM")}
+        return {"resident_mb": round(kib["VmRSS"] / 1024), "peak_mb": round(kib["VmHWM"] / 1024)}
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Sequence[Prompt],
             load: tuple[float, float]) -> dict:
     import transformers
@@ -597,6 +609,10 @@ def format_table(result: dict) -> str:
                  + (f"; draft head weights: {result['draft_weights']}" if result.get("draft_weights") else ""))
     if "thread_policy" in result:
         lines.append(f"threads: {result['threads']} ({result['thread_policy']})")
+    if result.get("memory_after_load"):
+        m = result["memory_after_load"]
+        lines.append(f"memory after loading the model{' and head' if result.get('head') else ''}: "
+                     f"{m['resident_mb']:,} MB resident (peak {m['peak_mb']:,} MB while loading)")
     lines += _prefill_lines(result)
     return "\n".join(lines)
 
@@ -842,6 +858,7 @@ def main(argv=None) -> int:
         set_threads(a.threads)
         spec = any(m in SPEC_MODES for m in modes)
         engine, head_name = load_engine(a, spec)
+        memory = resident_memory()  # before a tree is tuned, llama.cpp starts or any answer runs
         tree, source = bench_tree(engine, manual, given, spec)
         settings = replace(settings, tree=tree, tree_source=source)
         with start_llama_cpp(a, llama_exe, engine) as llama:
@@ -852,6 +869,7 @@ def main(argv=None) -> int:
     except (BenchError, ConfigError, EngineError, ModelLoadError, HeadLoadError, LlamaCppError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    result["memory_after_load"] = memory
     result["settings"]["prompts_file"] = str(a.prompts or BUILTIN_PROMPTS)
     result["settings"]["weights"] = a.weights
     print(format_table(result))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import core.bench as bench
-from core.bench import (BUILTIN_PROMPTS, BenchError, BenchSettings, Prompt, load_prompts, main,
+from core.bench import (BUILTIN_PROMPTS, BenchError, BenchSettings, Prompt, format_table, load_prompts, main,
                         mode_order, run_benchmark)
 from core.config import SamplingConfig, TreeConfig
 from core.decoding.engine import Engine
@@ -79,6 +79,17 @@ def test_cli_json_schema_complete(cli_result):
     assert r["speedup_vs_plain"]["plain"] == 1.0 and r["speedup_vs_hf"] == {}
     assert r["speedup_vs_plain"]["eagle"] == pytest.approx(eagle["tokens_per_s"] / r["modes"]["plain"]["tokens_per_s"])
     assert r["identical_to_plain"]["eagle"] is True
+    memory = r["memory_after_load"]  # the process's resident memory right after loading (Linux: VmRSS, VmHWM)
+    assert 0 < memory["resident_mb"] <= memory["peak_mb"]
+
+
+def test_the_table_reports_the_memory_after_loading():
+    result = {"modes": {}, "head": "default", "memory_after_load": {"resident_mb": 613, "peak_mb": 1180}}
+    line = "memory after loading the model and head: 613 MB resident (peak 1,180 MB while loading)"
+    assert line in format_table(result)
+    alone = {"modes": {}, "head": None, "memory_after_load": {"resident_mb": 598, "peak_mb": 1100}}
+    assert "memory after loading the model: 598 MB resident (peak 1,100 MB while loading)" in format_table(alone)
+    assert "memory after loading" not in format_table({"modes": {}, "memory_after_load": None})
 
 
 def test_cli_plot_is_a_png(cli_result):
