@@ -205,6 +205,31 @@ def test_sample_at_skips_only_tokens_that_cannot_win():
         assert sample_at(logits, [t], s, 5)[0] == int(full.argmax())
 
 
+@pytest.mark.skipif(not native.gumbel_usable("cpu"), reason="the native kernels do not run here")
+def test_the_native_draws_are_the_gumbel_max_over_the_whole_row():
+    """csrc/gumbel.c gathers the candidates 16 at a time before their noise: the draw is still the first
+    argmax of shaped logits + noise over every token, for rows of any length (not multiples of 16
+    included), with dropped (-inf) tokens, many equal logits, and from bf16 logits divided by the
+    temperature in the same call (gumbel_argmax_bf16: the same numbers as torch's division)."""
+    gen = torch.Generator().manual_seed(4)
+    for case in range(240):
+        n = (49152, 4099, 17, 1, 33, 300)[case % 6]
+        logits = (torch.randn(n, generator=gen) * (0.5, 3.0, 12.0, 40.0)[case % 4]).bfloat16()
+        if case % 3 == 0:
+            logits[torch.rand(n, generator=gen) < 0.4] = float("-inf")
+        if case % 5 == 0:
+            logits = logits.round()  # many equal logits
+        t = (0.7, 1.3, 0.9999, 1e-3, 2.0, 1 / 3)[case % 6]
+        key = gumbel.position_key(case, 3 * case)
+        shaped = logits.float() / t
+        drawn = native.gumbel_argmax(shaped, key, gumbel.REACH)
+        assert native.gumbel_argmax_bf16(logits, key, t, gumbel.REACH) == drawn, case
+        full = shaped + gumbel.noise(key, None, n, "cpu")
+        assert drawn == (int(full.argmax()) if torch.isfinite(shaped).any() else -1), case
+    dropped = torch.full((40,), float("-inf")).bfloat16()
+    assert native.gumbel_argmax_bf16(dropped, 1, 0.7, gumbel.REACH) == native.gumbel_argmax(dropped.float(), 1, 20.0) == -1
+
+
 def test_the_torch_sampler_draws_what_the_native_one_draws(monkeypatch):
     """Where the native kernels do not run (CUDA, no compiler) sample_at takes the torch path: the
     same hash, the same candidates; the logs agree to float rounding, so the draws agree."""

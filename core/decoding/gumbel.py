@@ -105,8 +105,12 @@ def sample_at(logits: torch.Tensor, positions: list[int], s: SamplingConfig, see
     """(n, V) logits and the position each row chooses a token for -> n token ids, each plain
     sampling's draw at that position: the Gumbel-max over `shaped_logits` plus its noise. A row
     computes the same alone or beside others (rows at one position share the noise)."""
+    if (native.gumbel_usable(logits.device) and logits.dtype is torch.bfloat16 and s.top_k == 0 and s.top_p >= 1.0
+            and not s.greedy):  # temperature alone: the division in the same call, on the LM head's bf16 row
+        return [native.gumbel_argmax_bf16(row, position_key(seed, t), s.temperature, REACH)
+                for row, t in zip(logits, positions)]
     x = shaped_logits(logits, s)  # (n, V)
-    if native.gumbel_usable(x.device):  # one pass, the noise in registers: 60-90 us a row
+    if native.gumbel_usable(x.device):  # the candidates' noise in registers, 16 at a time: 0.1 ms a row on AVX2
         return [native.gumbel_argmax(row, position_key(seed, t), REACH) for row, t in zip(x, positions)]
     best = x.max(-1).values.tolist()  # (n,)
     out = []

@@ -721,6 +721,18 @@ def gumbel_argmax(x: torch.Tensor, key: int, reach: float) -> int:
     return int(k.gumbel_argmax(x.data_ptr(), x.shape[0], as_int64(key), reach))
 
 
+def gumbel_argmax_bf16(logits: torch.Tensor, key: int, temperature: float, reach: float) -> int:
+    """gumbel_argmax of logits / temperature, read from (V,) bf16 CPU logits in one native call
+    (csrc/gumbel.c): the same draw as gumbel_argmax(logits.float() / temperature, key, reach)."""
+    k = _library()[0]
+    assert k is not None, "check native.gumbel_usable(device) first"
+    logits = logits.contiguous()
+    _expect(logits.dtype is torch.bfloat16 and logits.is_cpu and logits.dim() == 1 and 0 < logits.shape[0] < 2**31
+            and temperature > 0, lambda: f"gumbel_argmax_bf16 needs a bf16 CPU row and a temperature > 0; got "
+            f"{_about(logits)}, temperature {temperature}")
+    return int(k.gumbel_argmax_bf16(logits.data_ptr(), logits.shape[0], as_int64(key), temperature, reach))
+
+
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> bool:
     """Whether `rotary` serves this call: bf16 x (n, heads * hd) and cos, sin (n, hd) on the CPU,
     unit strides, an even hd, no autograd."""

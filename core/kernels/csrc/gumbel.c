@@ -66,9 +66,48 @@ void gumbel_noise(int64_t key, const int64_t *ids, float *out, int64_t n) {
     }
 }
 
+// Candidates gathered for one gumbel16: their ids (increasing) and values, and each lane's best so far.
+typedef struct {
+    int64_t ids[16];
+    float vals[16];
+    int count;
+    __m512 best;
+    __m512i best_i;
+} gumbel_pick;
+
+// Score the gathered candidates (fewer than 16: the rest masked off) and keep each lane's first maximum.
+static inline void pick_flush(gumbel_pick *p, __m512i key) {
+    __mmask16 live = p->count == 16 ? 0xFFFF : (__mmask16)((1u << p->count) - 1u);
+    __m512i a = _mm512_maskz_loadu_epi64((__mmask8)(live & 0xFF), p->ids);
+    __m512i b = _mm512_maskz_loadu_epi64((__mmask8)(live >> 8), p->ids + 8);
+    __m512 s = _mm512_add_ps(_mm512_maskz_loadu_ps(live, p->vals), gumbel16(key, a, b));
+    __mmask16 take = live & _mm512_cmp_ps_mask(s, p->best, _CMP_GT_OQ);  // strictly greater: a lane's first
+    int32_t i32[16];
+    for (int j = 0; j < 16; j++) i32[j] = j < p->count ? (int32_t)p->ids[j] : 0;
+    p->best = _mm512_mask_mov_ps(p->best, take, s);
+    p->best_i = _mm512_mask_mov_epi32(p->best_i, take, _mm512_loadu_si512(i32));
+    p->count = 0;
+}
+
+// A token can win only if its value plus its noise reaches the score of the row's first largest value
+// (top + its noise, s0), and no noise exceeds GUMBEL_MAX (u <= 1 - 2^-24: -log(-log u) = 16.6355):
+// so only values >= s0 - GUMBEL_MAX - slack need noise. The slack covers the two roundings of a score
+// (0.1, and 2^-20 of s0 where the values are large); never looser than top - reach.
+#define GUMBEL_MAX 16.64f
+static inline float score_floor(float top, int64_t top_id, __m512i key, float reach) {
+    __m512i id = _mm512_set1_epi64(top_id);
+    float s0 = top + _mm512_cvtss_f32(gumbel16(key, id, id));
+    float floor_ = s0 - GUMBEL_MAX - 0.1f - fabsf(s0) * 0x1p-20f;
+    return floor_ > top - reach ? floor_ : top - reach;
+}
+
 // The Gumbel-max over one row: argmax_i x[i] + g(key, i), the first maximum, for x (n,) fp32
 // (-inf: dropped). Only tokens within `reach` of the row's largest x can win (the noise is bounded:
-// core/decoding/gumbel.py, REACH); the others get no noise. -1 when no token is finite.
+// core/decoding/gumbel.py, REACH), and of those only the ones score_floor keeps: the others get no noise. The candidates are gathered 16 at a
+// time, in increasing id order, and each set draws its noise in one gumbel16: a row's few hundred
+// candidates lie scattered over as many blocks of 16 ids, and noise for every lane of those blocks
+// cost the AVX2 VM 0.22 ms a row. A lane's noise depends on its id alone, so every score is the same
+// number either way, and so is the first maximum. -1 when no token is finite.
 // ctypes: gumbel_argmax(ptr x, i64 n, i64 key, f32 reach) -> i64
 int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -78,23 +117,68 @@ int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
     }
     float top = _mm512_reduce_max_ps(vmax);
     if (!(top > -INFINITY)) return -1;
-    const __m512 floor_ = _mm512_set1_ps(top - reach);
-    const __m512i k = _mm512_set1_epi64(key), lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i lane32 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i best_i = _mm512_set1_epi32(0x7fffffff);
+    int64_t top_id = 0;
+    while (x[top_id] != top) top_id++;
+    const __m512i k = _mm512_set1_epi64(key);
+    const __m512 floor_ = _mm512_set1_ps(score_floor(top, top_id, k, reach));
+    gumbel_pick p;
+    p.count = 0;
+    p.best = _mm512_set1_ps(-INFINITY);
+    p.best_i = _mm512_set1_epi32(0x7fffffff);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        __m512 v = _mm512_maskz_loadu_ps(valid, x + i);
-        __mmask16 cand = valid & _mm512_cmp_ps_mask(v, floor_, _CMP_GE_OQ);
-        if (!cand) continue;
-        __m512 s = _mm512_add_ps(v, gumbel16(k, _mm512_add_epi64(lane, _mm512_set1_epi64(i)),
-                                             _mm512_add_epi64(lane, _mm512_set1_epi64(i + 8))));
-        __mmask16 take = cand & _mm512_cmp_ps_mask(s, best, _CMP_GT_OQ);  // strictly greater: a lane's first
-        best = _mm512_mask_mov_ps(best, take, s);
-        best_i = _mm512_mask_mov_epi32(best_i, take, _mm512_add_epi32(lane32, _mm512_set1_epi32((int)i)));
+        unsigned cand = valid & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(valid, x + i), floor_, _CMP_GE_OQ);
+        for (; cand; cand &= cand - 1) {
+            int64_t id = i + __builtin_ctz(cand);
+            p.ids[p.count] = id;
+            p.vals[p.count] = x[id];
+            if (++p.count == 16) pick_flush(&p, k);
+        }
     }
-    float m = _mm512_reduce_max_ps(best);
-    __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-    return _mm512_mask_reduce_min_epi32(at, best_i);
+    if (p.count) pick_flush(&p, k);
+    float m = _mm512_reduce_max_ps(p.best);
+    __mmask16 at = _mm512_cmp_ps_mask(p.best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(at, p.best_i);
+}
+
+// gumbel_argmax over logits / temperature, read from bf16 logits (n,) as they leave the LM head: each
+// x[i] = float(logits[i]) / temperature, IEEE division as torch's `logits.float() / temperature`
+// (core.decoding.gumbel.shaped_logits without top-k or top-p), so the same draw, without the two fp32
+// copies of the row. -1 when no token is finite.
+// ctypes: gumbel_argmax_bf16(ptr logits, i64 n, i64 key, f32 temperature, f32 reach) -> i64
+int64_t gumbel_argmax_bf16(const uint16_t *logits, int64_t n, int64_t key, float temperature, float reach) {
+    const __m512 t = _mm512_set1_ps(temperature);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, valid, vmax, _mm512_div_ps(bf16x16_to_ps_masked(logits + i, valid), t));
+    }
+    float top = _mm512_reduce_max_ps(vmax);
+    if (!(top > -INFINITY)) return -1;
+    int64_t top_id = 0;
+    while (from_bf16(logits[top_id]) / temperature != top) top_id++;  // the same division, lane by lane
+    const __m512i k = _mm512_set1_epi64(key);
+    const __m512 floor_ = _mm512_set1_ps(score_floor(top, top_id, k, reach));
+    gumbel_pick p;
+    p.count = 0;
+    p.best = _mm512_set1_ps(-INFINITY);
+    p.best_i = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 v = _mm512_div_ps(bf16x16_to_ps_masked(logits + i, valid), t);
+        unsigned cand = valid & _mm512_cmp_ps_mask(v, floor_, _CMP_GE_OQ);
+        if (!cand) continue;
+        float lanes[16];
+        _mm512_storeu_ps(lanes, v);
+        for (; cand; cand &= cand - 1) {
+            int lane = __builtin_ctz(cand);
+            p.ids[p.count] = i + lane;
+            p.vals[p.count] = lanes[lane];
+            if (++p.count == 16) pick_flush(&p, k);
+        }
+    }
+    if (p.count) pick_flush(&p, k);
+    float m = _mm512_reduce_max_ps(p.best);
+    __mmask16 at = _mm512_cmp_ps_mask(p.best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(at, p.best_i);
 }
