@@ -103,11 +103,12 @@ static inline float score_floor(float top, int64_t top_id, __m512i key, float re
 
 // The Gumbel-max over one row: argmax_i x[i] + g(key, i), the first maximum, for x (n,) fp32
 // (-inf: dropped). Only tokens within `reach` of the row's largest x can win (the noise is bounded:
-// core/decoding/gumbel.py, REACH), and of those only the ones score_floor keeps: the others get no noise. The candidates are gathered 16 at a
-// time, in increasing id order, and each set draws its noise in one gumbel16: a row's few hundred
-// candidates lie scattered over as many blocks of 16 ids, and noise for every lane of those blocks
-// cost the AVX2 VM 0.22 ms a row. A lane's noise depends on its id alone, so every score is the same
-// number either way, and so is the first maximum. -1 when no token is finite.
+// core/decoding/gumbel.py, REACH), and of those only the ones score_floor keeps: the others get no
+// noise. The candidates are gathered 16 at a time, in increasing id order, and each set draws its
+// noise in one gumbel16: a row's few hundred candidates lie scattered over as many blocks of 16 ids,
+// and noise for every lane of those blocks cost the AVX2 VM 0.22 ms a row. A lane's noise depends on
+// its id alone, so every score is the same number either way, and so is the first maximum. -1 when
+// no token is finite.
 // ctypes: gumbel_argmax(ptr x, i64 n, i64 key, f32 reach) -> i64
 int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
