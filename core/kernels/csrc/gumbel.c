@@ -101,63 +101,25 @@ static inline float score_floor(float top, int64_t top_id, __m512i key, float re
     return floor_ > top - reach ? floor_ : top - reach;
 }
 
-// The Gumbel-max over one row: argmax_i x[i] + g(key, i), the first maximum, for x (n,) fp32
-// (-inf: dropped). Only tokens within `reach` of the row's largest x can win (the noise is bounded:
-// core/decoding/gumbel.py, REACH), and of those only the ones score_floor keeps: the others get no
-// noise. The candidates are gathered 16 at a time, in increasing id order, and each set draws its
-// noise in one gumbel16: a row's few hundred candidates lie scattered over as many blocks of 16 ids,
-// and noise for every lane of those blocks cost the AVX2 VM 0.22 ms a row. A lane's noise depends on
-// its id alone, so every score is the same number either way, and so is the first maximum. -1 when
-// no token is finite.
-// ctypes: gumbel_argmax(ptr x, i64 n, i64 key, f32 reach) -> i64
-int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        vmax = _mm512_mask_max_ps(vmax, valid, vmax, _mm512_maskz_loadu_ps(valid, x + i));
-    }
-    float top = _mm512_reduce_max_ps(vmax);
-    if (!(top > -INFINITY)) return -1;
-    int64_t top_id = 0;
-    while (x[top_id] != top) top_id++;
-    const __m512i k = _mm512_set1_epi64(key);
-    const __m512 floor_ = _mm512_set1_ps(score_floor(top, top_id, k, reach));
-    gumbel_pick p;
-    p.count = 0;
-    p.best = _mm512_set1_ps(-INFINITY);
-    p.best_i = _mm512_set1_epi32(0x7fffffff);
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        unsigned cand = valid & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(valid, x + i), floor_, _CMP_GE_OQ);
-        for (; cand; cand &= cand - 1) {
-            int64_t id = i + __builtin_ctz(cand);
-            p.ids[p.count] = id;
-            p.vals[p.count] = x[id];
-            if (++p.count == 16) pick_flush(&p, k);
-        }
-    }
-    if (p.count) pick_flush(&p, k);
-    float m = _mm512_reduce_max_ps(p.best);
-    __mmask16 at = _mm512_cmp_ps_mask(p.best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-    return _mm512_mask_reduce_min_epi32(at, p.best_i);
+// Values i .. i + 15 of a row (valid lanes; the rest 0): x's, or the bf16 logits divided by t
+// (IEEE division, as torch's `logits.float() / temperature`).
+static inline __m512 row_block(const float *x, const uint16_t *logits, __m512 t, int64_t i, __mmask16 valid) {
+    return logits ? _mm512_div_ps(bf16x16_to_ps_masked(logits + i, valid), t) : _mm512_maskz_loadu_ps(valid, x + i);
 }
 
-// gumbel_argmax over logits / temperature, read from bf16 logits (n,) as they leave the LM head: each
-// x[i] = float(logits[i]) / temperature, IEEE division as torch's `logits.float() / temperature`
-// (core.decoding.gumbel.shaped_logits without top-k or top-p), so the same draw, without the two fp32
-// copies of the row. -1 when no token is finite.
-// ctypes: gumbel_argmax_bf16(ptr logits, i64 n, i64 key, f32 temperature, f32 reach) -> i64
-int64_t gumbel_argmax_bf16(const uint16_t *logits, int64_t n, int64_t key, float temperature, float reach) {
+// gumbel_argmax and gumbel_argmax_bf16: the row is x, or logits / temperature.
+static int64_t gumbel_argmax_row(const float *x, const uint16_t *logits, float temperature, int64_t n, int64_t key,
+                                 float reach) {
     const __m512 t = _mm512_set1_ps(temperature);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        vmax = _mm512_mask_max_ps(vmax, valid, vmax, _mm512_div_ps(bf16x16_to_ps_masked(logits + i, valid), t));
+        vmax = _mm512_mask_max_ps(vmax, valid, vmax, row_block(x, logits, t, i, valid));
     }
     float top = _mm512_reduce_max_ps(vmax);
     if (!(top > -INFINITY)) return -1;
-    int64_t top_id = 0;
-    while (from_bf16(logits[top_id]) / temperature != top) top_id++;  // the same division, lane by lane
+    int64_t top_id = 0;  // the first largest value (the same division, lane by lane)
+    while ((logits ? from_bf16(logits[top_id]) / temperature : x[top_id]) != top) top_id++;
     const __m512i k = _mm512_set1_epi64(key);
     const __m512 floor_ = _mm512_set1_ps(score_floor(top, top_id, k, reach));
     gumbel_pick p;
@@ -166,7 +128,7 @@ int64_t gumbel_argmax_bf16(const uint16_t *logits, int64_t n, int64_t key, float
     p.best_i = _mm512_set1_epi32(0x7fffffff);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 valid = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        __m512 v = _mm512_div_ps(bf16x16_to_ps_masked(logits + i, valid), t);
+        __m512 v = row_block(x, logits, t, i, valid);
         unsigned cand = valid & _mm512_cmp_ps_mask(v, floor_, _CMP_GE_OQ);
         if (!cand) continue;
         float lanes[16];
@@ -182,4 +144,26 @@ int64_t gumbel_argmax_bf16(const uint16_t *logits, int64_t n, int64_t key, float
     float m = _mm512_reduce_max_ps(p.best);
     __mmask16 at = _mm512_cmp_ps_mask(p.best, _mm512_set1_ps(m), _CMP_EQ_OQ);
     return _mm512_mask_reduce_min_epi32(at, p.best_i);
+}
+
+// The Gumbel-max over one row: argmax_i x[i] + g(key, i), the first maximum, for x (n,) fp32
+// (-inf: dropped). Only tokens within `reach` of the row's largest x can win (the noise is bounded:
+// core/decoding/gumbel.py, REACH), and of those only the ones score_floor keeps: the others get no
+// noise. The candidates are gathered 16 at a time, in increasing id order, and each set draws its
+// noise in one gumbel16: a row's few hundred candidates lie scattered over as many blocks of 16 ids,
+// and noise for every lane of those blocks cost the AVX2 VM 0.22 ms a row. A lane's noise depends on
+// its id alone, so every score is the same number either way, and so is the first maximum. -1 when
+// no token is finite.
+// ctypes: gumbel_argmax(ptr x, i64 n, i64 key, f32 reach) -> i64
+int64_t gumbel_argmax(const float *x, int64_t n, int64_t key, float reach) {
+    return gumbel_argmax_row(x, NULL, 1.0f, n, key, reach);
+}
+
+// gumbel_argmax over logits / temperature, read from bf16 logits (n,) as they leave the LM head: each
+// value float(logits[i]) / temperature, IEEE division as torch's `logits.float() / temperature`
+// (core.decoding.gumbel.shaped_logits without top-k or top-p), so the same draw, without the two fp32
+// copies of the row. -1 when no token is finite.
+// ctypes: gumbel_argmax_bf16(ptr logits, i64 n, i64 key, f32 temperature, f32 reach) -> i64
+int64_t gumbel_argmax_bf16(const uint16_t *logits, int64_t n, int64_t key, float temperature, float reach) {
+    return gumbel_argmax_row(NULL, logits, temperature, n, key, reach);
 }
