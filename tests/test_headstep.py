@@ -203,3 +203,119 @@ def test_the_head_block_setting_is_checked(monkeypatch):
     with pytest.raises(StepError, match="EAGLE_CHAT_HEAD_BLOCKS='Q2_K': the native head takes Q4_1 or Q8_0 blocks"):
         head_block_kind()
     assert native_head(random_head()) is None  # the Python head drafts instead
+
+
+def _native_target_and_drafter():
+    from core.decoding.head3 import drafter_for
+    from core.kernels.invariant import make_invariant
+    from core.kernels.step import NativeStep
+    from tests.tiny import random_head as tiny_head, tiny_target
+
+    target = tiny_target(dtype=torch.bfloat16, hidden=128, mix=0.5, seed=3)  # head_dim 32: the kernels' minimum
+    make_invariant(target.model)
+    head = tiny_head(target, seed=1)
+    drafter = drafter_for(head, target.model)
+    assert drafter.native is not None and drafter.lm_int8 is not None
+    return target, NativeStep(target.model), head, drafter
+
+
+def test_the_fused_greedy_step_is_the_forward_the_walk_and_the_catch_up_bit_for_bit():
+    """NativeStep.spec_step_greedy (csrc/decode_step.c's spec_step_greedy, one call) = forward_rows (greedy),
+    verify.accept_greedy's walk, then the head's catch_up_top on the accepted path: the same path and
+    tokens, the same head output and proposal, the same target and head cache entries. Random trees
+    whose branches follow the target's greedy continuation for a random number of levels (so paths of
+    every length are accepted, through branching nodes), head caches that grow during the step."""
+    from core.decoding import cache as kv
+    from core.decoding.forward import prefill, spec_step_greedy
+    from core.decoding.tree import DraftTree, catch_up_top
+    from core.decoding.verify import accept_greedy
+
+    target, step, head, drafter = _native_target_and_drafter()
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(1, 90, (21,), generator=gen)
+    lengths = set()
+    with torch.inference_mode():
+        def start(capacity: int):
+            cache = kv.new_cache(step)
+            features, logits = prefill(step, prompt, cache)
+            root = int(logits.argmax())
+            hc = HeadCache(head.config, torch.bfloat16, "cpu", capacity=capacity)
+            catch_up_top(drafter, hc, torch.cat([prompt[1:], torch.tensor([root])]), features, 4)
+            return cache, hc, root
+
+        scratch, _, root = start(1024)
+        greedy, t = [], root  # plain greedy decoding's continuation after the root
+        for i in range(8):
+            _, _, t = step.forward_one(t, len(prompt) + i, scratch, greedy=True)
+            greedy.append(t)
+        for case in range(30):
+            n = int(torch.randint(1, 13, (1,), generator=gen))
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+            depths = [0] * n
+            for i in range(1, n):
+                depths[i] = depths[parents[i]] + 1
+            tokens = [root] + [int(x) for x in torch.randint(1, 90, (n - 1,), generator=gen)]
+            follow = int(torch.randint(0, 9, (1,), generator=gen))  # levels of one branch set to the continuation
+            node = 0
+            for level in range(follow):
+                kids = [i for i in range(1, n) if parents[i] == node]
+                if not kids:
+                    break
+                node = kids[int(torch.randint(0, len(kids), (1,), generator=gen))]
+                tokens[node] = greedy[level]
+            for i in range(1, n):  # siblings hold distinct tokens (the trees drafting makes)
+                while any(parents[j] == parents[i] and tokens[j] == tokens[i] for j in range(1, i)):
+                    tokens[i] = tokens[i] % 89 + 1
+            tree = DraftTree.from_lists(tokens, parents, depths)
+            k = int(torch.randint(1, 9, (1,), generator=gen))
+            (a, ha, _), (b, hb, _) = start(4 if case % 3 == 0 else 1024), start(4 if case % 3 == 0 else 1024)
+            committed = len(prompt)
+            feats, _, choices = step.forward_rows(tokens, parents, depths, committed, a, greedy=True)
+            want = accept_greedy(tree, choices)
+            hidden, (lp, idx) = catch_up_top(drafter, ha, torch.tensor(want.tokens), feats[list(want.path)], k)
+            got = spec_step_greedy(step, tree, b, committed, drafter, hb, k)
+            assert got is not None, "the fused step serves a native target with a native EAGLE-1 head"
+            assert got.path == want.path and got.tokens == want.tokens, case
+            assert torch.equal(got.head_hidden, hidden) and torch.equal(got.top[0], lp) and torch.equal(got.top[1], idx)
+            assert ha.length == hb.length == committed + len(want.path)
+            for x, y in ((ha.layer_keys[0], hb.layer_keys[0]), (ha.layer_values[0], hb.layer_values[0])):
+                assert torch.equal(x[:, :, :ha.length], y[:, :, :hb.length]), case
+            assert kv.cache_length(a) == kv.cache_length(b) == committed + n
+            for la, lb in zip(a.layers, b.layers):
+                assert torch.equal(la._k[..., :committed + n, :], lb._k[..., :committed + n, :]), case
+                assert torch.equal(la._v[..., :committed + n, :], lb._v[..., :committed + n, :]), case
+            lengths.add(len(want.path))
+    assert max(lengths) >= 4 and 1 in lengths, lengths  # short and long accepted paths were both checked
+
+
+def test_the_engine_takes_greedy_steps_in_one_native_call_and_keeps_plain_output(monkeypatch):
+    """With the native step and the native head, greedy speculative steps of dynamic trees run as one
+    call (spec_step_greedy) and the answers are plain decoding's, with a tree and with context lookup;
+    static trees and sampled answers take the separate calls."""
+    from core.config import GenerationConfig, SamplingConfig, TreeConfig
+    from core.decoding.engine import Engine
+    from core.kernels.step import NativeStep
+
+    target, step, head, drafter = _native_target_and_drafter()
+    engine = Engine(target, head, drafter=drafter, step=step)
+    calls = []
+    real = NativeStep.spec_step_greedy
+    monkeypatch.setattr(NativeStep, "spec_step_greedy", lambda self, *a: calls.append(1) or real(self, *a))
+    dynamic = (TreeConfig(depth=3, top_k=3, total_tokens=8), TreeConfig(depth=1, top_k=4, total_tokens=2, lookup=8))
+    accepted = 0
+    for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]):
+        plain = [t for ev in engine.generate(prompt, GenerationConfig(max_new_tokens=40, speculative=False))
+                 for t in ev.token_ids]
+        for tree in dynamic:
+            events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=tree)))
+            assert [t for ev in events for t in ev.token_ids] == plain, (prompt, tree)
+            assert calls and any(ev.tree_size > 1 for ev in events)  # it speculated, in fused steps
+            accepted += sum(ev.draft_tokens for ev in events)
+            calls.clear()
+        static = TreeConfig(depth=2, top_k=2, total_tokens=4, static_paths=((0,), (1,), (0, 0)))
+        events = list(engine.generate(prompt, GenerationConfig(max_new_tokens=40, tree=static)))
+        assert [t for ev in events for t in ev.token_ids] == plain and not calls
+        sampled = GenerationConfig(max_new_tokens=20, tree=dynamic[0], sampling=SamplingConfig(temperature=0.7), seed=3)
+        list(engine.generate(prompt, sampled))
+        assert not calls
+    assert accepted > 0, "some fused steps accepted drafts"

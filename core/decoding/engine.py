@@ -30,7 +30,7 @@ from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
 from core.decoding.drafter import DraftModel
 from core.decoding.forward import (StopReading, forward_tree, forward_tree_greedy, plain_forward,
-                                   plain_forward_greedy, prefill, uses_exact_kernels)
+                                   plain_forward_greedy, prefill, spec_step_greedy, uses_exact_kernels)
 from core.decoding.head import HeadCache
 from core.decoding.head3 import drafter_for, load_any_head
 from core.decoding.lookup import ContextIndex, graft
@@ -372,10 +372,16 @@ class _Run:
         if chain:
             tree = graft(tree, chain)
         t1 = self.now()
-        if s.greedy:  # each row's argmax comes out of the forward's own call
+        # greedy, a dynamic tree: forward, walk and the head's catch-up in one native call where it serves
+        fused = (spec_step_greedy(self.model, tree, self.cache, committed, self.e.drafter, self.head_cache,
+                                  self.cfg.tree.top_k) if s.greedy and not self.cfg.tree.is_static else None)
+        if fused is not None:  # the forward's time as the separate calls measure it: all but the head's part
+            t2 = self.now() - fused.head_s
+            result: Verification = Verification(fused.path, fused.tokens)
+        elif s.greedy:  # each row's argmax comes out of the forward's own call
             features, choices = forward_tree_greedy(self.model, tree, self.cache, committed, self.layers)
             t2 = self.now()
-            result: Verification = accept_greedy(tree, choices)
+            result = accept_greedy(tree, choices)
         else:
             features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
             t2 = self.now()
@@ -384,13 +390,16 @@ class _Run:
             self.on_step(tree, result)
         kv.keep(self.cache, committed, result.path)
         self.forwards += 1
-        carry = self._draft_carry  # spent before t0, so the step starts that much earlier
+        carry = self._draft_carry  # the last catch-up, spent before t0: the step starts that much earlier
+        head_s = (t1 - t0) + carry + (fused.head_s if fused is not None else 0.0)  # a fused step catches up in it
         if floor:
-            self.e.row_costs = rowcost.record(self.e.row_costs, tree.size, t2 - t1, (t1 - t0) + carry)
-        event = self.emit(list(result.tokens), result.accepted, tree.size, (t1 - t0) + carry, t2 - t1, t0 - carry)
+            self.e.row_costs = rowcost.record(self.e.row_costs, tree.size, t2 - t1, head_s)
+        event = self.emit(list(result.tokens), result.accepted, tree.size, head_s, t2 - t1, t0 - carry)
         self._draft_carry = 0.0
         self.token = result.bonus
-        if not event.finished:  # the head catches up only when another step follows
+        if fused is not None:
+            self.root_hidden, self.root_top = fused.head_hidden, fused.top
+        elif not event.finished:  # the head catches up only when another step follows
             path = result.path
             kept = features[:len(path)] if path == tuple(range(len(path))) else features[list(path)]  # (m, F)
             self.root_hidden = self.catch_up(torch.tensor(result.tokens, device=self.device), kept)

@@ -15,7 +15,7 @@ import torch
 from core.kernels import invariant
 from core.decoding.head import additive
 from core.decoding.head3 import target_features
-from core.kernels.step import NativeStep
+from core.kernels.step import NativeStep, SpecStep
 from core.decoding.tree import DraftTree
 from core.decoding.verify import greedy_tokens
 
@@ -106,6 +106,20 @@ def forward_tree_greedy(model, tree: DraftTree, cache, committed: int,
     choices = torch.empty(tree.size, dtype=torch.int64)
     features, _ = forward_tree(model, tree, cache, committed, feature_layers, True, choices)
     return features, choices.tolist()
+
+
+def spec_step_greedy(model, tree: DraftTree, cache, committed: int, drafter, head_cache, k: int) -> SpecStep | None:
+    """forward_tree_greedy, the walk (core.decoding.verify.accept_greedy's path) and the head's catch-up on
+    the accepted path with the new root's k best children (core.decoding.tree.catch_up_top) in one native
+    call, where the native step and the native head both serve and the head reads the last hidden state;
+    else None (the caller runs them one by one: the same tokens, the same proposals)."""
+    if not isinstance(model, NativeStep) or drafter.feature_layers is not None:
+        return None
+    top_call = getattr(drafter, "top_call", None)
+    head = top_call(head_cache, tree.size, k) if top_call is not None else None
+    if head is None:
+        return None
+    return model.spec_step_greedy(*tree.host, committed, cache, head, head_cache)
 
 
 def plain_forward_greedy(model, token: int, cache, position: int,

@@ -23,9 +23,10 @@ from core.kernels import native
 from core.config import TreeConfig
 from core.decoding.drafter import DraftModel
 from core.decoding.gumbel import DraftNoise
-from core.decoding.head import EagleHead, HeadCache, KeyLayout, TreeRows, head_mask, native_rows
+from core.decoding.head import NATIVE_ROWS, EagleHead, HeadCache, KeyLayout, TreeRows, head_mask, native_rows
 
 if TYPE_CHECKING:
+    from core.kernels.step import HeadCall
     from core.kernels.headstep import NativeHead
 
 
@@ -213,6 +214,24 @@ class Drafter:
             return None
         hidden, lp, idx = self.native.catch_up_top(tokens, table, features, cache, self.lm_int8, k)  # embed(tokens) in C
         return hidden, (lp[None], idx[None])
+
+    def top_call(self, cache: HeadCache, n: int, k: int) -> "HeadCall | None":
+        """catch_up_top as the head's part of a fused greedy step (core.kernels.step.NativeStep.spec_step_greedy),
+        bound to `cache` with room for n rows, where catch_up_top's one native call would serve it; else None."""
+        table = self.embed.weight
+        serves = self._top_call_serves.get(k)
+        if serves is None:  # catch_up_top's checks on what does not change (the head, its tables, k)
+            serves = self._top_call_serves[k] = (
+                self.native is not None and self.lm_int8 is not None and table.dtype is torch.bfloat16
+                and table.is_contiguous() and 1 <= k <= min(self.lm_int8.q.shape[0], native.TOPK_MAX)
+                and native_rows(1, table.dtype, self.head.config, table.device) and native.int8_available())
+        if not serves or n > NATIVE_ROWS or torch.is_grad_enabled():
+            return None
+        return self.native.top_call(table, cache, self.lm_int8, k, n)
+
+    @functools.cached_property
+    def _top_call_serves(self) -> dict[int, bool]:
+        return {}
 
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,
              positions: torch.Tensor, allowed: "torch.Tensor | TreeRows | None" = None) -> torch.Tensor:

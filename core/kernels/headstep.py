@@ -27,7 +27,7 @@ import torch
 from core.config import switched_off
 from core.kernels import native, quant
 from core.decoding.head import EagleHead, HeadCache, KeyLayout
-from core.kernels.step import _PROJ, StepError, _Layer, _Model, rotary_table
+from core.kernels.step import _PROJ, HeadCall, StepError, _Layer, _Model, rotary_table
 
 NATIVE_HEAD_ENV = "EAGLE_CHAT_NATIVE_HEAD"  # "0" turns the native head off (the Python head drafts)
 _TABLE = 4096  # rotary table rows at start (grown by doubling)
@@ -120,6 +120,11 @@ class NativeHead:
                          eps=head.layers[0].post_attention_layernorm.eps, scale=hd ** -0.5, layer=layers)
         self._tables(_TABLE)
         self._logits: torch.Tensor | None = None  # catch_up_top's scratch: the draft LM head's row
+        # top_call's: the fixed arguments by (embedding, LM head, k), and two sets of output buffers
+        self._top_args: dict[tuple[int, int, int], tuple] = {}
+        self._top_out = [(torch.empty(8, c.hidden_size, dtype=torch.bfloat16), torch.empty(native.TOPK_MAX),
+                          torch.empty(native.TOPK_MAX, dtype=torch.int64)) for _ in range(2)]
+        self._turn = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -194,6 +199,35 @@ class NativeHead:
             raise StepError(f"the native head failed (code {code}{': a token id outside the embedding' if code == -2 else ''})")
         cache.length = at + n
         return out[-1], vals, idx
+
+
+    def top_call(self, embed: torch.Tensor, cache: HeadCache, lm: native.Int8Weight, k: int, n: int) -> HeadCall:
+        """catch_up_top's call as the head's part of a fused greedy step (core.kernels.step.NativeStep.spec_step_greedy):
+        `cache` bound with room for a catch-up of up to n rows, the output buffers, and the arguments in
+        csrc/decode_step.c's order (catch_up_top's checks, made once per embedding, LM head and k). The
+        buffers alternate between two sets, so the previous step's proposal stays readable while the
+        next call writes (the engine drafts from it before then)."""
+        fixed = self._top_args.get((embed.data_ptr(), lm.q.data_ptr(), k))
+        if fixed is None:
+            H, vocab = self._m.hidden, lm.q.shape[0]
+            if not 1 <= k <= min(vocab, native.TOPK_MAX):
+                raise ValueError(f"the proposal's k must be in 1..{min(vocab, native.TOPK_MAX)}, got {k}")
+            if not (embed.dtype is torch.bfloat16 and embed.is_contiguous() and embed.dim() == 2 and embed.shape[1] == H):
+                raise StepError(f"a fused step's head needs bf16 embeddings (V, {H}); got {embed.dtype} {tuple(embed.shape)}")
+            scratch = torch.empty(vocab, dtype=torch.bfloat16)  # the draft LM head's row
+            fixed = self._top_args[(embed.data_ptr(), lm.q.data_ptr(), k)] = (
+                (ctypes.byref(self._m), ctypes.byref(self._fc),
+                 None if self._fc_bias is None else self._fc_bias.data_ptr(), embed.data_ptr(), embed.shape[0]),
+                (lm.q.data_ptr(), lm.scale.data_ptr(), lm.sums.data_ptr(), vocab, scratch.data_ptr()), scratch)
+        head, lm_args, _ = fixed
+        at = self._bind(cache.length + n - 1, cache, n)
+        self._turn ^= 1
+        out, vals, idx = self._top_out[self._turn]
+        if out.shape[0] < n:
+            out = torch.empty(max(n, 2 * out.shape[0]), self._m.hidden, dtype=torch.bfloat16)
+            self._top_out[self._turn] = (out, vals, idx)
+        args = (at, *head, out.data_ptr(), *lm_args, vals.data_ptr(), idx.data_ptr(), k)
+        return HeadCall(args, at, out, vals[:k], idx[:k])
 
 
 def native_head(head) -> NativeHead | None:

@@ -121,6 +121,31 @@ class StepInfo:
     activations: str = "bf16"  # what the GEMMs multiply the weights by: "bf16", or "int8" (w4a8)
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """The head's part of NativeStep.spec_step_greedy (core.kernels.headstep.NativeHead.top_call): head_step_top's
+    arguments after the step's own, bound to a head cache with room for a catch-up of up to n rows."""
+
+    args: tuple            # head_committed, hm, fc, fc_bias, embed, n_embed, head_out, lm_q, lm_scale, lm_sums,
+                           # vocab, head_logits, vals, idx, k (csrc/decode_step.c's spec_step_greedy)
+    at: int                # the head cache's length before the catch-up
+    out: torch.Tensor      # (>= n, H) bf16: the catch-up rows' outputs
+    vals: torch.Tensor     # (k,) fp32: the proposal's log-probabilities, best first
+    idx: torch.Tensor      # (k,) int64: their draft ids
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """A greedy speculative step's outcome (NativeStep.spec_step_greedy)."""
+
+    path: tuple[int, ...]      # the accepted tree rows, root first
+    tokens: tuple[int, ...]    # the accepted draft tokens, then the bonus token
+    head_hidden: torch.Tensor  # (H,) the head's output at the new root (its children's predictor)
+    top: tuple[torch.Tensor, torch.Tensor]  # (1, k) each: the root's best children (catch_up_top's)
+    forward_s: float           # the target's part: forward, argmax and walk
+    head_s: float              # the head's catch-up and proposal
+
+
 def rotary_table(rotary, probe: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A rotary embedding module's cos / sin for positions [0, size) -> two (size, head_dim)
     tensors in probe's dtype, computed on one thread (core.threads.one_torch_thread says why:
@@ -184,6 +209,7 @@ class NativeStep:
         self._one = (ctypes.c_int64 * 5)(0, 0, 0, 1, 0)
         self._one_at = ctypes.addressof(self._one)
         self._scratch_logits = torch.empty(1, self._m.vocab, dtype=torch.bfloat16)
+        self._scratch_hidden = torch.empty(1, self._m.hidden, dtype=torch.bfloat16)  # spec_step_greedy's rows
         names = {b.type_name for b in blocks.values()}
         streamed = sum(blocks[n].nbytes if n in blocks else params[n].numel() * 2
                        for n in params if n.endswith("proj.weight")) + (
@@ -307,6 +333,45 @@ class NativeStep:
                                      cache, feature_layers, greedy, at + 3 * row if greedy else None,
                                      self._scratch_logits[:n] if greedy else None)
         return features, logits, (buf[3 * n:4 * n] if greedy else None)
+
+    def spec_step_greedy(self, tokens: list[int], parents: list[int], depths: list[int], committed: int, cache,
+                         head: HeadCall, head_cache) -> SpecStep:
+        """A greedy speculative step in one native call (csrc/decode_step.c's spec_step_greedy): forward_rows
+        (greedy) over a draft tree given as lists, the walk down it (core.decoding.verify.walk's path) and
+        the head's catch-up on the accepted path with its proposal for the next root (head_step_top, from
+        `head`: core.kernels.headstep.NativeHead.top_call on `head_cache`, room for the tree's rows). The
+        same kernels in the same order, so the same bits as those calls one by one; the Python between
+        them, which runs on cold caches after the forward, is what goes. The head reads the last hidden
+        state (an EAGLE-1/2 head). The target cache keeps every row; the caller keeps the path (kv.keep)."""
+        n, width = len(tokens), max(depths) + 1
+        anc = [node for row in ancestor_rows(parents, depths) for node in row]  # (n, width), row by row
+        # tokens, positions, counts, choices, path, parents, ancestors
+        buf = (ctypes.c_int64 * (n * (6 + width)))(*tokens, *[committed + d for d in depths], *[d + 1 for d in depths],
+                                                    *[0] * (2 * n), *parents, *anc)
+        at, row = ctypes.addressof(buf), n * ctypes.sizeof(ctypes.c_int64)
+        top = committed + width - 1
+        assert committed == cache.get_seq_length(), "the tree's rows go after every cached one"
+        if top >= self._m.max_pos:
+            self._tables(max(2 * self._m.max_pos, top + 1))
+        self._bind_cache(cache, committed + n)
+        if self._scratch_logits.shape[0] < n:
+            self._scratch_logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
+        if self._scratch_hidden.shape[0] < n:
+            self._scratch_hidden = torch.empty(n, self._m.hidden, dtype=torch.bfloat16)
+        seconds = (ctypes.c_double * 2)()
+        length = native._library()[0].spec_step_greedy(
+            ctypes.byref(self._m), at, at + row, n, committed, at + 6 * row, width, at + 2 * row, at + 5 * row,
+            self._scratch_hidden.data_ptr(), self._scratch_logits.data_ptr(), at + 3 * row, int(n <= self.screen_rows),
+            at + 4 * row, ctypes.addressof(seconds), torch.get_num_threads(), *head.args)
+        if length < 1:
+            raise StepError(f"the native step failed: {_ERRORS.get(length, length)}")
+        for layer in cache.layers:
+            layer.length = committed + n
+        head_cache.length = head.at + length
+        path = tuple(buf[4 * n:4 * n + length])
+        bonus = buf[3 * n + path[-1]]
+        return SpecStep(path, tuple([tokens[i] for i in path[1:]] + [bonus]), head.out[length - 1],
+                        (head.vals[None], head.idx[None]), seconds[0], seconds[1])
 
     def _run(self, n: int, committed: int, top: int, tokens: int, positions: int, ancestors: int, stride: int,
              counts: int, cache, feature_layers, only_max: bool, choices: int | None,

@@ -12,6 +12,7 @@
 // dispatches per forward.
 #include <omp.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "common.h"
 #include "weights.h"
@@ -357,4 +358,72 @@ int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, 
         return STEP_NO_MEMORY;
     if (topk_logprobs_bf16(logits, vocab, vals, idx, 1, vocab, k, nthreads)) return STEP_BAD_WEIGHT;
     return STEP_OK;
+}
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// A greedy speculative step in one call: decode_step over the tree's n rows (only_max: a screened LM
+// head may serve; each row's argmax into choices, its final hidden state, the EAGLE-1 head's feature,
+// into hidden), the walk down the tree (from the root, the child holding its parent's argmax: the last
+// such child, as core.decoding.verify.walk's table keeps; siblings hold distinct tokens), then
+// head_step_top on the accepted path: the path's tokens after the root and the bonus token (the last
+// accepted row's argmax), with the path rows' hidden states, after the head cache's head_committed
+// entries (head_out: room for n rows). The head's arguments come last, as core.kernels.step.HeadCall
+// holds them. parents (n,): parents[0] == -1, each parent before its children. path (n,): the accepted
+// rows, root first. seconds (2,): the wall time of the target's part (forward, argmax, walk) and of the
+// head's. Returns the path's length (>= 1) or a STEP_* error. The kernels are decode_step's and
+// head_step_top's, called in turn, so the bits are theirs; what the one call saves is the Python between
+// them, which runs on cold caches after a forward has streamed the weights.
+// ctypes: spec_step_greedy(ptr m, ptr tokens, ptr positions, i32 n, i64 committed, ptr anc, i64 anc_stride,
+//                          ptr counts, ptr parents, ptr hidden, ptr logits, ptr choices, i32 only_max, ptr path,
+//                          ptr seconds, i32 nthreads, i64 head_committed, ptr hm, ptr fc, ptr fc_bias, ptr embed,
+//                          i64 n_embed, ptr head_out, ptr lm_q, ptr lm_scale, ptr lm_sums, i32 vocab,
+//                          ptr head_logits, ptr vals, ptr idx, i32 k) -> i32
+int spec_step_greedy(const step_model *m, const int64_t *tokens, const int64_t *positions, int n, int64_t committed,
+                     const int64_t *anc, int64_t anc_stride, const int64_t *counts, const int64_t *parents,
+                     uint16_t *hidden, uint16_t *logits, int64_t *choices, int only_max, int64_t *path,
+                     double *seconds, int nthreads, int64_t head_committed, const step_model *hm, const wmat *fc,
+                     const uint16_t *fc_bias, const uint16_t *embed, int64_t n_embed, uint16_t *head_out,
+                     const int8_t *lm_q, const float *lm_scale, const int32_t *lm_sums, int vocab,
+                     uint16_t *head_logits, float *vals, int64_t *idx, int k) {
+    if (n < 1 || parents[0] != -1) return STEP_BAD_POSITION;
+    for (int i = 1; i < n; i++)
+        if (parents[i] < 0 || parents[i] >= i) return STEP_BAD_POSITION;
+    double t0 = seconds_now();
+    int status = decode_step(m, tokens, positions, n, committed, committed, anc, anc_stride, counts, NULL, 0, NULL,
+                             hidden, logits, choices, only_max, nthreads);
+    if (status != STEP_OK) return status;
+    int len = 1, node = 0, H = m->hidden;
+    path[0] = 0;
+    for (;;) {
+        int next = -1;
+        for (int i = node + 1; i < n; i++)
+            if (parents[i] == node && tokens[i] == choices[node]) next = i;
+        if (next < 0) break;
+        path[len++] = next;
+        node = next;
+    }
+    double t1 = seconds_now();
+    int64_t *ct = malloc((size_t)len * sizeof(int64_t));
+    uint16_t *feats = malloc((size_t)len * H * sizeof(uint16_t));
+    if (!ct || !feats) {
+        free(ct);
+        free(feats);
+        return STEP_NO_MEMORY;
+    }
+    for (int i = 0; i < len; i++) {
+        ct[i] = i + 1 < len ? tokens[path[i + 1]] : choices[node];
+        memcpy(feats + (int64_t)i * H, hidden + path[i] * H, (size_t)H * 2);
+    }
+    status = head_step_top(hm, fc, fc_bias, ct, embed, n_embed, feats, len, head_committed, head_out, lm_q, lm_scale,
+                           lm_sums, vocab, head_logits, vals, idx, k, nthreads);
+    free(ct);
+    free(feats);
+    seconds[0] = t1 - t0;
+    seconds[1] = seconds_now() - t1;
+    return status == STEP_OK ? len : status;
 }
