@@ -372,7 +372,9 @@ def draft_weights(drafter) -> str:
 
     fused = getattr(drafter, "native", None)
     if fused is not None:
-        return f"{fused.block_kind} blocks x 8-bit activations, one native call per head forward"
+        steps = ("; with the native step, a greedy step's forward, walk and catch-up in one call"
+                 if getattr(drafter, "lm_int8", None) is not None else "")
+        return f"{fused.block_kind} blocks x 8-bit activations, one native call per head forward{steps}"
     if any(isinstance(m, Int8DraftLinear) for m in drafter.head.modules()):
         return "int8"
     return str(drafter.head.fc.weight.dtype).removeprefix("torch.")
