@@ -200,7 +200,6 @@ class NativeHead:
         cache.length = at + n
         return out[-1], vals, idx
 
-
     def top_call(self, embed: torch.Tensor, cache: HeadCache, lm: native.Int8Weight, k: int, n: int) -> HeadCall:
         """catch_up_top's call as the head's part of a fused greedy step (core.kernels.step.NativeStep.spec_step_greedy):
         `cache` bound with room for a catch-up of up to n rows, the output buffers, and the arguments in
