@@ -319,3 +319,17 @@ def test_the_engine_takes_greedy_steps_in_one_native_call_and_keeps_plain_output
         list(engine.generate(prompt, sampled))
         assert not calls
     assert accepted > 0, "some fused steps accepted drafts"
+    # two speculative answers advanced in turn, step by step, draft the trees each drafts alone: each keeps
+    # its own head state and proposals (the tokens alone could not tell: verification keeps them plain's)
+    prompts, cfg = ([5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]), GenerationConfig(max_new_tokens=40, tree=dynamic[0])
+    alone: list[list[tuple]] = [[], []]
+    for i, p in enumerate(prompts):
+        list(engine.generate(p, cfg, on_step=lambda tree, result, i=i: alone[i].append(tuple(tree.host[0]))))
+    turns: list[list[tuple]] = [[], []]
+    runs = [engine.generate(p, cfg, on_step=lambda tree, result, i=i: turns[i].append(tuple(tree.host[0])))
+            for i, p in enumerate(prompts)]
+    while any(run is not None for run in runs):
+        for i, run in enumerate(runs):
+            if run is not None and next(run, None) is None:
+                runs[i] = None
+    assert turns == alone and all(len(t) > 3 for t in alone) and calls

@@ -120,11 +120,7 @@ class NativeHead:
                          eps=head.layers[0].post_attention_layernorm.eps, scale=hd ** -0.5, layer=layers)
         self._tables(_TABLE)
         self._logits: torch.Tensor | None = None  # catch_up_top's scratch: the draft LM head's row
-        # top_call's: the fixed arguments by (embedding, LM head, k), and two sets of output buffers
-        self._top_args: dict[tuple[int, int, int], tuple] = {}
-        self._top_out = [(torch.empty(8, c.hidden_size, dtype=torch.bfloat16), torch.empty(native.TOPK_MAX),
-                          torch.empty(native.TOPK_MAX, dtype=torch.int64)) for _ in range(2)]
-        self._turn = 0
+        self._top_args: dict[tuple[int, int, int], tuple] = {}  # top_call's fixed arguments by (embedding, LM head, k)
 
     @property
     def weight_bytes(self) -> int:
@@ -202,10 +198,8 @@ class NativeHead:
 
     def top_call(self, embed: torch.Tensor, cache: HeadCache, lm: native.Int8Weight, k: int, n: int) -> HeadCall:
         """catch_up_top's call as the head's part of a fused greedy step (core.kernels.step.NativeStep.spec_step_greedy):
-        `cache` bound with room for a catch-up of up to n rows, the output buffers, and the arguments in
-        csrc/decode_step.c's order (catch_up_top's checks, made once per embedding, LM head and k). The
-        buffers alternate between two sets, so the previous step's proposal stays readable while the
-        next call writes (the engine drafts from it before then)."""
+        `cache` bound with room for a catch-up of up to n rows, new output buffers, and the arguments in
+        csrc/decode_step.c's order (catch_up_top's checks, made once per embedding, LM head and k)."""
         fixed = self._top_args.get((embed.data_ptr(), lm.q.data_ptr(), k))
         if fixed is None:
             H, vocab = self._m.hidden, lm.q.shape[0]
@@ -220,13 +214,10 @@ class NativeHead:
                 (lm.q.data_ptr(), lm.scale.data_ptr(), lm.sums.data_ptr(), vocab, scratch.data_ptr()), scratch)
         head, lm_args, _ = fixed
         at = self._bind(cache.length + n - 1, cache, n)
-        self._turn ^= 1
-        out, vals, idx = self._top_out[self._turn]
-        if out.shape[0] < n:
-            out = torch.empty(max(n, 2 * out.shape[0]), self._m.hidden, dtype=torch.bfloat16)
-            self._top_out[self._turn] = (out, vals, idx)
+        out = torch.empty(n, self._m.hidden, dtype=torch.bfloat16)
+        vals, idx = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
         args = (at, *head, out.data_ptr(), *lm_args, vals.data_ptr(), idx.data_ptr(), k)
-        return HeadCall(args, at, out, vals[:k], idx[:k])
+        return HeadCall(args, at, out, vals, idx)
 
 
 def native_head(head) -> NativeHead | None:

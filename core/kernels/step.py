@@ -129,7 +129,7 @@ class HeadCall:
     args: tuple            # head_committed, hm, fc, fc_bias, embed, n_embed, head_out, lm_q, lm_scale, lm_sums,
                            # vocab, head_logits, vals, idx, k (csrc/decode_step.c's spec_step_greedy)
     at: int                # the head cache's length before the catch-up
-    out: torch.Tensor      # (>= n, H) bf16: the catch-up rows' outputs
+    out: torch.Tensor      # (n, H) bf16: the catch-up rows' outputs
     vals: torch.Tensor     # (k,) fp32: the proposal's log-probabilities, best first
     idx: torch.Tensor      # (k,) int64: their draft ids
 
