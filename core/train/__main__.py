@@ -12,7 +12,8 @@ distilled answer (answer them with `distill --prompt-file <work>/followups.jsonl
 multi-turn conversations to the same file); features: one target forward per conversation,
 cached; train: the head; eval: the real engine on held-out prompts.
 
-Self-written prompts, answered greedily and at temperature 0.7 half each:
+Self-written prompts, answered greedily and at temperature 0.7 half each (bfloat16 where the CPU has
+avx512_bf16; on AVX2 alone float32, 10x the prompts an hour there):
   python -m core.train magpie --threads 1 --count 20000 --distill-dtype bfloat16
   python -m core.train distill --threads 1 --prompt-file runs/train/magpie.jsonl \
       --answers runs/train/magpie_distill.jsonl --sampled-fraction 0.5 --distiller engine
