@@ -206,9 +206,7 @@ class Drafter:
         same bits as feed, then top_log_probs), where the native head, the int8 draft LM head and
         the native top-k all serve this call; else None (the caller composes them)."""
         m, table = tokens.shape[0], self.embed.weight
-        if (self.native is None or self.lm_int8 is None or features.dtype is not torch.bfloat16
-                or table.dtype is not torch.bfloat16 or not table.is_contiguous() or tokens.device != table.device
-                or not 1 <= k <= min(self.lm_int8.q.shape[0], native.TOPK_MAX)
+        if (not self._top_serves(k) or features.dtype is not torch.bfloat16 or tokens.device != table.device
                 or not native_rows(m, features.dtype, self.head.config, features.device)
                 or not native.linear_s8_usable(features[-1:], self.lm_int8)):
             return None
@@ -218,19 +216,25 @@ class Drafter:
     def top_call(self, cache: HeadCache, n: int, k: int) -> "HeadCall | None":
         """catch_up_top as the head's part of a fused greedy step (core.kernels.step.NativeStep.spec_step_greedy),
         bound to `cache` with room for n rows, where catch_up_top's one native call would serve it; else None."""
-        table = self.embed.weight
-        serves = self._top_call_serves.get(k)
-        if serves is None:  # catch_up_top's checks on what does not change (the head, its tables, k)
-            serves = self._top_call_serves[k] = (
+        if not self._top_serves(k) or n > NATIVE_ROWS or torch.is_grad_enabled():
+            return None
+        return self.native.top_call(self.embed.weight, cache, self.lm_int8, k, n)
+
+    def _top_serves(self, k: int) -> bool:
+        """What catch_up_top and top_call ask of what does not change (the native head and its int8 LM head,
+        the embedding table, k, the native attention for the head's shape), once per k."""
+        serves = self._top_serves_k.get(k)
+        if serves is None:
+            table, c = self.embed.weight, self.head.config
+            serves = self._top_serves_k[k] = (
                 self.native is not None and self.lm_int8 is not None and table.dtype is torch.bfloat16
                 and table.is_contiguous() and 1 <= k <= min(self.lm_int8.q.shape[0], native.TOPK_MAX)
-                and native_rows(1, table.dtype, self.head.config, table.device) and native.int8_available())
-        if not serves or n > NATIVE_ROWS or torch.is_grad_enabled():
-            return None
-        return self.native.top_call(table, cache, self.lm_int8, k, n)
+                and native.attention_serves(table.dtype, table.device, c.dim_per_head, c.num_attention_heads,
+                                            c.num_key_value_heads) and native.int8_available())
+        return serves
 
     @functools.cached_property
-    def _top_call_serves(self) -> dict[int, bool]:
+    def _top_serves_k(self) -> dict[int, bool]:
         return {}
 
     def feed(self, cache: HeadCache, tokens: torch.Tensor, features: torch.Tensor,

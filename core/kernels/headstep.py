@@ -216,8 +216,7 @@ class NativeHead:
         at = self._bind(cache.length + n - 1, cache, n)
         out = torch.empty(n, self._m.hidden, dtype=torch.bfloat16)
         vals, idx = torch.empty(k, dtype=torch.float32), torch.empty(k, dtype=torch.int64)
-        args = (at, *head, out.data_ptr(), *lm_args, vals.data_ptr(), idx.data_ptr(), k)
-        return HeadCall(args, at, out, vals, idx)
+        return HeadCall(at, (*head, out.data_ptr(), *lm_args, vals.data_ptr(), idx.data_ptr(), k), out, vals, idx)
 
 
 def native_head(head) -> NativeHead | None:

@@ -126,9 +126,9 @@ class HeadCall:
     """The head's part of NativeStep.spec_step_greedy (core.kernels.headstep.NativeHead.top_call): head_step_top's
     arguments after the step's own, bound to a head cache with room for a catch-up of up to n rows."""
 
-    args: tuple            # head_committed, hm, fc, fc_bias, embed, n_embed, head_out, lm_q, lm_scale, lm_sums,
-                           # vocab, head_logits, vals, idx, k (csrc/decode_step.c's spec_step_greedy)
-    at: int                # the head cache's length before the catch-up
+    at: int                # the head cache's length before the catch-up (spec_step_greedy's head_committed)
+    args: tuple            # hm, fc, fc_bias, embed, n_embed, head_out, lm_q, lm_scale, lm_sums, vocab,
+                           # head_logits, vals, idx, k (csrc/decode_step.c's spec_step_greedy, after head_committed)
     out: torch.Tensor      # (n, H) bf16: the catch-up rows' outputs
     vals: torch.Tensor     # (k,) fp32: the proposal's log-probabilities, best first
     idx: torch.Tensor      # (k,) int64: their draft ids
@@ -323,10 +323,7 @@ class NativeStep:
         one buffer -> (features (n, F), logits (n, V), each row's argmax with `greedy`, else None).
         greedy: only_max, and the logits are a buffer the next call overwrites."""
         n, width = len(tokens), max(depths) + 1
-        anc = [node for row in ancestor_rows(parents, depths) for node in row]  # (n, width), row by row
-        buf = (ctypes.c_int64 * (n * (4 + width)))(*tokens, *[committed + d for d in depths], *[d + 1 for d in depths],
-                                                    *[0] * n, *anc)
-        at, row = ctypes.addressof(buf), n * ctypes.sizeof(ctypes.c_int64)  # tokens, positions, counts, choices, ancestors
+        buf, at, row = _tree_buffer(tokens, parents, depths, committed)
         if greedy and self._scratch_logits.shape[0] < n:
             self._scratch_logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
         features, logits = self._run(n, committed, committed + width - 1, at, at + row, at + 4 * row, width, at + 2 * row,
@@ -344,34 +341,35 @@ class NativeStep:
         them, which runs on cold caches after the forward, is what goes. The head reads the last hidden
         state (an EAGLE-1/2 head). The target cache keeps every row; the caller keeps the path (kv.keep)."""
         n, width = len(tokens), max(depths) + 1
-        anc = [node for row in ancestor_rows(parents, depths) for node in row]  # (n, width), row by row
-        # tokens, positions, counts, choices, path, parents, ancestors
-        buf = (ctypes.c_int64 * (n * (6 + width)))(*tokens, *[committed + d for d in depths], *[d + 1 for d in depths],
-                                                    *[0] * (2 * n), *parents, *anc)
-        at, row = ctypes.addressof(buf), n * ctypes.sizeof(ctypes.c_int64)
-        top = committed + width - 1
-        assert committed == cache.get_seq_length(), "the tree's rows go after every cached one"
-        if top >= self._m.max_pos:
-            self._tables(max(2 * self._m.max_pos, top + 1))
-        self._bind_cache(cache, committed + n)
+        buf, at, row = _tree_buffer(tokens, parents, depths, committed, [0] * n + parents)  # then path, parents
+        self._bind_rows(cache, committed, committed, n, committed + width - 1)
         if self._scratch_logits.shape[0] < n:
             self._scratch_logits = torch.empty(n, self._m.vocab, dtype=torch.bfloat16)
         if self._scratch_hidden.shape[0] < n:
             self._scratch_hidden = torch.empty(n, self._m.hidden, dtype=torch.bfloat16)
         seconds = (ctypes.c_double * 2)()
         length = native._library()[0].spec_step_greedy(
-            ctypes.byref(self._m), at, at + row, n, committed, at + 6 * row, width, at + 2 * row, at + 5 * row,
-            self._scratch_hidden.data_ptr(), self._scratch_logits.data_ptr(), at + 3 * row, int(n <= self.screen_rows),
-            at + 4 * row, ctypes.addressof(seconds), torch.get_num_threads(), *head.args)
+            ctypes.byref(self._m), at, at + row, n, committed, at + 4 * row, width, at + 2 * row,
+            at + (5 + width) * row, self._scratch_hidden.data_ptr(), self._scratch_logits.data_ptr(), at + 3 * row,
+            int(n <= self.screen_rows), at + (4 + width) * row, ctypes.addressof(seconds), torch.get_num_threads(),
+            head.at, *head.args)
         if length < 1:
             raise StepError(f"the native step failed: {_ERRORS.get(length, length)}")
         for layer in cache.layers:
             layer.length = committed + n
         head_cache.length = head.at + length
-        path = tuple(buf[4 * n:4 * n + length])
+        path = tuple(buf[(4 + width) * n:(4 + width) * n + length])
         bonus = buf[3 * n + path[-1]]
         return SpecStep(path, tuple([tokens[i] for i in path[1:]] + [bonus]), head.out[length - 1],
                         (head.vals[None], head.idx[None]), seconds[0], seconds[1])
+
+    def _bind_rows(self, cache, committed: int, at: int, n: int, top: int) -> None:
+        """Room for n new rows at slots at .. at + n - 1 of `cache` (its length: after every cached row) and a
+        rotary table reaching position `top`."""
+        assert at == cache.get_seq_length() and 0 <= committed <= at, "the new rows go after every cached one"
+        if top >= self._m.max_pos:
+            self._tables(max(2 * self._m.max_pos, top + 1))
+        self._bind_cache(cache, at + n)
 
     def _run(self, n: int, committed: int, top: int, tokens: int, positions: int, ancestors: int, stride: int,
              counts: int, cache, feature_layers, only_max: bool, choices: int | None,
@@ -379,10 +377,7 @@ class NativeStep:
         """decode_step over n rows given by address (forward's contract); `top` is the largest position;
         the rows' keys and values go to slots at .. at + n - 1 (at: committed unless given)."""
         at = committed if at is None else at
-        assert at == cache.get_seq_length() and 0 <= committed <= at, "the new rows go after every cached one"
-        if top >= self._m.max_pos:
-            self._tables(max(2 * self._m.max_pos, top + 1))
-        self._bind_cache(cache, at + n)
+        self._bind_rows(cache, committed, at, n, top)
         H = self._m.hidden
         hidden = torch.empty(n, H, dtype=torch.bfloat16)
         if logits is None:
@@ -406,6 +401,17 @@ class NativeStep:
         for layer in cache.layers:
             layer.length = at + n
         return (hidden if feats is None else feats), logits
+
+
+def _tree_buffer(tokens: list[int], parents: list[int], depths: list[int], committed: int,
+                 tail: list[int] = ()) -> tuple[ctypes.Array, int, int]:
+    """A tree's native arguments in one host buffer: tokens, positions, counts, n zeros (the choices), the
+    ancestor lists (n, width: max depth + 1), then `tail` -> (the buffer, its address, one row of n
+    int64s in bytes)."""
+    anc = [node for row in ancestor_rows(parents, depths) for node in row]  # (n, width), row by row
+    buf = (ctypes.c_int64 * (4 * len(tokens) + len(anc) + len(tail)))(
+        *tokens, *[committed + d for d in depths], *[d + 1 for d in depths], *[0] * len(tokens), *anc, *tail)
+    return buf, ctypes.addressof(buf), len(tokens) * ctypes.sizeof(ctypes.c_int64)
 
 
 def _choices_ptr(choices: torch.Tensor, n: int) -> int:

@@ -12,7 +12,6 @@
 // dispatches per forward.
 #include <omp.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "common.h"
 #include "weights.h"
@@ -316,22 +315,13 @@ int gemm_s8(const uint16_t *x, int64_t ldx, const int8_t *w, const float *wscale
             const uint16_t *bias, uint16_t *y, int64_t ldy, int M, int N, int K, int nthreads);
 int topk_logprobs_bf16(const uint16_t *x, int64_t ldx, float *vals, int64_t *idx, int M, int N, int k, int nthreads);
 
-// A catch-up and the next root's proposal in one call: head_step over the n accepted rows (causal
-// among themselves, after the `committed` cached ones: row i sees slots [0, committed + i]), then
-// the draft LM head (int8 rows with per-row scales, gemm_s8) on the last row, and that row's k best
-// log-probabilities (topk_logprobs_bf16). The same kernels in the same order as the three calls
-// from Python, so the same bits (tests/test_headstep.py); it saves their dispatch, about a third of
-// a catch-up. Its inputs are gathered here: row i of xin is embed[tokens[i]] (the target's
-// embedding (n_embed, H) bf16: the bits Python's lookup gives), then features row i (n, H) bf16;
-// row i's position is committed + i. logits (vocab,) bf16 is the caller's scratch; vals (k,)
-// fp32, idx (k,) int64.
-// ctypes: head_step_top(ptr m, ptr fc, ptr fc_bias, ptr tokens, ptr embed, i64 n_embed, ptr features,
-//                       i32 n, i64 committed, ptr out, ptr lm_q, ptr lm_scale, ptr lm_sums, i32 vocab,
-//                       ptr logits, ptr vals, ptr idx, i32 k, i32 nthreads) -> i32
-int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const int64_t *tokens,
-                  const uint16_t *embed, int64_t n_embed, const uint16_t *features, int n, int64_t committed,
-                  uint16_t *out, const int8_t *lm_q, const float *lm_scale, const int32_t *lm_sums, int vocab,
-                  uint16_t *logits, float *vals, int64_t *idx, int k, int nthreads) {
+// head_step_top, its features row i read from row rows[i] of `features` (rows NULL: row i): spec_step_greedy
+// passes the accepted path's rows of the forward's hidden states.
+static int head_top_rows(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const int64_t *tokens,
+                         const uint16_t *embed, int64_t n_embed, const uint16_t *features, const int64_t *rows, int n,
+                         int64_t committed, uint16_t *out, const int8_t *lm_q, const float *lm_scale,
+                         const int32_t *lm_sums, int vocab, uint16_t *logits, float *vals, int64_t *idx, int k,
+                         int nthreads) {
     if (n < 1) return STEP_BAD_POSITION;
     int H = m->hidden;
     for (int i = 0; i < n; i++)
@@ -348,7 +338,7 @@ int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, 
     for (int i = 0; i < n; i++) {
         slots[i] = i, slots[n + i] = i + 1, positions[i] = committed + i;
         memcpy(xin + (int64_t)i * 2 * H, embed + tokens[i] * H, (size_t)H * 2);
-        memcpy(xin + (int64_t)i * 2 * H + H, features + (int64_t)i * H, (size_t)H * 2);
+        memcpy(xin + (int64_t)i * 2 * H + H, features + (rows ? rows[i] : (int64_t)i) * H, (size_t)H * 2);
     }
     int status = head_step(m, fc, fc_bias, xin, positions, n, committed, committed, slots, 0, slots + n, out, nthreads);
     free(slots);
@@ -360,10 +350,24 @@ int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, 
     return STEP_OK;
 }
 
-static double seconds_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+// A catch-up and the next root's proposal in one call: head_step over the n accepted rows (causal
+// among themselves, after the `committed` cached ones: row i sees slots [0, committed + i]), then
+// the draft LM head (int8 rows with per-row scales, gemm_s8) on the last row, and that row's k best
+// log-probabilities (topk_logprobs_bf16). The same kernels in the same order as the three calls
+// from Python, so the same bits (tests/test_headstep.py); it saves their dispatch, about a third of
+// a catch-up. Its inputs are gathered here: row i of xin is embed[tokens[i]] (the target's
+// embedding (n_embed, H) bf16: the bits Python's lookup gives), then features row i (n, H) bf16;
+// row i's position is committed + i. logits (vocab,) bf16 is the caller's scratch; vals (k,)
+// fp32, idx (k,) int64.
+// ctypes: head_step_top(ptr m, ptr fc, ptr fc_bias, ptr tokens, ptr embed, i64 n_embed, ptr features,
+//                       i32 n, i64 committed, ptr out, ptr lm_q, ptr lm_scale, ptr lm_sums, i32 vocab,
+//                       ptr logits, ptr vals, ptr idx, i32 k, i32 nthreads) -> i32
+int head_step_top(const step_model *m, const wmat *fc, const uint16_t *fc_bias, const int64_t *tokens,
+                  const uint16_t *embed, int64_t n_embed, const uint16_t *features, int n, int64_t committed,
+                  uint16_t *out, const int8_t *lm_q, const float *lm_scale, const int32_t *lm_sums, int vocab,
+                  uint16_t *logits, float *vals, int64_t *idx, int k, int nthreads) {
+    return head_top_rows(m, fc, fc_bias, tokens, embed, n_embed, features, NULL, n, committed, out, lm_q, lm_scale,
+                         lm_sums, vocab, logits, vals, idx, k, nthreads);
 }
 
 // A greedy speculative step in one call: decode_step over the tree's n rows (only_max: a screened LM
@@ -393,11 +397,11 @@ int spec_step_greedy(const step_model *m, const int64_t *tokens, const int64_t *
     if (n < 1 || parents[0] != -1) return STEP_BAD_POSITION;
     for (int i = 1; i < n; i++)
         if (parents[i] < 0 || parents[i] >= i) return STEP_BAD_POSITION;
-    double t0 = seconds_now();
+    double t0 = omp_get_wtime();
     int status = decode_step(m, tokens, positions, n, committed, committed, anc, anc_stride, counts, NULL, 0, NULL,
                              hidden, logits, choices, only_max, nthreads);
     if (status != STEP_OK) return status;
-    int len = 1, node = 0, H = m->hidden;
+    int len = 1, node = 0;
     path[0] = 0;
     for (;;) {
         int next = -1;
@@ -407,23 +411,14 @@ int spec_step_greedy(const step_model *m, const int64_t *tokens, const int64_t *
         path[len++] = next;
         node = next;
     }
-    double t1 = seconds_now();
+    double t1 = omp_get_wtime();
     int64_t *ct = malloc((size_t)len * sizeof(int64_t));
-    uint16_t *feats = malloc((size_t)len * H * sizeof(uint16_t));
-    if (!ct || !feats) {
-        free(ct);
-        free(feats);
-        return STEP_NO_MEMORY;
-    }
-    for (int i = 0; i < len; i++) {
-        ct[i] = i + 1 < len ? tokens[path[i + 1]] : choices[node];
-        memcpy(feats + (int64_t)i * H, hidden + path[i] * H, (size_t)H * 2);
-    }
-    status = head_step_top(hm, fc, fc_bias, ct, embed, n_embed, feats, len, head_committed, head_out, lm_q, lm_scale,
-                           lm_sums, vocab, head_logits, vals, idx, k, nthreads);
+    if (!ct) return STEP_NO_MEMORY;
+    for (int i = 0; i < len; i++) ct[i] = i + 1 < len ? tokens[path[i + 1]] : choices[node];
+    status = head_top_rows(hm, fc, fc_bias, ct, embed, n_embed, hidden, path, len, head_committed, head_out, lm_q,
+                           lm_scale, lm_sums, vocab, head_logits, vals, idx, k, nthreads);
     free(ct);
-    free(feats);
     seconds[0] = t1 - t0;
-    seconds[1] = seconds_now() - t1;
+    seconds[1] = omp_get_wtime() - t1;
     return status == STEP_OK ? len : status;
 }
