@@ -24,9 +24,9 @@ from app.remote import RemoteBackend, ServerInfo
 from app.state import ModelChoice, remember
 from core import threads
 from core.models import (CATALOGUE, EMBEDDED, EMBEDDED_HUB_ID, CatalogueEntry, ModelLoadError, catalogue_entry,
-                         download)
+                         download, is_gguf_file)
 
-CUSTOM = "Custom (hub id or local folder)"
+CUSTOM = "Custom (hub id, local folder or .gguf file)"
 POLL_S = 0.2
 
 
@@ -155,15 +155,18 @@ class Request:
             return cls(ModelChoice(entry.target, head, dtype, device, bool(four_bit)))
         target = (custom_target or "").strip()
         if not target:
-            raise ModelLoadError("enter a hub id (owner/name) or a local folder for the target model")
+            raise ModelLoadError("enter a hub id (owner/name), a local folder or a .gguf file for the target model")
         head = (custom_head or "").strip() or None
         return cls(ModelChoice(target, head, dtype, device, bool(four_bit)))
 
     def missing_folders(self) -> list[str]:
-        """Local folders this request names that do not exist (checked before anything is unloaded)."""
+        """Local folders (or the target's .gguf file) this request names that do not exist (checked before
+        anything is unloaded)."""
         named = [r for r in (self.choice.model, self.choice.head)
                  if r and r not in ("default", EMBEDDED, EMBEDDED_HUB_ID) and not is_hub_id(r)]
-        return [r for r in named if not Path(r).expanduser().is_dir()]
+        model = self.choice.model
+        return [r for r in named if not Path(r).expanduser().is_dir()
+                and not (r == model and is_gguf_file(r) and Path(r).expanduser().is_file())]
 
     def hub_ids(self) -> list[str]:
         """Repos this request would download (local folders and the embedded model need none)."""

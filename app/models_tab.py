@@ -43,7 +43,8 @@ class ModelHandlers:
             raise UserError(str(e)) from e
         if missing := model.missing_folders():
             raise UserError(f"There is no folder {', '.join(f'`{m}`' for m in missing)} on this machine (a local "
-                            "path is read where the app runs). Check the path, or give a hub id as owner/name. "
+                            "path is read where the app runs). Check the path, or give a hub id as owner/name "
+                            "(or, for the target, a .gguf file). "
                             "Nothing was changed: the current model keeps serving.")
         return model
 

@@ -6,6 +6,7 @@ After `load_target` the rest of core sees a plain `nn.Module` and a tokenizer.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from core.config import DTYPE_NAMES
@@ -23,6 +25,7 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-135m-eagle"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # general.architecture of GGUF files we convert
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float64": torch.float64}
@@ -82,7 +85,7 @@ class LoadedModel:
     dtype: torch.dtype  # compute dtype of activations
     quantized: bool
     max_context: int
-    gguf: Path | None = None  # the GGUF the weights were dequantized from (the embedded model), if any
+    gguf: Path | None = None  # the Llama GGUF the weights were dequantized from (embedded, or a file), if any
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -127,35 +130,114 @@ def embedded_gguf_path() -> Path:
 
 def embedded_model_dir() -> Path:
     """The SmolLM2 GGUF de-quantized once to an fp32 safetensors folder, cached."""
-    out = cache_home() / "models" / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+    return _converted(embedded_gguf_path(), cache_home() / "models" / "SmolLM2-135M-Instruct", "once, ~30 s")
+
+
+def is_gguf_file(name_or_path: str | Path) -> bool:
+    """Whether `name_or_path` names a GGUF file (by its suffix; what it holds is checked on loading)."""
+    return Path(name_or_path).suffix.lower() == ".gguf"
+
+
+def gguf_model_dir(path: Path) -> Path:
+    """A local GGUF file (llama.cpp's format) de-quantized once to an fp32 safetensors folder, as the
+    embedded model is, cached per file (its name, size and modification time key it: a changed file
+    converts again). The file must be a model transformers reads from GGUF (Llama, Mistral, Qwen2, ...)
+    whose fp32 copy fits in memory and on disk: checked first, with the sizes in the message."""
+    from core.kernels.quant import QuantWeightError, gguf_info
+
+    try:
+        arch, tensors = gguf_info(path)
+    except QuantWeightError as e:
+        raise ModelLoadError(str(e)) from e
+    st = path.stat()
+    key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_home() / "models" / "gguf" / f"{path.stem}-{key}"
+    if not _complete(out):
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(f"{path.name} holds a {arch or 'unnamed'!r} model; eagle-chat runs Llama-family "
+                                 f"GGUF files ({', '.join(GGUF_ARCHITECTURES)})")
+        from gguf.constants import GGML_QUANT_SIZES
+
+        for t in tensors:
+            block, size = GGML_QUANT_SIZES.get(t.type, (1, 0))
+            if t.data.size < int(np.prod(t.shape, dtype=np.int64)) // block * size:
+                raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends early; download the file again")
+        need = 4 * sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)  # fp32 bytes
+        room = available_memory()
+        if room is not None and need > room:
+            raise ModelLoadError(f"{path.name} needs about {need / 1e9:.1f} GB of memory to convert (its weights in "
+                                 f"fp32) and {room / 1e9:.1f} GB is available: close other programs, or use a "
+                                 "smaller model")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+        if need > free:
+            raise ModelLoadError(f"{path.name} converts to about {need / 1e9:.1f} GB of fp32 safetensors and "
+                                 f"{out.parent} has {free / 1e9:.1f} GB free: free some space or set EAGLE_CHAT_HOME "
+                                 "to a larger disk")
+    return _converted(path, out, "once per file")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux's MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def _converted(gguf: Path, out: Path, how_long: str) -> Path:
+    """`gguf` de-quantized to fp32 safetensors (and its tokenizer) in `out`, unless already there."""
+    if _complete(out):
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf_path()
-    print(f"Converting the embedded model {gguf.name} to safetensors (once, ~30 s) ...", flush=True)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # the GGUF weights are already de-quantized to fp32 here
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    print(f"Converting {gguf.name} to safetensors ({how_long}) ...", flush=True)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # the GGUF weights are already de-quantized to fp32 here
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"{gguf.name} could not be read as a model: {e}") from e
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # atomic: an interrupted conversion never leaves a half folder in place
     return out
 
 
+def model_gguf(name_or_path: str, model_type: str) -> Path | None:
+    """The GGUF whose blocks the native step may read for this model: the embedded model's, or a
+    Llama-architecture GGUF file the user named (the rotary row order core.kernels.quant puts back is
+    llama.cpp's for that architecture); None otherwise."""
+    if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID):
+        return embedded_gguf_path()
+    path = Path(name_or_path).expanduser()
+    return path if model_type == "llama" and is_gguf_file(path) and path.is_file() else None
+
+
 def resolve(name_or_path: str, *, allow_patterns: list[str] | None = None) -> Path:
-    """A local folder for `name_or_path`: the embedded alias, a folder, or a hub id (downloaded)."""
+    """A local folder for `name_or_path`: the embedded alias, a folder, a GGUF file (converted once), or a
+    hub id (downloaded)."""
     if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID):
         return embedded_model_dir()
     path = Path(name_or_path).expanduser()
     if path.exists():
+        if path.is_file() and is_gguf_file(path):
+            return gguf_model_dir(path)
         if not path.is_dir():
-            raise ModelLoadError(f"{path} is a file; give the folder that holds config.json")
+            raise ModelLoadError(f"{path} is a file; give the folder that holds config.json, or a .gguf file")
         return path
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
         raise ModelLoadError(f"{name_or_path!r} is neither an existing folder nor a hub id "
@@ -227,7 +309,7 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
     entry = catalogue_entry(name_or_path)
     if tokenizer.chat_template is None and entry and entry.chat_template:
         tokenizer.chat_template = entry.chat_template
-    gguf = embedded_gguf_path() if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID) else None
+    gguf = model_gguf(name_or_path, config.model_type)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path,
                        device=torch.device(device), dtype=torch_dtype, quantized=load_in_4bit,
                        max_context=int(getattr(config, "max_position_embeddings", 2048)), gguf=gguf)

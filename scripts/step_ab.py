@@ -1,12 +1,13 @@
 """Another build's decode step against this one's, forward by forward: the only kernel A/B this VM's noise allows.
 
-    python scripts/step_ab.py OTHER.so [--contexts 300,4000] [--rows 1,2] [--reps 300] [--features]
+    python scripts/step_ab.py OTHER.so [--contexts 300,4000] [--rows 1,2] [--reps 300] [--features] [--greedy]
 
 Loads the engine, prefills a context of each length, then times one target forward of n rows on top of it
 (the cache set back after each), the two libraries' `decode_step` alternating forward by forward, and prints
 each one's median and their ratio (this / other). OTHER.so: a copy of an earlier build's library
 (`core.kernels.native._build(isa)` names it; copy it before changing csrc/). `--features` asks for the draft
-head's features as an eagle step does. Run it once against a copy of this build first: that A/A ratio is the
+head's features as an eagle step does; `--greedy` reads each row's argmax only, as a greedy step does (the screened
+LM head). Run it once against a copy of this build first: that A/A ratio is the
 noise (on the AVX2 VM of 2026-12-06: 0.996-1.009x at 300 keys). Kernels timed alone, with their data warm in
 cache, misled there: the p @ V passes that measured 0.87x per layer alone took 1.06x per forward at 4,000 keys,
 where the keys and values come from memory (docs/native-step.md, twentieth session).
@@ -37,6 +38,7 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=ints, default=[1, 2])
     p.add_argument("--reps", type=int, default=300, help="forwards per build and setting")
     p.add_argument("--features", action="store_true", help="ask for the draft head's features (an eagle step)")
+    p.add_argument("--greedy", action="store_true", help="read each row's argmax only (the screened LM head)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     threads.set_threads(args.threads)
@@ -57,12 +59,13 @@ def main(argv=None) -> None:
                 ids, cache = context_cache(model, ctx)
                 for n in args.rows:
                     tree = row_chain(ids, n)
+                    choices = torch.empty(n, dtype=torch.int64) if args.greedy else None
                     times: tuple[list[float], list[float]] = ([], [])
                     for rep in range(args.reps):
                         for v in ((0, 1) if rep % 2 else (1, 0)):
                             kernels.decode_step = steps[v]
                             t0 = time.perf_counter()
-                            forward_tree(model, tree, cache, ctx, layers)
+                            forward_tree(model, tree, cache, ctx, layers, args.greedy, choices)
                             times[v].append(time.perf_counter() - t0)
                             kv.keep(cache, ctx, [])
                     a, b = (1e3 * sorted(t)[len(t) // 2] for t in times)

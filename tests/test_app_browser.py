@@ -160,7 +160,7 @@ def test_problems_are_messages_and_every_component_keeps_its_content(page):
 
 def models_tab_download(page, repo: str) -> None:
     page.locator("#model-key input").click()
-    page.get_by_role("option", name="Custom (hub id or local folder)").click()
+    page.get_by_role("option", name="Custom (hub id, local folder or .gguf file)").click()
     page.locator("#custom-target textarea, #custom-target input").first.fill(repo)
     page.locator("#download").click()
 

@@ -176,7 +176,7 @@ def test_visitors_through_the_public_link_are_capped_and_told(served):
     assert ids_of(remote) == solo(served, PROMPTS[2], max_new=200)[:CAP]
     local = client(served).predict(*chat_args(PROMPTS[2], max_new=40), api_name="/chat")
     assert local[4]["tokens"] > CAP and local[6] == ""
-    message, _table = client(served, headers=REMOTE).predict("Custom (hub id or local folder)", "/etc", "",
+    message, _table = client(served, headers=REMOTE).predict("Custom (hub id, local folder or .gguf file)", "/etc", "",
                                                              "float32", "cpu", False, api_name="/download")
     assert "disabled for visitors through the public link" in message
 
@@ -190,7 +190,7 @@ def test_user_errors_are_one_log_line_without_tracebacks(served, capfd, caplog):
         c.predict(*chat_args("   "), api_name="/chat")
     too_long = c.predict(*chat_args(" ".join(f"w{4 + i % 90}" for i in range(600))), api_name="/chat")
     assert "longer than the model's whole context" in too_long[6]
-    message, table = c.predict("Custom (hub id or local folder)", "", "", "float32", "cpu", False,
+    message, table = c.predict("Custom (hub id, local folder or .gguf file)", "", "", "float32", "cpu", False,
                                api_name="/download")
     assert "enter a hub id" in message and table == {"__type__": "update"}
     with pytest.raises(Exception, match="400"):  # a slider value out of its range, refused on joining the queue

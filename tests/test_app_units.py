@@ -9,6 +9,7 @@ import pytest
 
 from app.chat import BONUS, DRAFT, PLAIN, AnswerView, engine_messages, flatten, trim_to_context
 from app.compare import compare_markdown
+from app.manager import CUSTOM
 from app.lane import is_remote
 from app.errors import UserError
 from app.state import Access, ModelChoice, generation_config, recall, remember, tree_limit
@@ -160,7 +161,7 @@ def test_public_link_without_password_closes_model_management():
     locked = Handlers(manager=None, access=Access())
     for call in (locked.download, locked.load):
         with pytest.warns(UserWarning, match="disabled for visitors through the public link"):
-            out = call("Custom (hub id or local folder)", "/etc", "", "float32", "cpu", False, request=SHARE_LINK)
+            out = call(CUSTOM, "/etc", "", "float32", "cpu", False, request=SHARE_LINK)
         assert out[0] == LOCKED and all(o == {"__type__": "update"} for o in out[1:]), "other outputs kept"
     notice, *controls = locked.models_access(SHARE_LINK)
     assert notice["visible"] is True and all(c["interactive"] is False for c in controls)

@@ -14,7 +14,7 @@ Loading checks every tensor the step needs: its type must be one the kernels rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ class Blocks:
     n: int
     k: int
     tiled: bool = False   # data in tile_blocks' order (the same bytes, another order)
+    source: str = ""      # the file's type where these are Q8_0 blocks requantized from it (requantized_q8)
 
     @property
     def type_name(self) -> str:
@@ -60,15 +61,19 @@ def _supported_text() -> str:
     return ", ".join(name for name, _ in SUPPORTED.values())
 
 
-def read_blocks(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
-    """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k)."""
+def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) -> Blocks:
+    """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k). requantize: a type
+    the kernels do not read (SUPPORTED) but gguf de-quantizes (K-quants, Q5_*, F16, ...) comes back as
+    Q8_0 blocks of its values (requantized_q8) instead of raising."""
     name, kind = tensor.name, tensor.type
-    if kind not in SUPPORTED:
+    if kind not in SUPPORTED and not requantize:
         raise QuantWeightError(f"GGUF tensor {name} has type {tensor.type_name}; the native step reads "
                                f"{_supported_text()}: run the bf16 path (--weights bf16) or convert the file")
     shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dimensions innermost first
     if shape != (n, k) or k % BLOCK:
         raise QuantWeightError(f"GGUF tensor {name} has shape {shape}, the model needs {(n, k)}")
+    if kind not in SUPPORTED:
+        return requantized_q8(tensor, n, k)
     row = k // BLOCK * SUPPORTED[kind][1]
     data = np.asarray(tensor.data)
     if data.size != n * row:
@@ -77,13 +82,48 @@ def read_blocks(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
     return Blocks(kind, torch.from_numpy(np.array(data, dtype=np.uint8).reshape(n, row)), n, k)
 
 
+def requantized_q8(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
+    """A tensor of a type the kernels do not read, de-quantized to fp32 by gguf (llama.cpp's own
+    formulas) and quantized again to Q8_0 blocks by gguf (llama.cpp's rounding: per 32 values d = max|w|
+    / 127, q = round(w / d)). Q8_0 keeps about 8 bits per weight of what a 4- to 6-bit K-quant holds,
+    so the values move by at most half a Q8_0 step (max|w| / 254 in a block): these are the numerics
+    the step then computes in, and its text says which tensors were requantized."""
+    from gguf import GGMLQuantizationType, quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, nbytes = GGML_QUANT_SIZES.get(tensor.type, (0, 0))
+    data = np.asarray(tensor.data)
+    if not block or data.size != n * k // block * nbytes:
+        raise QuantWeightError(f"GGUF tensor {tensor.name} ({tensor.type_name}) holds {data.size} bytes, not what "
+                               f"{n} x {k} of its type needs: the file is truncated or damaged")
+    if tensor.type == GGMLQuantizationType.F32:
+        w = data.view(np.float32)
+    elif tensor.type == GGMLQuantizationType.F16:
+        w = data.view(np.float16).astype(np.float32)
+    elif tensor.type == GGMLQuantizationType.BF16:
+        w = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        try:
+            w = quants.dequantize(data.reshape(n, -1), GGMLQuantizationType(tensor.type))
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise QuantWeightError(f"GGUF tensor {tensor.name} has type {tensor.type_name}, which neither the native "
+                                   f"step ({_supported_text()}) nor gguf's de-quantization reads: run the bf16 "
+                                   "path (--weights bf16) or convert the file") from e
+    w = np.ascontiguousarray(w.reshape(n, k), dtype=np.float32)
+    if not np.isfinite(w).all():
+        raise QuantWeightError(f"GGUF tensor {tensor.name} holds values that are not finite")
+    q = quants.quantize(w, GGMLQuantizationType.Q8_0)  # (n, k / 32 * 34) uint8
+    return Blocks(8, torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(n, -1)), n, k,
+                  source=tensor.type_name)
+
+
 def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
     """llama.cpp's converter stores q and k with each head's rotary halves interleaved
     (row h*hd + 2i + j holds transformers' row h*hd + j*hd/2 + i); put the rows back in
     transformers' order (whole rows of blocks move, the values do not change)."""
     hd = blocks.n // heads
     order = torch.arange(blocks.n).view(heads, hd // 2, 2).transpose(1, 2).reshape(-1)
-    return Blocks(blocks.type, blocks.data[order].contiguous(), blocks.n, blocks.k)
+    return replace(blocks, data=blocks.data[order].contiguous())
 
 
 def tile_blocks(blocks: Blocks) -> Blocks:
@@ -179,7 +219,13 @@ _GGUF_MAGIC = 0x46554747  # "GGUF" read as a little-endian uint32
 
 
 def open_gguf(path: Path) -> list[GGUFTensor]:
-    """A GGUF file's tensor directory (name, type, shape, bytes), reading its header alone: the
+    """A GGUF file's tensor directory: gguf_info's tensors."""
+    return gguf_info(path)[1]
+
+
+def gguf_info(path: Path) -> tuple[str, list[GGUFTensor]]:
+    """A GGUF file's general.architecture ("" where it names none) and its tensor directory (name,
+    type, shape, bytes), reading its header alone: the
     metadata (a 49,152-token vocabulary and its merges for the embedded model) is skipped, not
     decoded. gguf's GGUFReader decodes every field into numpy views first, 4.8 s for the embedded
     model on the Intel VM of 2026-12-05, at every start of the app, a command or a test's process;
@@ -240,12 +286,14 @@ def open_gguf(path: Path) -> list[GGUFTensor]:
         n_tensors, n_kv = take("<QQ")
         if n_tensors > size or n_kv > size:
             raise bad("impossible counts in its header")
-        alignment = 32
+        alignment, arch = 32, ""
         for _ in range(n_kv):
             key = text()
             (kind,) = take("<I")
             if key == "general.alignment" and kind == 4:
                 (alignment,) = take("<I")
+            elif key == "general.architecture" and kind == 8:
+                arch = text()
             else:
                 skip(kind)
         entries = []
@@ -272,13 +320,16 @@ def open_gguf(path: Path) -> list[GGUFTensor]:
         length = count // block * nbytes
         first = min(start + offset, size)
         tensors.append(GGUFTensor(name, kind, shape, whole[first:min(first + length, size)]))
-    return tensors
+    return arch, tensors
 
 
-def load_llama_blocks(path: Path, config) -> dict[str, Blocks]:
+def load_llama_blocks(path: Path, config, requantize: bool = False) -> dict[str, Blocks]:
     """The decoder's weights from a Llama GGUF, keyed by transformers' parameter names
     (`model.layers.0.self_attn.q_proj.weight`, ..., `model.embed_tokens.weight`, `lm_head.weight`
-    when the file has its own output layer)."""
+    when the file has its own output layer). requantize: read_blocks' (tqdm shows the progress; each
+    such Blocks names its file's type in `source`)."""
+    from tqdm import tqdm
+
     tensors = {t.name: t for t in open_gguf(path)}
     H, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     hd = getattr(config, "head_dim", None) or H // config.num_attention_heads
@@ -292,14 +343,23 @@ def load_llama_blocks(path: Path, config) -> dict[str, Blocks]:
             raise QuantWeightError(f"GGUF tensor {name} is missing from {path.name}; the file does not match the model")
         return tensors[name]
 
-    out = {"model.embed_tokens.weight": read_blocks(get("token_embd.weight"), V, H)}
+    wanted = [("model.embed_tokens.weight", "token_embd.weight", (V, H))]  # (ours, the file's, shape), read in order
     if "output.weight" in tensors:
-        out["lm_head.weight"] = read_blocks(tensors["output.weight"], V, H)
+        wanted.append(("lm_head.weight", "output.weight", (V, H)))
     for layer in range(config.num_hidden_layers):
         for ours, theirs in LAYER_TENSORS.items():
-            b = read_blocks(get(f"blk.{layer}.{theirs}.weight"), *shapes[ours])
-            if ours in heads:
-                b = unpermute_rows(b, heads[ours])
             part = "self_attn" if ours in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            out[f"model.layers.{layer}.{part}.{ours}.weight"] = b
+            wanted.append((f"model.layers.{layer}.{part}.{ours}.weight", f"blk.{layer}.{theirs}.weight", shapes[ours]))
+    slow = sum(1 for _, name, _ in wanted if name in tensors and tensors[name].type not in SUPPORTED)
+    out = {}
+    with tqdm(total=slow, desc=f"Requantizing {path.name}'s other tensors to Q8_0", unit="tensor",
+              disable=not (requantize and slow)) as bar:
+        for key, name, (n, k) in wanted:
+            tensor = get(name)
+            b = read_blocks(tensor, n, k, requantize)
+            if tensor.type not in SUPPORTED:
+                bar.update()
+            if key.endswith(("q_proj.weight", "k_proj.weight")):
+                b = unpermute_rows(b, heads[key.split(".")[-2]])
+            out[key] = b
     return out

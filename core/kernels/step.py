@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -448,8 +449,11 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
             if weights != "auto":
                 raise StepError(f"--weights {weights} reads a GGUF's blocks, and this model was not loaded from one")
         else:
-            try:
-                found = load_llama_blocks(target.gguf, target.model.config)
+            try:  # q4 promises the bf16 path's bits: only the file's own Q4_0 / Q4_1 / Q8_0 blocks serve it
+                found = load_llama_blocks(target.gguf, target.model.config, requantize=weights != "q4")
+                if moved := Counter(b.source for b in found.values() if b.source):
+                    note = (f" ({sum(moved.values())} tensors requantized to Q8_0 from "
+                            f"{', '.join(f'{k} ({v})' for k, v in sorted(moved.items()))})")
                 if weights == "q4":  # layers only: the embedding / tied LM head stays bf16 (on its Q8_0
                     # blocks rebuilt to bf16 the step measured no faster, 10.5-10.8 against 10.6-11.0 ms)
                     blocks = {k: tile_blocks(v) for k, v in found.items() if ".layers." in k}

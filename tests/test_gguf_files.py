@@ -1,0 +1,157 @@
+"""A local GGUF file as the model: converted once, served from its own blocks by the native step (other
+tensor types requantized to Q8_0 and named), greedy speculation still equal to plain decoding, and clear
+errors for files that are not what they claim."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
+
+from app.manager import CUSTOM, Request
+from core.config import GenerationConfig
+from core.decoding.engine import Engine
+from core.kernels import native, quant
+from core.kernels.step import NativeStep
+from core.models import DEFAULT_HEAD_DIR, ModelLoadError, embedded_gguf_path, load_target, resolve
+from tests.test_step import layer_tensors, tiny_config, write_gguf  # noqa: I001  (test_step's GGUF helpers)
+
+
+def smaller_smollm2(path, layers: int = 2, retype: dict | None = None, arch: str = "llama") -> None:
+    """The embedded GGUF cut to its first `layers` layers (its metadata, tokenizer and chat template
+    kept); retype: tensor name -> another type, its values re-encoded by gguf."""
+    reader = GGUFReader(str(embedded_gguf_path()))
+    w = GGUFWriter(str(path), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = layers if field.name == "llama.block_count" else field.contents()
+        kind = field.types[0]
+        w.add_key_value(field.name.replace("llama.", f"{arch}."), value, kind,
+                        sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        data, kind = np.array(t.data), T(t.tensor_type)
+        if t.name in (retype or {}):
+            values = quants.dequantize(data, kind)
+            kind = retype[t.name]
+            data = values.astype(np.float16) if kind == T.F16 else quants.quantize(values, kind)
+        w.add_tensor(t.name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "smol-2layers.gguf"
+    smaller_smollm2(path, retype={"blk.1.ffn_up.weight": T.Q5_0, "blk.0.attn_k.weight": T.F16})
+    return path
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "home"))
+    target = load_target(str(small_gguf))
+    assert target.gguf == small_gguf and target.model.config.num_hidden_layers == 2
+    assert capsys.readouterr().out.count("Converting smol-2layers.gguf") == 1
+    assert load_target(str(small_gguf)).gguf == small_gguf
+    assert "Converting" not in capsys.readouterr().out, "the converted copy is kept and read the next time"
+    if native.kernel_isa() is None:
+        pytest.skip("no native kernels on this CPU")
+    plain = Engine.load(str(small_gguf), None)
+    eagle = Engine.load(str(small_gguf), str(DEFAULT_HEAD_DIR))
+    bf16 = Engine.load(str(small_gguf), None, weights="bf16")
+    for engine in (plain, eagle):
+        assert isinstance(engine.forwarder, NativeStep)
+        text = engine.numerics.describe()
+        assert "4-bit weights x 8-bit activations" in text and "from smol-2layers.gguf" in text
+        assert "2 tensors requantized to Q8_0 from F16 (1), Q5_0 (1)" in text
+    assert "requantized" not in bf16.numerics.describe()
+    prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
+
+    def answer(engine, speculative):
+        cfg = GenerationConfig(max_new_tokens=24, speculative=speculative, tree=eagle.default_tree)
+        return [t for ev in engine.generate(prompt, cfg) for t in ev.token_ids]
+
+    assert answer(eagle, True) == answer(plain, False), "greedy speculation on a GGUF file's blocks == plain"
+    # the file's blocks (and the requantized ones) stay close to the same weights in bf16: teacher-forced,
+    # the logits of the two numerics point the same way at every position (a q / k row order or a
+    # requantization gone wrong scatters them)
+    ids = torch.tensor(plain.encode("The sun warms the sea, and water rises into the air as vapour."))
+    from core.decoding import cache as kv
+    from core.decoding.forward import plain_forward, prefill
+
+    logits = {}
+    with torch.inference_mode():
+        for name, engine in (("w4a8", plain), ("bf16", bf16)):
+            cache = kv.new_cache(engine.step.hf)
+            prefill(engine.step, ids[:1], cache)
+            logits[name] = torch.stack([plain_forward(engine.step, int(ids[i]), cache, i)[1].float()
+                                        for i in range(1, len(ids))])
+    cos = torch.nn.functional.cosine_similarity(logits["w4a8"], logits["bf16"], dim=-1)
+    assert cos.min() > 0.999, cos  # measured 0.99998; with one layer's k rows left in the file's order, 0.960
+
+
+def test_tensors_of_other_types_are_requantized_to_q8_0_where_asked(tmp_path):
+    gen = np.random.default_rng(5)
+    tensors = layer_tensors(gen, {"attn_q": T.Q5_0, "ffn_up": T.F16})
+    write_gguf(tmp_path / "m.gguf", tensors)
+    with pytest.raises(quant.QuantWeightError, match=r"blk\.0\.attn_q\.weight has type Q5_0"):
+        quant.load_llama_blocks(tmp_path / "m.gguf", tiny_config())
+    blocks = quant.load_llama_blocks(tmp_path / "m.gguf", tiny_config(), requantize=True)
+    up, q = blocks["model.layers.0.mlp.up_proj.weight"], blocks["model.layers.0.self_attn.q_proj.weight"]
+    gate = blocks["model.layers.0.mlp.gate_proj.weight"]
+    assert (up.type_name, up.source, q.type_name, q.source, gate.type_name, gate.source) == \
+        ("Q8_0", "F16", "Q8_0", "Q5_0", "Q4_1", "")
+    for b, (data, kind), permuted in ((up, tensors["blk.0.ffn_up.weight"], False),
+                                      (q, tensors["blk.0.attn_q.weight"], True)):
+        values = data.astype(np.float32) if kind == T.F16 else quants.dequantize(data, kind)
+        if permuted:  # the file's q rows in llama.cpp's order (test_step's rotary test): put back
+            hd = 32
+            values = values.reshape(2, hd // 2, 2, -1).transpose(0, 2, 1, 3).reshape(values.shape)
+        ours = native.dequantize(native.wmat(blocks=b)).float().numpy()
+        step = np.abs(values).reshape(values.shape[0], -1, 32).max(-1).repeat(32, -1) / 254  # half a Q8_0 step
+        assert np.all(np.abs(ours - values) <= step * 1.01 + np.abs(values) * 2 ** -8), "Q8_0 of the file's values"
+        assert not np.array_equal(ours, values.astype(np.float32))  # requantized, not copied
+
+
+def test_gguf_files_that_cannot_serve_say_why_and_leave_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "home"))
+    (tmp_path / "notes.gguf").write_text("not a model")
+    with pytest.raises(ModelLoadError, match="notes.gguf is not a readable GGUF file"):
+        resolve(str(tmp_path / "notes.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError, match=r"is a file; give the folder that holds config\.json, or a \.gguf file"):
+        resolve(str(tmp_path / "weights.bin"))
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "bert")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"m\.gguf holds a 'bert' model; eagle-chat runs Llama-family GGUF files"):
+        resolve(str(tmp_path / "m.gguf"))
+    smaller_smollm2(tmp_path / "ok.gguf", layers=1)
+    data = (tmp_path / "ok.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 5000])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf is truncated: tensor blk\.0\.\w+\.weight ends early"):
+        resolve(str(tmp_path / "cut.gguf"))
+    monkeypatch.setattr("core.models.available_memory", lambda: 10_000_000)
+    with pytest.raises(ModelLoadError, match=r"ok\.gguf needs about 0\.\d GB of memory to convert .* "
+                                             r"0\.0 GB is available"):
+        resolve(str(tmp_path / "ok.gguf"))
+    home = tmp_path / "home" / "models" / "gguf"
+    assert not home.exists() or not any(home.iterdir()), "nothing converted, nothing half-written"
+
+
+def test_the_models_tab_takes_a_gguf_file_as_the_target(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    found = Request.parse(CUSTOM, str(tmp_path / "m.gguf"), "", "float32", "cpu", False)
+    assert found.missing_folders() == [] and found.hub_ids() == []
+    gone = Request.parse(CUSTOM, str(tmp_path / "gone.gguf"), "", "float32", "cpu", False)
+    assert gone.missing_folders() == [str(tmp_path / "gone.gguf")]
+    as_head = Request.parse(CUSTOM, str(tmp_path), str(tmp_path / "m.gguf"), "float32", "cpu", False)
+    assert as_head.missing_folders() == [str(tmp_path / "m.gguf")], "a head is a folder, never a GGUF"
