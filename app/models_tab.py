@@ -15,7 +15,7 @@ from app.errors import UserError, fault, plain_reason, refuse, user_error
 from app.manager import Request, catalogue_frame, progress_text
 from core.config import ConfigError
 from core.decoding.head import HeadLoadError
-from core.models import ModelLoadError
+from core.models import ModelLoadError, is_gguf_file
 
 # loading can also fail deeper (CUDA out of memory, a missing bitsandbytes, a corrupt file)
 LOAD_ERRORS = (ConfigError, ModelLoadError, HeadLoadError, RuntimeError, OSError, ValueError, ImportError)
@@ -93,7 +93,9 @@ class ModelHandlers:
         def work():
             model = self._request(key, target, head, dtype, device, four_bit, request)
             self._download(model, progress)
-            progress(None, desc=f"Waiting for the answer being generated, then loading {model.choice.model} …")
+            first = " (a .gguf file's first load converts it once, ~5 s per 100 MB of file here)" if \
+                is_gguf_file(model.choice.model) else ""
+            progress(None, desc=f"Waiting for the answer being generated, then loading {model.choice.model}{first} …")
             try:
                 engine = self.manager.switch(model)
             except LOAD_ERRORS as e:

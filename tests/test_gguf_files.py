@@ -1,6 +1,6 @@
 """A local GGUF file as the model: converted once, served from its own blocks by the native step (other
-tensor types requantized to Q8_0 and named), greedy speculation still equal to plain decoding, and clear
-errors for files that are not what they claim."""
+tensor types converted and named: Q4_K as Q4_1, Q5_0 as Q8_0, the rest requantized to Q8_0), greedy
+speculation still equal to plain decoding, and clear errors for files that are not what they claim."""
 
 import numpy as np
 import pytest
@@ -68,7 +68,7 @@ def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf
         assert isinstance(engine.forwarder, NativeStep)
         text = engine.numerics.describe()
         assert "4-bit weights x 8-bit activations" in text and "from smol-2layers.gguf" in text
-        assert "2 tensors requantized to Q8_0 from F16 (1), Q5_0 (1)" in text
+        assert "2 tensors of other types: F16 (1) requantized to Q8_0, Q5_0 (1) as Q8_0 (exactly)" in text
     assert "requantized" not in bf16.numerics.describe()
     prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
 
@@ -95,7 +95,10 @@ def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf
     assert cos.min() > 0.999, cos  # measured 0.99998; with one layer's k rows left in the file's order, 0.960
 
 
-def test_tensors_of_other_types_are_requantized_to_q8_0_where_asked(tmp_path):
+def test_tensors_of_other_types_reach_the_kernels_where_asked(tmp_path):
+    """F16 (and any type without a repacking) requantized to Q8_0: within about half a Q8_0 step of the
+    file's values; Q5_0 repacked as Q8_0 with its own scale and codes: the file's values exactly; q rows put back
+    in transformers' order either way."""
     gen = np.random.default_rng(5)
     tensors = layer_tensors(gen, {"attn_q": T.Q5_0, "ffn_up": T.F16})
     write_gguf(tmp_path / "m.gguf", tensors)
@@ -106,16 +109,48 @@ def test_tensors_of_other_types_are_requantized_to_q8_0_where_asked(tmp_path):
     gate = blocks["model.layers.0.mlp.gate_proj.weight"]
     assert (up.type_name, up.source, q.type_name, q.source, gate.type_name, gate.source) == \
         ("Q8_0", "F16", "Q8_0", "Q5_0", "Q4_1", "")
-    for b, (data, kind), permuted in ((up, tensors["blk.0.ffn_up.weight"], False),
-                                      (q, tensors["blk.0.attn_q.weight"], True)):
-        values = data.astype(np.float32) if kind == T.F16 else quants.dequantize(data, kind)
-        if permuted:  # the file's q rows in llama.cpp's order (test_step's rotary test): put back
-            hd = 32
-            values = values.reshape(2, hd // 2, 2, -1).transpose(0, 2, 1, 3).reshape(values.shape)
-        ours = native.dequantize(native.wmat(blocks=b)).float().numpy()
-        step = np.abs(values).reshape(values.shape[0], -1, 32).max(-1).repeat(32, -1) / 254  # half a Q8_0 step
-        assert np.all(np.abs(ours - values) <= step * 1.01 + np.abs(values) * 2 ** -8), "Q8_0 of the file's values"
-        assert not np.array_equal(ours, values.astype(np.float32))  # requantized, not copied
+    values = tensors["blk.0.ffn_up.weight"][0].astype(np.float32)
+    ours = quants.dequantize(up.data.numpy(), T.Q8_0)
+    half = np.abs(values).reshape(values.shape[0], -1, 32).max(-1).repeat(32, -1) / 254  # half a Q8_0 step
+    # plus the step's own fp16 rounding, up to 127 codes x 2^-11 of it: 1.124 half steps at most
+    assert np.all(np.abs(ours - values) <= half * 1.125) and not np.array_equal(ours, values)
+    hd = 32  # the file's q rows in llama.cpp's order (test_step's rotary test): row 2i + j -> j * hd/2 + i
+    stored = quants.dequantize(tensors["blk.0.attn_q.weight"][0], T.Q5_0)
+    assert np.array_equal(quants.dequantize(q.data.numpy(), T.Q8_0),
+                          stored.reshape(2, hd // 2, 2, -1).transpose(0, 2, 1, 3).reshape(stored.shape))
+
+
+def random_q4_k(gen, n: int, k: int) -> np.ndarray:
+    """n x k values as random Q4_K super-blocks (any bytes are one): fp16 d and dmin, 12 bytes of packed
+    six-bit scales and mins, 128 bytes of 4-bit codes."""
+    b = gen.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+    b[:, 0:4] = gen.uniform(1e-4, 2e-2, (len(b), 2)).astype(np.float16).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def test_q4_k_is_repacked_as_q4_1_with_its_own_codes():
+    gen = np.random.default_rng(8)
+    raw = random_q4_k(gen, 32, 512)
+    tensor = quant.GGUFTensor("blk.0.ffn_down.weight", int(T.Q4_K), (512, 32), raw.reshape(-1))
+    with pytest.raises(quant.QuantWeightError, match="has type Q4_K"):
+        quant.read_blocks(tensor, 32, 512)
+    b = quant.read_blocks(tensor, 32, 512, requantize=True)
+    assert (b.type_name, b.source, tuple(b.data.shape)) == ("Q4_1", "Q4_K", (32, 512 // 32 * 20))
+    ref = quants.dequantize(raw, T.Q4_K)                      # d sc q - dmin m, fp32 (llama.cpp's formula)
+    ours = quants.dequantize(b.data.numpy(), T.Q4_1)          # D q + M, D and M in fp16
+    scale = np.abs(ref).reshape(32, -1, 32).max(-1).repeat(32, -1) + 1e-30
+    err = np.abs(ours - ref) / scale
+    assert err.max() <= 2 ** -9 and err.mean() < 2 ** -12, (err.max(), err.mean())  # the scales' fp16 rounding
+    codes = b.data.numpy().reshape(32, -1, 20)[:, :, 4:]     # the file's 4-bit codes, unchanged
+    nib = np.concatenate([codes & 15, codes >> 4], axis=-1).reshape(32, -1, 32)
+    qs = raw.reshape(32, 2, 144)[:, :, 16:].reshape(32, 2, 4, 32)
+    theirs = np.stack([qs & 15, qs >> 4], axis=3).reshape(32, -1, 32)
+    assert np.array_equal(nib, theirs)
+    # a tensor whose sub-block scales d sc overflow fp16 (2,000 x 63) is requantized to Q8_0 instead
+    raw.reshape(-1, 144)[:, 0:2] = np.full((len(raw) * 2, 1), 2000, np.float16).view(np.uint8)
+    raw.reshape(-1, 144)[:, 4:16] = 255
+    big = quant.read_blocks(quant.GGUFTensor("w", int(T.Q4_K), (512, 32), raw.reshape(-1)), 32, 512, requantize=True)
+    assert (big.type_name, big.source) == ("Q8_0", "Q4_K")
 
 
 def test_gguf_files_that_cannot_serve_say_why_and_leave_nothing_behind(tmp_path, monkeypatch):

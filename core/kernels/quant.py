@@ -63,8 +63,9 @@ def _supported_text() -> str:
 
 def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) -> Blocks:
     """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k). requantize: a type
-    the kernels do not read (SUPPORTED) but gguf de-quantizes (K-quants, Q5_*, F16, ...) comes back as
-    Q8_0 blocks of its values (requantized_q8) instead of raising."""
+    the kernels do not read (SUPPORTED) comes back in one they do instead of raising: Q4_K as Q4_1 and
+    Q5_0 as Q8_0 (repacked: the same codes), any other type gguf de-quantizes (Q6_K, Q5_K, Q5_1, F16,
+    ...) as Q8_0 blocks of its values (requantized_q8)."""
     name, kind = tensor.name, tensor.type
     if kind not in SUPPORTED and not requantize:
         raise QuantWeightError(f"GGUF tensor {name} has type {tensor.type_name}; the native step reads "
@@ -73,7 +74,7 @@ def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) 
     if shape != (n, k) or k % BLOCK:
         raise QuantWeightError(f"GGUF tensor {name} has shape {shape}, the model needs {(n, k)}")
     if kind not in SUPPORTED:
-        return requantized_q8(tensor, n, k)
+        return repacked(tensor, n, k) or requantized_q8(tensor, n, k)
     row = k // BLOCK * SUPPORTED[kind][1]
     data = np.asarray(tensor.data)
     if data.size != n * row:
@@ -82,12 +83,61 @@ def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) 
     return Blocks(kind, torch.from_numpy(np.array(data, dtype=np.uint8).reshape(n, row)), n, k)
 
 
+# how a tensor of another type reaches the kernels (read_blocks' requantize), as the step's text says it
+REPACKED = {"Q4_K": "as Q4_1 (their scales rounded to fp16)", "Q5_0": "as Q8_0 (exactly)"}
+
+
+def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
+    """A Q4_K or Q5_0 tensor as blocks the kernels read, keeping its integer codes; None for other
+    types, a damaged tensor, or scales that do not fit (requantized_q8 serves those).
+    - Q4_K (256 values: fp16 d, dmin, 8 six-bit scales and mins, 4-bit codes): each 32-value
+      sub-block is d*sc*q - dmin*m, a Q4_1 block (D q + M) with D = d*sc and M = -dmin*m rounded to fp16
+      (a relative 2^-11 at most, a tenth of what requantizing the values to Q8_0 moves them); half the
+      bytes of Q8_0.
+    - Q5_0 (fp16 d, 5-bit codes x - 16): the same d and codes as a Q8_0 block, exactly."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    data = np.asarray(tensor.data)
+    if tensor.type == T.Q4_K and k % 256 == 0 and data.size == n * k // 256 * 144:
+        b = data.reshape(-1, 144)                                         # (B, 144) super-blocks
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)           # (B, 1)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        s, qs = b[:, 4:16], b[:, 16:144].reshape(-1, 4, 32)
+        sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)  # (B, 8)
+        mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            D, M = (d * sc).astype(np.float16), (-(dmin * mn)).astype(np.float16)  # exact in fp32, then rounded
+        if not (np.isfinite(D).all() and np.isfinite(M).all()):
+            return None
+        codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)   # sub-block 2c: low nibbles, 2c + 1: high
+        out = np.empty((len(b), 8, 20), np.uint8)
+        out[:, :, 0:2] = D.view(np.uint8).reshape(-1, 8, 2)
+        out[:, :, 2:4] = M.view(np.uint8).reshape(-1, 8, 2)
+        out[:, :, 4:] = codes[:, :, :16] | (codes[:, :, 16:] << 4)         # Q4_1's nibble order
+        return Blocks(3, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q4_K")
+    if tensor.type == T.Q5_0 and data.size == n * k // 32 * 22:
+        d16 = data.reshape(-1, 22)[:, 0:2]
+        d = d16.copy().view(np.float16).astype(np.float32)                 # (B, 1)
+        values = quants.dequantize(data.reshape(n, -1), T.Q5_0).reshape(-1, 32)  # (x - 16) d, exact in fp32
+        if not (np.isfinite(d).all() and np.isfinite(values).all()):
+            return None
+        codes = np.divide(values, d, out=np.zeros_like(values), where=d != 0)
+        if not (np.array_equal(codes, np.rint(codes)) and np.abs(codes).max(initial=0) <= 16):
+            return None
+        out = np.empty((len(d16), 34), np.uint8)
+        out[:, 0:2] = d16
+        out[:, 2:] = codes.astype(np.int8).view(np.uint8)
+        return Blocks(8, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q5_0")
+    return None
+
+
 def requantized_q8(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
     """A tensor of a type the kernels do not read, de-quantized to fp32 by gguf (llama.cpp's own
     formulas) and quantized again to Q8_0 blocks by gguf (llama.cpp's rounding: per 32 values d = max|w|
-    / 127, q = round(w / d)). Q8_0 keeps about 8 bits per weight of what a 4- to 6-bit K-quant holds,
-    so the values move by at most half a Q8_0 step (max|w| / 254 in a block): these are the numerics
-    the step then computes in, and its text says which tensors were requantized."""
+    / 127 stored in fp16, q = round(w / d)): each value moves by at most half a Q8_0 step plus the
+    step's fp16 rounding (1.13 x max|w| / 254 in its block). These are the numerics the step then
+    computes in, and its text says which tensors were requantized."""
     from gguf import GGMLQuantizationType, quants
     from gguf.constants import GGML_QUANT_SIZES
 
@@ -110,8 +160,9 @@ def requantized_q8(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
                                    f"step ({_supported_text()}) nor gguf's de-quantization reads: run the bf16 "
                                    "path (--weights bf16) or convert the file") from e
     w = np.ascontiguousarray(w.reshape(n, k), dtype=np.float32)
-    if not np.isfinite(w).all():
-        raise QuantWeightError(f"GGUF tensor {tensor.name} holds values that are not finite")
+    if not np.isfinite(w).all() or np.abs(w).max(initial=0) / 127 > 65504:
+        raise QuantWeightError(f"GGUF tensor {tensor.name} holds values that are not finite or too large for "
+                               "Q8_0's fp16 scales: run the bf16 path (--weights bf16)")
     q = quants.quantize(w, GGMLQuantizationType.Q8_0)  # (n, k / 32 * 34) uint8
     return Blocks(8, torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(n, -1)), n, k,
                   source=tensor.type_name)

@@ -443,7 +443,7 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
     note = ""
     blocks, screened = {}, False
     if weights != "bf16":
-        from core.kernels.quant import QuantWeightError, load_llama_blocks, pack_x8, split_q8, tile_blocks
+        from core.kernels.quant import REPACKED, QuantWeightError, load_llama_blocks, pack_x8, split_q8, tile_blocks
 
         if target.gguf is None:
             if weights != "auto":
@@ -452,8 +452,8 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
             try:  # q4 promises the bf16 path's bits: only the file's own Q4_0 / Q4_1 / Q8_0 blocks serve it
                 found = load_llama_blocks(target.gguf, target.model.config, requantize=weights != "q4")
                 if moved := Counter(b.source for b in found.values() if b.source):
-                    note = (f" ({sum(moved.values())} tensors requantized to Q8_0 from "
-                            f"{', '.join(f'{k} ({v})' for k, v in sorted(moved.items()))})")
+                    note = (f" ({sum(moved.values())} tensors of other types: " + ", ".join(
+                        f"{k} ({v}) {REPACKED.get(k, 'requantized to Q8_0')}" for k, v in sorted(moved.items())) + ")")
                 if weights == "q4":  # layers only: the embedding / tied LM head stays bf16 (on its Q8_0
                     # blocks rebuilt to bf16 the step measured no faster, 10.5-10.8 against 10.6-11.0 ms)
                     blocks = {k: tile_blocks(v) for k, v in found.items() if ".layers." in k}
