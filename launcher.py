@@ -26,8 +26,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launcher.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", help="target: 'smollm2' (embedded), a hub id (owner/name), a local "
-                   "folder or a .gguf file [default: the last model used, else smollm2]")
+    p.add_argument("--model", help="target: 'smollm2' (embedded), a hub id (owner/name), a hub repo's GGUF "
+                   "file (owner/name:Q4_K_M), a local folder or a .gguf file [default: the last model used, else "
+                   "smollm2]")
     p.add_argument("--head", help="EAGLE head: hub id or local folder; 'default' = our head for the "
                    "embedded model, the catalogue's head for a catalogue model; 'none' = plain decoding "
                    "only [default: 'default']")

@@ -302,8 +302,8 @@ def models_tab(h: Handlers, manager: ModelManager, status, tree_origin, controls
         device = gr.Dropdown(devices(), value=manager.choice.device, label="Device")
         four_bit = gr.Checkbox(manager.choice.load_in_4bit, label="4-bit (nf4)", info="Default for 7B+ models on CUDA")
     with gr.Row():
-        target = gr.Textbox(label="Custom target: hub id (owner/name), local folder or .gguf file",
-                            elem_id="custom-target")
+        target = gr.Textbox(label="Custom target: hub id (owner/name), a hub repo's GGUF file (owner/name:Q4_K_M), "
+                                  "local folder or .gguf file", elem_id="custom-target")
         head = gr.Textbox(label="Custom EAGLE head: hub id or local folder (optional)")
     with gr.Row():
         dl = gr.Button("Download", elem_id="download")

@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     add_tree_args(p)
-    p.add_argument("--model", default=EMBEDDED, help="'smollm2' (embedded), a hub id, a local folder or a .gguf file")
+    p.add_argument("--model", default=EMBEDDED, help="'smollm2' (embedded), a hub id, owner/name:QUANT (a hub "
+                   "repo's GGUF file), a local folder or a .gguf file")
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = shipped head")
     add_runtime_args(p)
     p.add_argument("--seed", type=int, default=None)

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-135m-eagle"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # general.architecture of GGUF files we convert
+HUB_GGUF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+):(?P<tag>[\w.-]+)$")  # owner/name:Q4_K_M
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float64": torch.float64}
@@ -217,21 +219,24 @@ def _converted(gguf: Path, out: Path, how_long: str) -> Path:
     return out
 
 
-def model_gguf(name_or_path: str, model_type: str) -> Path | None:
-    """The GGUF whose blocks the native step may read for this model: the embedded model's, or a
-    Llama-architecture GGUF file the user named (the rotary row order core.kernels.quant puts back is
-    llama.cpp's for that architecture); None otherwise."""
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model name stands for: the embedded model's, a local .gguf file, or a hub repo's
+    `owner/name:TAG` file (downloaded, or found in the hub cache); None for folders and hub repos."""
     if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID):
         return embedded_gguf_path()
+    if hub_gguf(name_or_path):
+        return download(name_or_path)
     path = Path(name_or_path).expanduser()
-    return path if model_type == "llama" and is_gguf_file(path) and path.is_file() else None
+    return path if is_gguf_file(path) and path.is_file() else None
 
 
 def resolve(name_or_path: str, *, allow_patterns: list[str] | None = None) -> Path:
-    """A local folder for `name_or_path`: the embedded alias, a folder, a GGUF file (converted once), or a
-    hub id (downloaded)."""
+    """A local folder for `name_or_path`: the embedded alias, a folder, a GGUF file (converted once), a
+    hub id (downloaded), or a hub repo's GGUF file as `owner/name:TAG` (downloaded, converted once)."""
     if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID):
         return embedded_model_dir()
+    if hub_gguf(name_or_path):
+        return gguf_model_dir(download(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if path.is_file() and is_gguf_file(path):
@@ -245,17 +250,31 @@ def resolve(name_or_path: str, *, allow_patterns: list[str] | None = None) -> Pa
     return download(name_or_path, allow_patterns=allow_patterns)
 
 
+def hub_gguf(name: str | None) -> tuple[str, str] | None:
+    """(repo, tag) where `name` is `owner/name:TAG`, one GGUF file of a hub repo named by its
+    quantization (llama.cpp's `-hf owner/name:Q4_K_M` form); None otherwise."""
+    m = HUB_GGUF.match(name or "")
+    return (m["repo"], m["tag"]) if m else None
+
+
 def download(repo_id: str, *, allow_patterns: list[str] | None = None, endpoint: str | None = None,
              tqdm_class=None, token: str | None = None) -> Path:
-    """Download (or resume) a hub repo into the hub cache; clear errors, never a hang."""
+    """Download (or resume) a hub repo into the hub cache and return its folder; for `owner/name:TAG`
+    only the repo's GGUF file named `*-TAG.gguf` (or `.TAG` / `_TAG`; any case), and its path. Clear
+    errors, never a hang."""
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
 
-    patterns = allow_patterns or ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
-                                  "pytorch_model*.bin"]
+    tagged = hub_gguf(repo_id)
+    if tagged:
+        repo_id, tag = tagged
+        patterns = sorted({f"*[-._]{t}.gguf" for t in (tag, tag.upper(), tag.lower())})
+    else:
+        patterns = allow_patterns or ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
+                                      "pytorch_model*.bin"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, endpoint=endpoint,
-                                      tqdm_class=tqdm_class, token=token, etag_timeout=5))
+        folder = Path(snapshot_download(repo_id, allow_patterns=patterns, endpoint=endpoint,
+                                        tqdm_class=tqdm_class, token=token, etag_timeout=5))
     except hf_errors.GatedRepoError as e:
         raise ModelLoadError(f"{repo_id} is gated: accept its licence on huggingface.co and set "
                              f"HF_TOKEN (or log in with `hf auth login`). ({e.__class__.__name__})") from e
@@ -269,6 +288,14 @@ def download(repo_id: str, *, allow_patterns: list[str] | None = None, endpoint:
             raise ModelLoadError(f"not enough disk space to download {repo_id}; free space in "
                                  "the hub cache (HF_HOME) and retry: the download resumes") from e
         raise ModelLoadError(f"download of {repo_id} failed: {e}") from e
+    if not tagged:
+        return folder
+    found = sorted(p for p in folder.rglob("*.gguf") if p.name.lower().endswith(f"{tag.lower()}.gguf"))
+    if len(found) != 1:
+        what = "no .gguf file" if not found else f"{len(found)} .gguf files ({', '.join(p.name for p in found)})"
+        raise ModelLoadError(f"{repo_id} has {what} named like *-{tag}.gguf: give the quantization as its file "
+                             f"names it, e.g. {repo_id}:Q4_K_M, or download the file and give its path")
+    return found[0]
 
 
 def catalogue_entry(name_or_path: str) -> CatalogueEntry | None:
@@ -281,7 +308,9 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
-    folder = resolve(name_or_path)
+    gguf = gguf_source(name_or_path)  # the file the native step may read its blocks from
+    embedded = name_or_path in (EMBEDDED, EMBEDDED_HUB_ID)
+    folder = gguf_model_dir(gguf) if gguf is not None and not embedded else resolve(name_or_path)
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
@@ -309,7 +338,8 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
     entry = catalogue_entry(name_or_path)
     if tokenizer.chat_template is None and entry and entry.chat_template:
         tokenizer.chat_template = entry.chat_template
-    gguf = model_gguf(name_or_path, config.model_type)
+    if config.model_type != "llama":  # the q / k row order core.kernels.quant puts back is llama.cpp's for llama
+        gguf = None
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path,
                        device=torch.device(device), dtype=torch_dtype, quantized=load_in_4bit,
                        max_context=int(getattr(config, "max_position_embeddings", 2048)), gguf=gguf)

@@ -551,7 +551,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     from core.models import EMBEDDED
 
     p = argparse.ArgumentParser(prog="python -m core.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=EMBEDDED, help="'smollm2' (embedded), a hub id, a local folder or a .gguf file")
+    p.add_argument("--model", default=EMBEDDED, help="'smollm2' (embedded), a hub id, owner/name:QUANT (a hub "
+                   "repo's GGUF file), a local folder or a .gguf file")
     p.add_argument("--head", default="default", help="head folder or hub id; 'default' = the model's "
                    "shipped or catalogue head; 'none' = plain decoding")
     p.add_argument("--served-model-name", default=None, help="the model id clients send [default: --model]")

@@ -8,12 +8,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
-from app.manager import CUSTOM, Request
+from app.manager import CUSTOM, Request, download_with_progress
 from core.config import GenerationConfig
 from core.decoding.engine import Engine
 from core.kernels import native, quant
 from core.kernels.step import NativeStep
-from core.models import DEFAULT_HEAD_DIR, ModelLoadError, embedded_gguf_path, load_target, resolve
+from core.models import DEFAULT_HEAD_DIR, ModelLoadError, download, embedded_gguf_path, load_target, resolve
+from tests.hubserver_local import HubServer
 from tests.test_step import layer_tensors, tiny_config, write_gguf  # noqa: I001  (test_step's GGUF helpers)
 
 
@@ -59,6 +60,8 @@ def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf
     assert capsys.readouterr().out.count("Converting smol-2layers.gguf") == 1
     assert load_target(str(small_gguf)).gguf == small_gguf
     assert "Converting" not in capsys.readouterr().out, "the converted copy is kept and read the next time"
+    monkeypatch.setattr("core.models.download", lambda name, **kw: small_gguf)  # owner/name:TAG -> its file
+    assert load_target("org/smol-GGUF:Q4_1").gguf == small_gguf and "Converting" not in capsys.readouterr().out
     if native.kernel_isa() is None:
         pytest.skip("no native kernels on this CPU")
     plain = Engine.load(str(small_gguf), None)
@@ -190,3 +193,28 @@ def test_the_models_tab_takes_a_gguf_file_as_the_target(tmp_path):
     assert gone.missing_folders() == [str(tmp_path / "gone.gguf")]
     as_head = Request.parse(CUSTOM, str(tmp_path), str(tmp_path / "m.gguf"), "float32", "cpu", False)
     assert as_head.missing_folders() == [str(tmp_path / "m.gguf")], "a head is a folder, never a GGUF"
+
+
+def test_a_hub_repos_gguf_file_is_named_by_its_quantization(tmp_path, monkeypatch):
+    """`owner/name:TAG` fetches that repo's `*-TAG.gguf` alone (any case), as llama.cpp's -hf does."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    names = ["smol-Q4_0.gguf", "smol-Q4_K_M.gguf", "smol-Q4_K_S.gguf", "smol-q8_0.gguf", "big-Q8_0.gguf"]
+    files = {name: bytes([i + 1]) * 1000 for i, name in enumerate(names)} | {"README.md": b"# smol"}
+    with HubServer({"org/smol-GGUF": files}) as hub:
+        path = download("org/smol-GGUF:Q4_K_M", endpoint=hub.url)
+        assert path.name == "smol-Q4_K_M.gguf" and path.read_bytes() == files["smol-Q4_K_M.gguf"]
+        seen = []  # the Models tab's download: the same file, its bytes reported as it comes
+        path = download_with_progress("org/smol-GGUF:q4_0", lambda n, t: seen.append((n, t)), endpoint=hub.url)
+        assert path.name == "smol-Q4_0.gguf" and seen[-1] == (1000, 1000)
+        fetched = {p.rsplit("/", 1)[-1] for m, p, _ in hub.log if m == "GET" and "/resolve/" in p}
+        assert fetched == {"smol-Q4_K_M.gguf", "smol-Q4_0.gguf"}, "only the named files are fetched"
+        with pytest.raises(ModelLoadError, match=r"org/smol-GGUF has no \.gguf file named like \*-Q5_K\.gguf"):
+            download("org/smol-GGUF:Q5_K", endpoint=hub.url)
+        with pytest.raises(ModelLoadError, match=r"has 2 \.gguf files \(big-Q8_0\.gguf, smol-q8_0\.gguf\)"):
+            download("org/smol-GGUF:Q8_0", endpoint=hub.url)
+        with pytest.raises(ModelLoadError, match="not found"):
+            download("org/nothing:Q4_0", endpoint=hub.url)
+    request = Request.parse(CUSTOM, "org/smol-GGUF:Q4_K_M", "", "float32", "cpu", False)
+    assert request.hub_ids() == ["org/smol-GGUF:Q4_K_M"] and request.missing_folders() == []
