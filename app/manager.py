@@ -24,7 +24,7 @@ from app.remote import RemoteBackend, ServerInfo
 from app.state import ModelChoice, remember
 from core import threads
 from core.models import (CATALOGUE, EMBEDDED, EMBEDDED_HUB_ID, CatalogueEntry, ModelLoadError, catalogue_entry,
-                         download, is_gguf_file)
+                         download, hub_gguf, is_gguf_file)
 
 CUSTOM = "Custom (hub id, local folder or .gguf file)"
 POLL_S = 0.2
@@ -157,6 +157,9 @@ class Request:
         if not target:
             raise ModelLoadError("enter a hub id (owner/name), a local folder or a .gguf file for the target model")
         head = (custom_head or "").strip() or None
+        if head is not None and (is_gguf_file(head) or hub_gguf(head)):
+            raise ModelLoadError(f"{head} is a GGUF model file: the head field takes an EAGLE head's folder or hub "
+                                 "repo, and a GGUF file goes in the target field")
         return cls(ModelChoice(target, head, dtype, device, bool(four_bit)))
 
     def missing_folders(self) -> list[str]:
@@ -164,9 +167,8 @@ class Request:
         anything is unloaded)."""
         named = [r for r in (self.choice.model, self.choice.head)
                  if r and r not in ("default", EMBEDDED, EMBEDDED_HUB_ID) and not is_hub_id(r)]
-        model = self.choice.model
         return [r for r in named if not Path(r).expanduser().is_dir()
-                and not (r == model and is_gguf_file(r) and Path(r).expanduser().is_file())]
+                and not (r == self.choice.model and is_gguf_file(r) and Path(r).expanduser().is_file())]
 
     def hub_ids(self) -> list[str]:
         """Repos this request would download (local folders and the embedded model need none)."""

@@ -290,7 +290,8 @@ def download(repo_id: str, *, allow_patterns: list[str] | None = None, endpoint:
         raise ModelLoadError(f"download of {repo_id} failed: {e}") from e
     if not tagged:
         return folder
-    found = sorted(p for p in folder.rglob("*.gguf") if p.name.lower().endswith(f"{tag.lower()}.gguf"))
+    named = re.compile(rf".*[-._]{re.escape(tag)}\.gguf", re.IGNORECASE)  # what the patterns fetch
+    found = sorted(p for p in folder.rglob("*.gguf") if named.fullmatch(p.name))
     if len(found) != 1:
         what = "no .gguf file" if not found else f"{len(found)} .gguf files ({', '.join(p.name for p in found)})"
         raise ModelLoadError(f"{repo_id} has {what} named like *-{tag}.gguf: give the quantization as its file "

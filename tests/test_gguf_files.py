@@ -191,8 +191,9 @@ def test_the_models_tab_takes_a_gguf_file_as_the_target(tmp_path):
     assert found.missing_folders() == [] and found.hub_ids() == []
     gone = Request.parse(CUSTOM, str(tmp_path / "gone.gguf"), "", "float32", "cpu", False)
     assert gone.missing_folders() == [str(tmp_path / "gone.gguf")]
-    as_head = Request.parse(CUSTOM, str(tmp_path), str(tmp_path / "m.gguf"), "float32", "cpu", False)
-    assert as_head.missing_folders() == [str(tmp_path / "m.gguf")], "a head is a folder, never a GGUF"
+    for head in (str(tmp_path / "m.gguf"), "org/smol-GGUF:Q4_K_M"):  # refused before anything is fetched
+        with pytest.raises(ModelLoadError, match="is a GGUF model file: the head field takes an EAGLE head's"):
+            Request.parse(CUSTOM, str(tmp_path), head, "float32", "cpu", False)
 
 
 def test_a_hub_repos_gguf_file_is_named_by_its_quantization(tmp_path, monkeypatch):
@@ -218,3 +219,12 @@ def test_a_hub_repos_gguf_file_is_named_by_its_quantization(tmp_path, monkeypatc
             download("org/nothing:Q4_0", endpoint=hub.url)
     request = Request.parse(CUSTOM, "org/smol-GGUF:Q4_K_M", "", "float32", "cpu", False)
     assert request.hub_ids() == ["org/smol-GGUF:Q4_K_M"] and request.missing_folders() == []
+
+
+def test_a_gguf_file_given_as_the_head_is_refused_before_anything_is_fetched(tmp_path, monkeypatch):
+    from core.decoding.head import HeadLoadError
+
+    monkeypatch.setattr("core.models.download", lambda *a, **k: pytest.fail("nothing is downloaded for a head"))
+    for head in (str(tmp_path / "m.gguf"), "org/smol-GGUF:Q4_K_M"):
+        with pytest.raises(HeadLoadError, match="names a GGUF model file; an EAGLE head is a folder or a hub repo"):
+            Engine.load("smollm2", head)

@@ -31,10 +31,10 @@ from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
 from core.decoding.drafter import DraftModel
 from core.decoding.forward import (StopReading, forward_tree, forward_tree_greedy, plain_forward,
                                    plain_forward_greedy, prefill, spec_step_greedy, uses_exact_kernels)
-from core.decoding.head import HeadCache
+from core.decoding.head import HeadCache, HeadLoadError
 from core.decoding.head3 import drafter_for, load_any_head
 from core.decoding.lookup import ContextIndex, graft
-from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, resolve
+from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, hub_gguf, is_gguf_file, resolve
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
@@ -104,6 +104,9 @@ class Engine:
         CI saw two texts when a failed probe had sent only the speculative run to fp32)."""
         if head == "default":
             head = default_head(model)
+        if head is not None and (is_gguf_file(head) or hub_gguf(head)):  # refused before the target loads
+            raise HeadLoadError(f"{head} names a GGUF model file; an EAGLE head is a folder or a hub repo (its "
+                                "config.json and weights), given with --head or the Models tab's head field")
         target, numerics, step = load_numerics(model, dtype=dtype, attention=attention, device=device,
                                                load_in_4bit=load_in_4bit, check=True, weights=weights)
         if head is None:

@@ -46,7 +46,7 @@ class Blocks:
     n: int
     k: int
     tiled: bool = False   # data in tile_blocks' order (the same bytes, another order)
-    source: str = ""      # the file's type where these are Q8_0 blocks requantized from it (requantized_q8)
+    source: str = ""      # the file's type where these blocks were converted from it (repacked, requantized_q8)
 
     @property
     def type_name(self) -> str:
