@@ -193,8 +193,10 @@ class ModelManager:
         self.last_speed = 0.0  # the engine's tokens/s in the last local answer, for the header
 
     def _load(self, choice: ModelChoice):
-        return self.loader(model=choice.model, head=choice.head, dtype=choice.dtype, attention=choice.attention,
-                           device=choice.device, load_in_4bit=choice.load_in_4bit, weights=choice.weights)
+        # on the one thread every step runs on too (core.threads.on_engine_thread says why)
+        return threads.on_engine_thread(self.loader, model=choice.model, head=choice.head, dtype=choice.dtype,
+                                        attention=choice.attention, device=choice.device,
+                                        load_in_4bit=choice.load_in_4bit, weights=choice.weights)
 
     def connect(self, url: str, api_key: str | None = None) -> ServerInfo:
         """Chat through the OpenAI-compatible server at `url` from now on (raises RemoteError).

@@ -29,6 +29,7 @@ from app.manager import ModelManager
 from app.models_tab import ModelHandlers
 from app.remote import RemoteError
 from app.state import Access, ChatSettings, tree_limit
+from core import threads
 from core.config import ConfigError, new_seed
 from core.decoding.forward import PREFILL_CHUNK
 from core.decoding.engine import EngineError
@@ -296,7 +297,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
         deadline = time.monotonic() + seconds if seconds else None
-        gen = engine.generate(msgs, cfg, on_step=view.on_step, should_stop=ticket.stop.is_set)
+        gen = threads.engine_stream(engine.generate(msgs, cfg, on_step=view.on_step, should_stop=ticket.stop.is_set))
         pace = Pace()
         try:
             first = yield from self._prefill(gen, long_chat.prompt_tokens, ticket)
@@ -405,8 +406,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         deadline = time.monotonic() + seconds if seconds else None
         spec_cfg = replace(spec_cfg, reuse_prompt=False)  # both read the prompt from its start: a fair race
         stop = ticket.stop.is_set  # asked before each chunk of the prompt, too
-        gens = (engine.generate(msgs, replace(spec_cfg, speculative=False), should_stop=stop),
-                engine.generate(msgs, spec_cfg, should_stop=stop))
+        gens = (threads.engine_stream(engine.generate(msgs, replace(spec_cfg, speculative=False), should_stop=stop)),
+                threads.engine_stream(engine.generate(msgs, spec_cfg, should_stop=stop)))
         try:
             for _ in race(plain, gens[0], spec, gens[1]):
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline):

@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import core.threads  # noqa: I001
@@ -347,15 +346,16 @@ class Worker:
 
     def __init__(self, engine: Engine, max_queue: int, threads: int | None = None):
         self.engine, self.max_queue = engine, max_queue
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
-                                       initializer=torch.set_num_threads if threads else None,
-                                       initargs=(threads,) if threads else ())
+        if threads:  # torch keeps a thread count per thread: the engine thread's own
+            core.threads.on_engine_thread(torch.set_num_threads, threads)
         self.lock = asyncio.Lock()
         self.admitted = 0       # answers running or waiting
         self.answer_s = 1.0     # the last answer's wall time: how soon a place frees up
 
     async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        """fn(*args) on the process's one engine thread, which also loaded the model
+        (core.threads.on_engine_thread: a second thread running OpenMP work halves the speed)."""
+        return await asyncio.get_running_loop().run_in_executor(core.threads.engine_executor(), fn, *args)
 
     def admit(self) -> None:
         if self.admitted > self.max_queue:
@@ -386,7 +386,7 @@ class Answer:
     def close(self) -> None:
         self.stop.set()  # asked between a prompt's chunks, in the engine's thread
         if self.gen is not None:
-            self.worker.pool.submit(self.gen.close)  # after any step in flight: the pool is FIFO
+            core.threads.engine_executor().submit(self.gen.close)  # after any step in flight: it is FIFO
             self.gen = None
         if self.locked:
             self.locked = False
@@ -610,8 +610,9 @@ def main(argv=None) -> int:
         return 2
     threads = set_threads(a.threads)
     try:
-        engine = Engine.load(a.model, None if a.head == "none" else a.head, dtype=a.dtype, attention=a.attention,
-                             device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
+        engine = core.threads.on_engine_thread(  # the thread every answer's steps run on (Worker.call)
+            Engine.load, a.model, None if a.head == "none" else a.head, dtype=a.dtype, attention=a.attention,
+            device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
     except (ModelLoadError, HeadLoadError, ConfigError, EngineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ the scripts), because OpenMP reads its settings once, when torch loads.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -231,3 +232,52 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- one thread for all model work --------------------------------------------------------------
+# OpenMP (torch's kernels and ours share one libgomp) keeps a pool of threads per thread that starts a
+# parallel region, and once the threads of all pools outnumber the cores it stops spinning between
+# regions (its "throttled" spin count, about OMP_WAIT_POLICY=PASSIVE). A server that advances an
+# answer from whichever worker thread is free (Gradio moves a generator between threads, and read a
+# prompt in a thread of its own) therefore ran every step of every later answer in that mode: on the
+# AVX2 VM of 2026-12-07, the chat streamed 48-57 tok/s plain where the same engine on one thread runs
+# 180-245 (`/work/runs/s24/thread_hop2.py`: a 2-thread answer on a second thread dropped both threads'
+# answers to 63-69 tok/s from then on). The app and the API server run all model work (loading, every step) here.
+_engine_pool = None
+_engine_ident: int | None = None
+_engine_lock = threading.Lock()
+
+
+def _mark_engine_thread() -> None:
+    global _engine_ident
+    _engine_ident = threading.get_ident()
+
+
+def engine_executor():
+    """The executor of the process's one engine thread (started on first use)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _engine_pool
+    with _engine_lock:
+        if _engine_pool is None:
+            _engine_pool = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=_mark_engine_thread)
+    return _engine_pool
+
+
+def on_engine_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the process's one engine thread (at once where called from it); its
+    result, or its exception raised here."""
+    if threading.get_ident() == _engine_ident:
+        return fn(*args, **kwargs)
+    return engine_executor().submit(fn, *args, **kwargs).result()
+
+
+def engine_stream(gen):
+    """Iterate the generator `gen` with every step (and its closing) run on the engine thread, from
+    whichever thread asks for the next item."""
+    done = object()
+    try:
+        while (item := on_engine_thread(next, gen, done)) is not done:
+            yield item
+    finally:
+        on_engine_thread(gen.close)

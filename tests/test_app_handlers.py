@@ -643,3 +643,37 @@ def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_wh
     spec_at = 1 + ChatSettings.names().index("spec")
     fresh = no_head.settings_load(None, "sys", *values)
     assert fresh[spec_at] is False and all(isinstance(u, type(gr.skip())) for i, u in enumerate(fresh) if i != spec_at)
+
+
+def test_every_step_and_the_load_run_on_one_thread_whichever_thread_asks(bigram):
+    """OpenMP keeps a thread pool per thread that starts parallel work, and with more pool threads than
+    cores it stops spinning between regions: a chat advanced from Gradio's worker threads streamed a
+    third as fast as the engine on one thread (core.threads.on_engine_thread). So the model loads, and
+    every step of every answer (chat, its prompt's reading, Side by side) runs on the one engine thread,
+    whichever thread advances the handler."""
+    seen: set[int] = set()
+    engine = Engine(*bigram)
+    fast = engine.generate
+
+    def generate(*args, **kwargs):
+        for ev in fast(*args, **kwargs):
+            seen.add(threading.get_ident())
+            yield ev
+
+    engine.generate = generate
+    loads: list[int] = []
+
+    def loader(**kwargs):
+        loads.append(threading.get_ident())
+        return engine
+
+    h = Handlers(ModelManager(loader, ModelChoice("tiny", None)), Access(), adaptive=False)
+    outs = h.respond("w5 w9", [], SYSTEM, *GREEDY, request=None)
+    workers = [threading.Thread(target=lambda: next(outs, None)) for _ in range(12)]  # Gradio's way: any thread
+    for w in workers:
+        w.start()
+        w.join()
+    list(outs)
+    list(h.compare("w5 w9", SYSTEM, *GREEDY[:3], 3, 2, 6, request=None))
+    assert len(seen) == 1 and loads == list(seen), "one thread loads the model and runs every step"
+    assert threading.get_ident() not in seen
