@@ -24,7 +24,7 @@ from app.remote import RemoteBackend, ServerInfo
 from app.state import ModelChoice, remember
 from core import threads
 from core.models import (CATALOGUE, EMBEDDED, EMBEDDED_HUB_ID, CatalogueEntry, ModelLoadError, catalogue_entry,
-                         download, hub_gguf, is_gguf_file)
+                         download, is_gguf_file, names_gguf)
 
 CUSTOM = "Custom (hub id, local folder or .gguf file)"
 POLL_S = 0.2
@@ -157,7 +157,7 @@ class Request:
         if not target:
             raise ModelLoadError("enter a hub id (owner/name), a local folder or a .gguf file for the target model")
         head = (custom_head or "").strip() or None
-        if head is not None and (is_gguf_file(head) or hub_gguf(head)):
+        if head is not None and names_gguf(head):
             raise ModelLoadError(f"{head} is a GGUF model file: the head field takes an EAGLE head's folder or hub "
                                  "repo, and a GGUF file goes in the target field")
         return cls(ModelChoice(target, head, dtype, device, bool(four_bit)))

