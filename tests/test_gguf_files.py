@@ -1,5 +1,5 @@
 """A local GGUF file as the model: converted once, served from its own blocks by the native step (other
-tensor types converted and named: Q4_K as Q4_1, Q5_0 as Q8_0, the rest requantized to Q8_0), greedy
+tensor types converted and named: Q4_K as Q4_1, Q5_0 and Q5_K as Q5_1, the rest requantized to Q8_0), greedy
 speculation still equal to plain decoding, and clear errors for files that are not what they claim."""
 
 import numpy as np
@@ -70,8 +70,8 @@ def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf
     for engine in (plain, eagle):
         assert isinstance(engine.forwarder, NativeStep)
         text = engine.numerics.describe()
-        assert "4-bit weights x 8-bit activations" in text and "from smol-2layers.gguf" in text
-        assert "2 tensors of other types: F16 (1) requantized to Q8_0, Q5_0 (1) as Q8_0 (exactly)" in text
+        assert "4/5/8-bit weights x 8-bit activations" in text and "from smol-2layers.gguf" in text  # Q5_0, F16
+        assert "2 tensors of other types: F16 (1) requantized to Q8_0, Q5_0 (1) as Q5_1 (exactly)" in text
     assert "requantized" not in bf16.numerics.describe()
     prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
 
@@ -100,8 +100,8 @@ def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf
 
 def test_tensors_of_other_types_reach_the_kernels_where_asked(tmp_path):
     """F16 (and any type without a repacking) requantized to Q8_0: within about half a Q8_0 step of the
-    file's values; Q5_0 repacked as Q8_0 with its own scale and codes: the file's values exactly; q rows put back
-    in transformers' order either way."""
+    file's values; Q5_0 repacked as Q5_1 with its own scale and codes (m = -16 d): the file's values exactly; q
+    rows put back in transformers' order either way."""
     gen = np.random.default_rng(5)
     tensors = layer_tensors(gen, {"attn_q": T.Q5_0, "ffn_up": T.F16})
     write_gguf(tmp_path / "m.gguf", tensors)
@@ -111,7 +111,7 @@ def test_tensors_of_other_types_reach_the_kernels_where_asked(tmp_path):
     up, q = blocks["model.layers.0.mlp.up_proj.weight"], blocks["model.layers.0.self_attn.q_proj.weight"]
     gate = blocks["model.layers.0.mlp.gate_proj.weight"]
     assert (up.type_name, up.source, q.type_name, q.source, gate.type_name, gate.source) == \
-        ("Q8_0", "F16", "Q8_0", "Q5_0", "Q4_1", "")
+        ("Q8_0", "F16", "Q5_1", "Q5_0", "Q4_1", "")
     values = tensors["blk.0.ffn_up.weight"][0].astype(np.float32)
     ours = quants.dequantize(up.data.numpy(), T.Q8_0)
     half = np.abs(values).reshape(values.shape[0], -1, 32).max(-1).repeat(32, -1) / 254  # half a Q8_0 step
@@ -119,8 +119,13 @@ def test_tensors_of_other_types_reach_the_kernels_where_asked(tmp_path):
     assert np.all(np.abs(ours - values) <= half * 1.125) and not np.array_equal(ours, values)
     hd = 32  # the file's q rows in llama.cpp's order (test_step's rotary test): row 2i + j -> j * hd/2 + i
     stored = quants.dequantize(tensors["blk.0.attn_q.weight"][0], T.Q5_0)
-    assert np.array_equal(quants.dequantize(q.data.numpy(), T.Q8_0),
+    assert np.array_equal(quants.dequantize(q.data.numpy(), T.Q5_1),
                           stored.reshape(2, hd // 2, 2, -1).transpose(0, 2, 1, 3).reshape(stored.shape))
+    raw = tensors["blk.0.attn_q.weight"][0].copy()  # scales whose -16 d overflows fp16: Q8_0 blocks, exactly
+    raw.reshape(-1, 22)[:, 0:2] = np.full((raw.size // 22, 1), 5000, np.float16).view(np.uint8)
+    big = quant.read_blocks(quant.GGUFTensor("w", int(T.Q5_0), (64, 64), raw.reshape(-1)), 64, 64, requantize=True)
+    assert (big.type_name, big.source) == ("Q8_0", "Q5_0")
+    assert np.array_equal(quants.dequantize(big.data.numpy(), T.Q8_0), quants.dequantize(raw, T.Q5_0))
 
 
 def random_q4_k(gen, n: int, k: int) -> np.ndarray:
@@ -154,6 +159,33 @@ def test_q4_k_is_repacked_as_q4_1_with_its_own_codes():
     raw.reshape(-1, 144)[:, 4:16] = 255
     big = quant.read_blocks(quant.GGUFTensor("w", int(T.Q4_K), (512, 32), raw.reshape(-1)), 32, 512, requantize=True)
     assert (big.type_name, big.source) == ("Q8_0", "Q4_K")
+
+
+def test_q5_k_and_q5_1_reach_the_kernels_as_5_bit_blocks_with_their_own_codes():
+    """Q5_K: each 32-value sub-block d sc u - dmin m (u = the 4 low bits plus a fifth from qh) is a Q5_1 block
+    with D = d sc and M = -dmin m rounded to fp16; Q5_1 as it is. Both then multiply on WT_Q5_X8."""
+    gen = np.random.default_rng(9)
+    raw = gen.integers(0, 256, (32 * 512 // 256, 176), dtype=np.uint8)  # any bytes are Q5_K super-blocks
+    raw[:, 0:4] = gen.uniform(1e-4, 2e-2, (len(raw), 2)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(32, -1)
+    b = quant.read_blocks(quant.GGUFTensor("w", int(T.Q5_K), (512, 32), raw.reshape(-1)), 32, 512, requantize=True)
+    assert (b.type_name, b.source, tuple(b.data.shape)) == ("Q5_1", "Q5_K", (32, 512 // 32 * 24))
+    ref = quants.dequantize(raw, T.Q5_K)                      # llama.cpp's formula, fp32
+    ours = quants.dequantize(b.data.numpy(), T.Q5_1)          # D u + M, D and M in fp16
+    scale = np.abs(ref).reshape(32, -1, 32).max(-1).repeat(32, -1) + 1e-30
+    err = np.abs(ours - ref) / scale
+    assert err.max() <= 2 ** -9 and err.mean() < 2 ** -12, (err.max(), err.mean())  # the scales' fp16 rounding
+    sb = raw.reshape(32, 2, 176)                               # the file's codes, unchanged: sub-block s of a
+    ql, qh = sb[..., 48:].reshape(32, 2, 4, 32), sb[..., 16:48]  # super-block: nibble s % 2 of chunk s // 2, bit s
+    low = np.stack([ql & 15, ql >> 4], axis=3).reshape(32, 2, 8, 32)
+    high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+    assert np.array_equal(quant.q5_codes(b.data.numpy().reshape(32, -1, 24)[..., 4:]),
+                          (low | (high << 4)).reshape(32, -1, 32))
+    packed = quant.pack_x8(b)  # kept: the wmat points into its bytes
+    assert torch.equal(native.dequantize(native.wmat(blocks=packed)), torch.from_numpy(ours).bfloat16())
+    five = quants.quantize(gen.normal(size=(32, 512)).astype(np.float32), T.Q5_1)
+    same = quant.read_blocks(quant.GGUFTensor("w", int(T.Q5_1), (512, 32), five.reshape(-1)), 32, 512, requantize=True)
+    assert (same.type_name, same.source) == ("Q5_1", "Q5_1") and np.array_equal(same.data.numpy(), five)
 
 
 def test_gguf_files_that_cannot_serve_say_why_and_leave_nothing_behind(tmp_path, monkeypatch):

@@ -22,7 +22,8 @@ from tests.test_exact import wide_llama
 pytestmark = pytest.mark.skipif(not native.status().available,
                                 reason=f"core.kernels.native unavailable: {native.status().reason}")
 
-TYPES = {"Q4_1": GGMLQuantizationType.Q4_1, "Q4_0": GGMLQuantizationType.Q4_0, "Q8_0": GGMLQuantizationType.Q8_0}
+TYPES = {"Q4_1": GGMLQuantizationType.Q4_1, "Q4_0": GGMLQuantizationType.Q4_0, "Q8_0": GGMLQuantizationType.Q8_0,
+         "Q5_1": GGMLQuantizationType.Q5_1, "Q5_0": GGMLQuantizationType.Q5_0}  # Q5: 8-bit activations only (test_w4a8)
 
 
 def random_tree(gen: torch.Generator, size: int, vocab: int):

@@ -25,8 +25,13 @@ SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 # our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
 SPLIT = 102  # split_q8's layout (csrc/weights.h WT_Q8_SPLIT)
-X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544)}
-X8_OF = {2: 100, 3: 100, 8: 101}  # the GGUF type each is packed from
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384)}
+X8_OF = {2: 100, 3: 100, 8: 101, 7: 103}  # the GGUF type each is packed from
+X8_BITS = {100: 4, 103: 5, 101: 8, SPLIT: 8}  # each layout's weight code width
+# GGUF's Q5_1 (fp16 d, fp16 m, 32 fifth bits, 16 bytes of low nibbles): what Q5_0, Q5_1 and Q5_K tensors are read
+# as for 8-bit activations (repacked; never on the bf16-exact q4 path)
+Q5_1 = 7
+FIVE_BIT = {Q5_1: ("Q5_1", 24)}
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
 LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -50,7 +55,7 @@ class Blocks:
 
     @property
     def type_name(self) -> str:
-        return (SUPPORTED.get(self.type) or X8[self.type])[0]
+        return (SUPPORTED.get(self.type) or FIVE_BIT.get(self.type) or X8[self.type])[0]
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +69,7 @@ def _supported_text() -> str:
 def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) -> Blocks:
     """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k). requantize: a type
     the kernels do not read (SUPPORTED) comes back in one they do instead of raising: Q4_K as Q4_1 and
-    Q5_0 as Q8_0 (repacked: the same codes), any other type gguf de-quantizes (Q6_K, Q5_K, Q5_1, F16,
+    Q5_0, Q5_1 and Q5_K as Q5_1 (repacked: the same codes), any other type gguf de-quantizes (Q6_K, F16,
     ...) as Q8_0 blocks of its values (requantized_q8)."""
     name, kind = tensor.name, tensor.type
     if kind not in SUPPORTED and not requantize:
@@ -84,32 +89,69 @@ def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) 
 
 
 # how a tensor of another type reaches the kernels (read_blocks' requantize), as the step's text says it
-REPACKED = {"Q4_K": "as Q4_1 (their scales rounded to fp16)", "Q5_0": "as Q8_0 (exactly)"}
+REPACKED = {"Q4_K": "as Q4_1 (their scales rounded to fp16)", "Q5_0": "as Q5_1 (exactly)",
+            "Q5_1": "as 5-bit blocks", "Q5_K": "as Q5_1 (their scales rounded to fp16)"}
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of six-bit scales and mins per super-block (B, 12) -> (B, 8), (B, 8)."""
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A K-quant's super-blocks (B, bytes: fp16 d, dmin, then the scales) -> each 32-value sub-block's D = d*sc
+    and M = -dmin*m rounded to fp16 (B, 8) (exact in fp32 first); None where one does not fit fp16."""
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)           # (B, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _k_scales(b[:, 4:16])
+    with np.errstate(over="ignore", invalid="ignore"):
+        D, M = (d * sc).astype(np.float16), (-(dmin * mn)).astype(np.float16)
+    return (D, M) if np.isfinite(D).all() and np.isfinite(M).all() else None
+
+
+def q5_1_blocks(d: np.ndarray, m: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """fp16 d, m (B,) and 5-bit codes (B, 32) -> GGUF Q5_1 blocks (B, 24): d, m, the fifth bits (bit e of a
+    little-endian uint32: code e's), then code i's low 4 bits in byte i's low nibble, code 16 + i's in its high."""
+    out = np.empty((len(codes), 24), np.uint8)
+    out[:, 0:2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = m.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    bits = ((codes >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    out[:, 4:8] = bits.sum(axis=1, dtype=np.uint32).astype("<u4").reshape(-1, 1).view(np.uint8)
+    out[:, 8:24] = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
+    return out
+
+
+def q5_codes(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q5_0 / Q5_1 blocks' last 20 bytes (..., 20: the fifth bits, then the nibbles) -> codes (..., 32)."""
+    qh = raw[..., 0:4].copy().view("<u4")                                # (..., 1)
+    qs = raw[..., 4:20]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return low | (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
 
 
 def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
-    """A Q4_K or Q5_0 tensor as blocks the kernels read, keeping its integer codes; None for other
-    types, a damaged tensor, or scales that do not fit (requantized_q8 serves those).
+    """A Q4_K, Q5_0, Q5_1 or Q5_K tensor as blocks the kernels read, keeping its integer codes; None for
+    other types, a damaged tensor, or scales that do not fit (requantized_q8 serves those).
     - Q4_K (256 values: fp16 d, dmin, 8 six-bit scales and mins, 4-bit codes): each 32-value
       sub-block is d*sc*q - dmin*m, a Q4_1 block (D q + M) with D = d*sc and M = -dmin*m rounded to fp16
       (a relative 2^-11 at most, a tenth of what requantizing the values to Q8_0 moves them); half the
       bytes of Q8_0.
-    - Q5_0 (fp16 d, 5-bit codes x - 16): the same d and codes as a Q8_0 block, exactly."""
+    - Q5_0 (fp16 d, 5-bit codes u: d (u - 16)): a Q5_1 block with m = -16 d, exactly (where -16 d fits fp16;
+      else the same d and codes u - 16 as a Q8_0 block, exactly).
+    - Q5_1: as it is. Q5_K (as Q4_K with a fifth bit per code): each sub-block a Q5_1 block, D and M as Q4_K's.
+    The 5-bit blocks take 24 bytes per 32 values (Q8_0: 34) and run on their own kernel (csrc/gemm_x8.c
+    WT_Q5_X8)."""
     from gguf import GGMLQuantizationType as T
-    from gguf import quants
 
     data = np.asarray(tensor.data)
     if tensor.type == T.Q4_K and k % 256 == 0 and tensor.complete:
         b = data.reshape(-1, 144)                                         # (B, 144) super-blocks
-        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)           # (B, 1)
-        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-        s, qs = b[:, 4:16], b[:, 16:144].reshape(-1, 4, 32)
-        sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)  # (B, 8)
-        mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            D, M = (d * sc).astype(np.float16), (-(dmin * mn)).astype(np.float16)  # exact in fp32, then rounded
-        if not (np.isfinite(D).all() and np.isfinite(M).all()):
+        qs = b[:, 16:144].reshape(-1, 4, 32)
+        if (scales := _k_sub_scales(b)) is None:
             return None
+        D, M = scales
         codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)   # sub-block 2c: low nibbles, 2c + 1: high
         out = np.empty((len(b), 8, 20), np.uint8)
         out[:, :, 0:2] = D.view(np.uint8).reshape(-1, 8, 2)
@@ -117,18 +159,35 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
         out[:, :, 4:] = codes[:, :, :16] | (codes[:, :, 16:] << 4)         # Q4_1's nibble order
         return Blocks(3, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q4_K")
     if tensor.type == T.Q5_0 and tensor.complete:
-        d16 = data.reshape(-1, 22)[:, 0:2]
-        d = d16.copy().view(np.float16).astype(np.float32)                 # (B, 1)
-        values = quants.dequantize(data.reshape(n, -1), T.Q5_0).reshape(-1, 32)  # (x - 16) d, exact in fp32
-        if not (np.isfinite(d).all() and np.isfinite(values).all()):
+        b = data.reshape(-1, 22)
+        d = b[:, 0:2].copy().view(np.float16)[:, 0]                        # (B,)
+        codes = q5_codes(b[:, 2:22])                                       # (B, 32): u, the value d (u - 16)
+        if not np.isfinite(d).all():
             return None
-        codes = np.divide(values, d, out=np.zeros_like(values), where=d != 0)
-        if not (np.array_equal(codes, np.rint(codes)) and np.abs(codes).max(initial=0) <= 16):
-            return None
-        out = np.empty((len(d16), 34), np.uint8)
-        out[:, 0:2] = d16
-        out[:, 2:] = codes.astype(np.int8).view(np.uint8)
+        with np.errstate(over="ignore"):
+            m = (d * np.float16(-16)).astype(np.float16)                   # exact: a power of two, short of overflow
+        if np.isfinite(m).all():
+            return Blocks(Q5_1, torch.from_numpy(q5_1_blocks(d, m, codes).reshape(n, -1)), n, k, source="Q5_0")
+        out = np.empty((len(b), 34), np.uint8)                             # d too large: Q8_0 blocks, exactly
+        out[:, 0:2] = b[:, 0:2]
+        out[:, 2:] = (codes.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
         return Blocks(8, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q5_0")
+    if tensor.type == T.Q5_1 and tensor.complete:
+        b = data.reshape(-1, 24)
+        if not np.isfinite(b[:, 0:4].copy().view(np.float16)).all():
+            return None
+        return Blocks(Q5_1, torch.from_numpy(np.array(b, dtype=np.uint8).reshape(n, -1)), n, k, source="Q5_1")
+    if tensor.type == T.Q5_K and k % 256 == 0 and tensor.complete:
+        b = data.reshape(-1, 176)                                          # (B, 176) super-blocks
+        if (scales := _k_sub_scales(b)) is None:
+            return None
+        D, M = scales
+        qh, ql = b[:, 16:48], b[:, 48:176].reshape(-1, 4, 32)              # (B, 32), (B, 4, 32)
+        low = np.stack([ql & 15, ql >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2c: low nibbles, 2c + 1: high
+        high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (B, 8, 32): bit s of qh[l]
+        codes = (low | (high << 4)).reshape(-1, 32)
+        out = q5_1_blocks(D.reshape(-1), M.reshape(-1), codes)
+        return Blocks(Q5_1, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q5_K")
     return None
 
 
@@ -189,16 +248,23 @@ def q8_unsigned(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def pack_x8(blocks: Blocks) -> Blocks:
     """The blocks regrouped for csrc/gemm_x8.c (8-bit activations x these weights; layout in its
     header): per 16 rows and block column, the rows' codes interleaved 4 bytes at a time (what
-    one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4 minimums; Q4_0's -8 d, exact).
-    The same information in the same bytes (Q4) or 2 bytes more per 32 weights (none for Q8)."""
+    one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4 minimums; Q4_0's -8 d, exact); Q5_1 adds
+    a plane of the codes' fifth bits after the nibbles. The same information in the same bytes (Q4, Q5_1) or
+    2 bytes more per 32 weights (none for Q8)."""
     if blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK:
         raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be packed for 8-bit "
-                               f"activations (Q4_0, Q4_1, Q8_0 with rows a multiple of 16, in file order)")
-    g, kb, bs = blocks.n // 16, blocks.k // BLOCK, SUPPORTED[blocks.type][1]
+                               f"activations (Q4_0, Q4_1, Q5_1, Q8_0 with rows a multiple of 16, in file order)")
+    g, kb, bs = blocks.n // 16, blocks.k // BLOCK, (SUPPORTED.get(blocks.type) or FIVE_BIT[blocks.type])[1]
     raw = blocks.data.numpy().reshape(g, 16, kb, bs)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
     per_block = lambda a: a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)  # 16 fp16 of a block column
-    if blocks.type == 8:
+    if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits: byte 4 j + b, bit t = row j's code 4 t + b
+        m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
+        fifth = (q5_codes(raw[..., 4:24]) >> 4).reshape(g, 16, kb, 8, 4)  # (g, 16, kb, t, b)
+        plane = (fifth << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (g, 16, kb, 4)
+        parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256),
+                 plane.transpose(0, 2, 1, 3).reshape(g, kb, 64), per_block(d), per_block(m)]
+    elif blocks.type == 8:
         codes = q8_unsigned(raw)[1]  # (g, 16, kb, 32)
         parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512), per_block(d)]
     else:
@@ -406,7 +472,7 @@ def load_llama_blocks(path: Path, config, requantize: bool = False) -> dict[str,
             wanted.append((f"model.layers.{layer}.{part}.{ours}.weight", f"blk.{layer}.{theirs}.weight", shapes[ours]))
     slow = sum(1 for _, name, _ in wanted if name in tensors and tensors[name].type not in SUPPORTED)
     out = {}
-    with tqdm(total=slow, desc=f"Requantizing {path.name}'s other tensors to Q8_0", unit="tensor",
+    with tqdm(total=slow, desc=f"Repacking {path.name}'s other tensors", unit="tensor",
               disable=not (requantize and slow)) as bar:
         for key, name, (n, k) in wanted:
             tensor = get(name)

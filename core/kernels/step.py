@@ -33,7 +33,7 @@ from core.kernels.invariant import ancestor_rows
 from core.threads import one_torch_thread
 from core.decoding.cache import BufferedLayer, buffers_epoch
 from core.config import WEIGHTS, switched_off  # WEIGHTS: w4a8 / q4: the GGUF's blocks where the target came from one
-from core.kernels.quant import SPLIT, X8
+from core.kernels.quant import SPLIT, X8, X8_BITS
 
 SCREEN_ENV = "EAGLE_CHAT_SCREEN"  # "0": greedy steps read the whole LM head
 # The screen serves forwards of up to this many rows. It saves bytes, not integer work (its pass over
@@ -217,8 +217,9 @@ class NativeStep:
             blocks[lm_name].nbytes if lm_name in blocks else params[lm_name].numel() * 2)
         kind = f"{'/'.join(sorted(names))} blocks from {source}" if names else "bf16"
         int8 = any(b.type in X8 for b in blocks.values())
-        if int8:
-            kind = f"4-bit weights x 8-bit activations ({kind})"
+        if int8:  # the layers' code widths (the LM head's 8 bits aside): "4-bit", "4/5/8-bit" (a Q4_K_M file)
+            bits = sorted({X8_BITS.get(b.type, 8) for n, b in blocks.items() if ".layers." in n} or {4})
+            kind = f"{'/'.join(map(str, bits))}-bit weights x 8-bit activations ({kind})"
         self.info = StepInfo(f"{kind} ({streamed / 1e6:.0f} MB per token)", streamed, "int8" if int8 else "bf16")
 
     def set_screen(self, screen) -> None:

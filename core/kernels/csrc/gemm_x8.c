@@ -22,6 +22,9 @@
 //             low nibbles = elements 4p..4p+3, high = 16+4p..16+4p+3, GGUF's own nibble order),
 //             16 fp16 d_w, 16 fp16 m_w                                   -> 320 bytes
 //   WT_Q8_X8: 512 bytes (vector t, dword j = row j's elements 4t..4t+3, + 128), 16 fp16 d_w -> 544 bytes
+//   WT_Q5_X8: Q4_X8's 256 bytes of low 4 bits, 64 bytes of fifth bits (byte i, bit t: the code at byte i of
+//             operand vector t, i.e. row i / 4's element 4t + i % 4), 16 fp16 d_w, 16 fp16 m_w -> 384 bytes;
+//             codes u in 0..31 and w = d_w u + m_w (Q5_1; Q5_0: m_w = -16 d_w, exact), Q4's fp32 steps
 // so one vector holds 4 consecutive K positions of 16 output rows (vpdpbusd's layout) and a
 // thread reads its groups front to back.
 #include "common.h"
@@ -40,7 +43,9 @@
 //   part one, per group and block column: 256 bytes of h in Q4_X8's nibble order, 16 fp16 d_w (288 bytes);
 //   part two, after all of part one, per group and block column: 256 bytes of l, the same order.
 // u is rebuilt exactly ((h << 4) | l per byte), so its integer sums, and every logit, are Q8_X8's bit for bit.
-int x8_group_bytes(int type) { return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT ? 288 : 544; }
+int x8_group_bytes(int type) {
+    return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT ? 288 : type == WT_Q5_X8 ? 384 : 544;
+}
 
 // Block column kb of group g of a WT_Q8_SPLIT weight: its h part (256 bytes, then 16 fp16 d_w) and its l part.
 static inline const uint8_t *split_hi(const wmat *w, int64_t g, int kb) {
@@ -59,6 +64,16 @@ static inline void nibble_codes(const uint8_t *codes, __m512i *ops) {
         ops[p] = _mm512_and_si512(z, low);
         ops[4 + p] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
     }
+}
+
+// One block column of a WT_Q5_X8 weight -> the 8 operand vectors (codes 0..31): nibble_codes' low 4 bits,
+// each byte's fifth bit from bit t of the plane's byte for operand vector t.
+static inline void q5_codes(const uint8_t *b, __m512i *ops) {
+    nibble_codes(b, ops);
+    const __m512i one = _mm512_set1_epi8(1);
+    __m512i hb = _mm512_loadu_si512(b + 256);
+    for (int t = 0; t < 8; t++)  // per 16-bit lane: the bit shifted in from the next byte is masked off
+        ops[t] = _mm512_or_si512(ops[t], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, t), one), 4));
 }
 
 // A thread reads its share of a layer's 4-bit weights front to back, group after group; each block
@@ -332,6 +347,45 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
 }
 #endif
 
+// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q5_X8 weight -> acc[i]: the codes rebuilt once
+// per block column, then per row the block's integer sums and block_q4_fp32's steps (d_w, m_w as Q4_1's).
+#ifdef EAGLE_AVX2
+// Codes below 32: a pair of vpmaddubsw products is at most 2 x 31 x 127 = 7,874, so four vectors add up in
+// 16 bits (<= 31,496): the low and the high K positions' sums apart, then vpmaddwd by 1 (the same integers).
+static inline __m256i isum_q5_8(const __m256i *ops, int half, const int8_t *qx) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
+    for (int p = 0; p < 4; p++) {
+        int32_t lo, hi;
+        memcpy(&lo, qx + 4 * p, 4);
+        memcpy(&hi, qx + 16 + 4 * p, 4);
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(ops[2 * p + half], _mm256_set1_epi32(lo)));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(ops[2 * (4 + p) + half], _mm256_set1_epi32(hi)));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
+}
+static inline __m512i block_isum_q5(const __m512i *ops, const int8_t *qx) {
+    const __m256i *o = (const __m256i *)ops;  // ops[r] = (lo, hi): o[2 r + half]
+    __m512i r = {isum_q5_8(o, 0, qx), isum_q5_8(o, 1, qx)};
+    return r;
+}
+#else
+#define block_isum_q5 block_isum  // vpdpbusd takes any unsigned byte
+#endif
+static inline void group_q5(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = w + (int64_t)kb * 384;
+        prefetch_ahead(b, 384);
+        __m512i ops[8];
+        q5_codes(b, ops);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 320)));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 352)));
+        for (int i = 0; i < rows; i++) {
+            int64_t m = m0 + i, blk = m * KB + kb;
+            acc[i] = block_q4_fp32(acc[i], block_isum_q5(ops, a->q + m * K + 32 * kb), dw, mw, a->d[blk], a->ds[blk]);
+        }
+    }
+}
+
 #ifdef EAGLE_AVX2
 // AVX2: a block's codes u = 16 h + l split into nibbles once per half of the group (8 output rows), not
 // once per row: vector t of each (K positions 4t .. 4t + 3) against the row's 4 codes there, the two sums
@@ -462,7 +516,7 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     }
     // VNNI takes up to 16 rows a pass as AMX does: each pass unpacks the group's 4-bit codes again
     // (a pass of 8 rows then one of 1 cost a 9-row forward 20% more than 8 rows on the Intel VM)
-    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS;
+    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS && w->type != WT_Q5_X8;  // Q5: VNNI at every M
     (void)amx;  // a build without AMX flags has only VNNI
     for (int m0 = 0; m0 < M; m0 += chunk) {
         int rows = M - m0 < chunk ? M - m0 : chunk;
@@ -473,6 +527,7 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
         else
 #endif
         if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q5_X8) group_q5(wg, KB, a, K, m0, rows, acc);
         else if (w->type == WT_Q8_SPLIT) {
             int list[16];
             for (int i = 0; i < rows; i++) list[i] = m0 + i;
@@ -484,7 +539,7 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     }
 }
 
-int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8 || type == WT_Q8_SPLIT; }
+int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8 || type == WT_Q8_SPLIT || type == WT_Q5_X8; }
 
 int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *shared,
                  void *mine, int64_t mine_bytes) {
@@ -518,13 +573,28 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
     return 0;
 }
 
-// Row n of an X8 weight as bf16: the converter's values (Q4: bf16(d q + m); Q8: bf16(d q)),
+// Row n of an X8 weight as bf16: the converter's values (Q4, Q5: bf16(d q + m); Q8: bf16(d q)),
 // for the embedding lookup and the prefill's dequantized copy.
 void x8_row(const wmat *w, int64_t n, uint16_t *out) {
     int KB = w->K / 32, gb = x8_group_bytes(w->type);
     int64_t g = n / 16, j = n % 16;
     if (w->type == WT_Q4_X8) {  // the group decoder's values, row j alone
         for (int kb = 0; kb < KB; kb++) q4x8_block(w, g, kb, (int)j, 1, out + 32 * kb, 0);
+        return;
+    }
+    if (w->type == WT_Q5_X8) {  // element e: nibble (e >= 16: high) of byte 64 ((e % 16) / 4) + 4 j + e % 4, fifth
+        for (int kb = 0; kb < KB; kb++) {  // bit: bit e / 4 of plane byte 4 j + e % 4; d u exact, + m rounds once
+            const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
+            uint16_t dh, mh;
+            memcpy(&dh, b + 320 + 2 * j, 2);
+            memcpy(&mh, b + 352 + 2 * j, 2);
+            float d = _cvtsh_ss(dh), m = _cvtsh_ss(mh);
+            for (int e = 0; e < 32; e++) {
+                int byte = 4 * (int)j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
+                u |= ((b[256 + byte] >> (e / 4)) & 1) << 4;
+                out[32 * kb + e] = to_bf16(d * (float)u + m);
+            }
+        }
         return;
     }
     for (int kb = 0; kb < KB; kb++) {
