@@ -169,25 +169,36 @@ static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
     return _mm512_add_epi32(s0, s1);
 }
 #define block_isum_nibbles block_isum  // codes below 16 (Q4, the screen's h): the same instructions
+#define block_isum_q5 block_isum       // and below 32 (Q5)
 #else
 // AVX2 has no vpdpbusd. vpmaddubsw multiplies unsigned by signed bytes and adds pairs into 16 bits,
 // saturating; for codes below 16 a pair is at most 2 x 15 x 127 = 3,810, so the block's 8 vectors
 // add up in 16 bits (<= 30,480) and one vpmaddwd by 1 gives each dword its 4 lanes' sum: the same
-// integers as vpdpbusd's, at a quarter of the emulated instruction's work.
-static inline __m256i isum_nibbles8(const __m256i *ops, int half, const int8_t *qx) {
-    __m256i s = _mm256_setzero_si256();
+// integers as vpdpbusd's, at a quarter of the emulated instruction's work. Codes below 32 (five_bit, Q5):
+// a pair is at most 7,874, so four vectors add up in 16 bits (<= 31,496): the low and the high K
+// positions' sums apart, each widened by its own vpmaddwd (`five_bit` is a constant where inlined).
+static inline __m256i isum_codes8(const __m256i *ops, int half, const int8_t *qx, int five_bit) {
+    __m256i s = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
     for (int p = 0; p < 4; p++) {
         int32_t lo, hi;
         memcpy(&lo, qx + 4 * p, 4);
         memcpy(&hi, qx + 16 + 4 * p, 4);
         s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[2 * p + half], _mm256_set1_epi32(lo)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ops[2 * (4 + p) + half], _mm256_set1_epi32(hi)));
+        __m256i t = _mm256_maddubs_epi16(ops[2 * (4 + p) + half], _mm256_set1_epi32(hi));
+        if (five_bit) s1 = _mm256_add_epi16(s1, t);
+        else s = _mm256_add_epi16(s, t);
     }
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    __m256i sum = _mm256_madd_epi16(s, ones);
+    return five_bit ? _mm256_add_epi32(sum, _mm256_madd_epi16(s1, ones)) : sum;
 }
 static inline __m512i block_isum_nibbles(const __m512i *ops, const int8_t *qx) {
     const __m256i *o = (const __m256i *)ops;  // ops[r] = (lo, hi): o[2 r + half]
-    __m512i r = {isum_nibbles8(o, 0, qx), isum_nibbles8(o, 1, qx)};
+    __m512i r = {isum_codes8(o, 0, qx, 0), isum_codes8(o, 1, qx, 0)};
+    return r;
+}
+static inline __m512i block_isum_q5(const __m512i *ops, const int8_t *qx) {
+    const __m256i *o = (const __m256i *)ops;
+    __m512i r = {isum_codes8(o, 0, qx, 1), isum_codes8(o, 1, qx, 1)};
     return r;
 }
 #endif
@@ -295,7 +306,7 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
 #ifdef EAGLE_AVX2
 // AVX2 (16 vector registers): one half of the group (8 output rows) at a time, its 8 code vectors kept in
 // registers across the rows of x (both halves' 16 spill: every product then reloads its operand). The
-// same integers (isum_nibbles8's, summed in another order: exact) and block_q4_fp32's steps per lane.
+// same integers (isum_codes8's, summed in another order: exact) and block_q4_fp32's steps per lane.
 static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int kb = 0; kb < KB; kb++) {
@@ -349,28 +360,6 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
 
 // Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q5_X8 weight -> acc[i]: the codes rebuilt once
 // per block column, then per row the block's integer sums and block_q4_fp32's steps (d_w, m_w as Q4_1's).
-#ifdef EAGLE_AVX2
-// Codes below 32: a pair of vpmaddubsw products is at most 2 x 31 x 127 = 7,874, so four vectors add up in
-// 16 bits (<= 31,496): the low and the high K positions' sums apart, then vpmaddwd by 1 (the same integers).
-static inline __m256i isum_q5_8(const __m256i *ops, int half, const int8_t *qx) {
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
-    for (int p = 0; p < 4; p++) {
-        int32_t lo, hi;
-        memcpy(&lo, qx + 4 * p, 4);
-        memcpy(&hi, qx + 16 + 4 * p, 4);
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(ops[2 * p + half], _mm256_set1_epi32(lo)));
-        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(ops[2 * (4 + p) + half], _mm256_set1_epi32(hi)));
-    }
-    return _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-}
-static inline __m512i block_isum_q5(const __m512i *ops, const int8_t *qx) {
-    const __m256i *o = (const __m256i *)ops;  // ops[r] = (lo, hi): o[2 r + half]
-    __m512i r = {isum_q5_8(o, 0, qx), isum_q5_8(o, 1, qx)};
-    return r;
-}
-#else
-#define block_isum_q5 block_isum  // vpdpbusd takes any unsigned byte
-#endif
 static inline void group_q5(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
         const uint8_t *b = w + (int64_t)kb * 384;
@@ -389,7 +378,7 @@ static inline void group_q5(const uint8_t *w, int KB, const qrows *a, int K, int
 #ifdef EAGLE_AVX2
 // AVX2: a block's codes u = 16 h + l split into nibbles once per half of the group (8 output rows), not
 // once per row: vector t of each (K positions 4t .. 4t + 3) against the row's 4 codes there, the two sums
-// exact in 16 bits (isum_nibbles8's bound), u's sum = 16 sum(h) + sum(l); then block_q8_fp32's steps per lane.
+// exact in 16 bits (isum_codes8's bound), u's sum = 16 sum(h) + sum(l); then block_q8_fp32's steps per lane.
 static inline void half_q8(const __m256i *oh, const __m256i *ol, int h, __m256 dwh, const qrows *a, int K, int KB,
                            int kb, const int *rows, int m0, int count, __m512 *acc) {
     for (int c = 0; c < count; c++) {
