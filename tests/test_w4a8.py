@@ -48,7 +48,7 @@ def reference(x: torch.Tensor, b: quant.Blocks) -> np.ndarray:
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.clip(np.rint((xf * inv).astype(np.float32)), -127, 127).astype(np.int64)
     d = (amax / np.float32(127)).astype(np.float32)[..., 0].astype(np.float64)   # (M, KB)
-    n, kb, bs = b.n, b.k // 32, (quant.SUPPORTED.get(b.type) or quant.FIVE_BIT[b.type])[1]
+    n, kb, bs = b.n, b.k // 32, quant.BLOCK_TYPES[b.type][1]
     raw = b.data.numpy().reshape(n, kb, bs)
     dw = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)      # (N, KB)
     if b.type == quant.Q5_1:                                                     # d u + m, u in 0..31

@@ -31,7 +31,7 @@ X8_BITS = {100: 4, 103: 5, 101: 8, SPLIT: 8}  # each layout's weight code width
 # GGUF's Q5_1 (fp16 d, fp16 m, 32 fifth bits, 16 bytes of low nibbles): what Q5_0, Q5_1 and Q5_K tensors are read
 # as for 8-bit activations (repacked; never on the bf16-exact q4 path)
 Q5_1 = 7
-FIVE_BIT = {Q5_1: ("Q5_1", 24)}
+BLOCK_TYPES = {**SUPPORTED, Q5_1: ("Q5_1", 24)}  # every GGUF block type a Blocks may hold: (name, bytes per block)
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
 LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -55,7 +55,7 @@ class Blocks:
 
     @property
     def type_name(self) -> str:
-        return (SUPPORTED.get(self.type) or FIVE_BIT.get(self.type) or X8[self.type])[0]
+        return (BLOCK_TYPES.get(self.type) or X8[self.type])[0]
 
     @property
     def nbytes(self) -> int:
@@ -93,19 +93,15 @@ REPACKED = {"Q4_K": "as Q4_1 (their scales rounded to fp16)", "Q5_0": "as Q5_1 (
             "Q5_1": "as 5-bit blocks", "Q5_K": "as Q5_1 (their scales rounded to fp16)"}
 
 
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 bytes of six-bit scales and mins per super-block (B, 12) -> (B, 8), (B, 8)."""
-    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
-    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
-    return sc, mn
-
-
 def _k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """A K-quant's super-blocks (B, bytes: fp16 d, dmin, then the scales) -> each 32-value sub-block's D = d*sc
-    and M = -dmin*m rounded to fp16 (B, 8) (exact in fp32 first); None where one does not fit fp16."""
+    """Q4_K / Q5_K super-blocks (B, bytes: fp16 d, dmin, 12 bytes of six-bit scales and mins) -> each 32-value
+    sub-block's D = d*sc and M = -dmin*m rounded to fp16 (B, 8) (exact in fp32 first); None where one does not
+    fit fp16."""
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)           # (B, 1)
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = _k_scales(b[:, 4:16])
+    s = b[:, 4:16]
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)  # (B, 8)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
     with np.errstate(over="ignore", invalid="ignore"):
         D, M = (d * sc).astype(np.float16), (-(dmin * mn)).astype(np.float16)
     return (D, M) if np.isfinite(D).all() and np.isfinite(M).all() else None
@@ -123,12 +119,16 @@ def q5_1_blocks(d: np.ndarray, m: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return out
 
 
+def fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """GGUF Q5 blocks' 4 bytes of fifth bits (..., 4) -> each code's fifth bit (..., 32) (bit e of a little-endian
+    uint32: code e's)."""
+    return ((qh.copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
 def q5_codes(raw: np.ndarray) -> np.ndarray:
     """GGUF Q5_0 / Q5_1 blocks' last 20 bytes (..., 20: the fifth bits, then the nibbles) -> codes (..., 32)."""
-    qh = raw[..., 0:4].copy().view("<u4")                                # (..., 1)
     qs = raw[..., 4:20]
-    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
-    return low | (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    return np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth_bits(raw[..., 0:4]) << 4)
 
 
 def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
@@ -254,13 +254,13 @@ def pack_x8(blocks: Blocks) -> Blocks:
     if blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK:
         raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be packed for 8-bit "
                                f"activations (Q4_0, Q4_1, Q5_1, Q8_0 with rows a multiple of 16, in file order)")
-    g, kb, bs = blocks.n // 16, blocks.k // BLOCK, (SUPPORTED.get(blocks.type) or FIVE_BIT[blocks.type])[1]
+    g, kb, bs = blocks.n // 16, blocks.k // BLOCK, BLOCK_TYPES[blocks.type][1]
     raw = blocks.data.numpy().reshape(g, 16, kb, bs)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
     per_block = lambda a: a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)  # 16 fp16 of a block column
     if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits: byte 4 j + b, bit t = row j's code 4 t + b
         m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
-        fifth = (q5_codes(raw[..., 4:24]) >> 4).reshape(g, 16, kb, 8, 4)  # (g, 16, kb, t, b)
+        fifth = fifth_bits(raw[..., 4:8]).reshape(g, 16, kb, 8, 4)         # (g, 16, kb, t, b)
         plane = (fifth << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (g, 16, kb, 4)
         parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256),
                  plane.transpose(0, 2, 1, 3).reshape(g, kb, 64), per_block(d), per_block(m)]

@@ -341,39 +341,36 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
         }
     }
 }
-#else
-static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
-    for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = w + (int64_t)kb * 320;
-        prefetch_ahead(b, 320);
-        __m512i ops[8];  // low nibbles: K positions 0-15, high: 16-31
-        nibble_codes(b, ops);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
-        for (int i = 0; i < rows; i++) {
-            int64_t m = m0 + i, blk = m * KB + kb;
-            acc[i] = block_q4_fp32(acc[i], block_isum_nibbles(ops, a->q + m * K + 32 * kb), dw, mw, a->d[blk], a->ds[blk]);
-        }
-    }
-}
 #endif
 
-// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q5_X8 weight -> acc[i]: the codes rebuilt once
-// per block column, then per row the block's integer sums and block_q4_fp32's steps (d_w, m_w as Q4_1's).
-static inline void group_q5(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q4_X8 weight, or (five_bit) a Q5_X8 one, -> acc[i]:
+// the block column's codes rebuilt once (low nibbles: K positions 0-15, high: 16-31), then per row the block's
+// integer sums and block_q4_fp32's steps; a block ends with its 16 fp16 d_w and 16 fp16 m_w either way.
+// `five_bit` is a constant where inlined. The AVX2 build's Q4 weights take group_q4 (above) instead.
+static inline void group_q45(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc,
+                             int five_bit) {
+    const int gb = five_bit ? 384 : 320;
     for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = w + (int64_t)kb * 384;
-        prefetch_ahead(b, 384);
+        const uint8_t *b = w + (int64_t)kb * gb;
+        prefetch_ahead(b, gb);
         __m512i ops[8];
-        q5_codes(b, ops);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 320)));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 352)));
+        if (five_bit) q5_codes(b, ops);
+        else nibble_codes(b, ops);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + gb - 64)));
+        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + gb - 32)));
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
-            acc[i] = block_q4_fp32(acc[i], block_isum_q5(ops, a->q + m * K + 32 * kb), dw, mw, a->d[blk], a->ds[blk]);
+            const int8_t *qx = a->q + m * K + 32 * kb;
+            __m512i isum = five_bit ? block_isum_q5(ops, qx) : block_isum_nibbles(ops, qx);
+            acc[i] = block_q4_fp32(acc[i], isum, dw, mw, a->d[blk], a->ds[blk]);
         }
     }
 }
+#ifndef EAGLE_AVX2
+static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    group_q45(w, KB, a, K, m0, rows, acc, 0);
+}
+#endif
 
 #ifdef EAGLE_AVX2
 // AVX2: a block's codes u = 16 h + l split into nibbles once per half of the group (8 output rows), not
@@ -516,7 +513,7 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
         else
 #endif
         if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
-        else if (w->type == WT_Q5_X8) group_q5(wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q5_X8) group_q45(wg, KB, a, K, m0, rows, acc, 1);
         else if (w->type == WT_Q8_SPLIT) {
             int list[16];
             for (int i = 0; i < rows; i++) list[i] = m0 + i;
