@@ -1,5 +1,6 @@
 """A local GGUF file as the model: converted once, served from its own blocks by the native step (other
-tensor types converted and named: Q4_K as Q4_1, Q5_0 and Q5_K as Q5_1, the rest requantized to Q8_0), greedy
+tensor types converted and named: Q4_K as Q4_1, Q5_0 and Q5_K as Q5_1, Q6_K as 6-bit blocks, the rest requantized
+to Q8_0), greedy
 speculation still equal to plain decoding, and clear errors for files that are not what they claim."""
 
 import numpy as np
@@ -15,7 +16,7 @@ from core.kernels import native, quant
 from core.kernels.step import NativeStep
 from core.models import DEFAULT_HEAD_DIR, ModelLoadError, download, embedded_gguf_path, load_target, resolve
 from tests.hubserver_local import HubServer
-from tests.test_step import layer_tensors, tiny_config, write_gguf  # noqa: I001  (test_step's GGUF helpers)
+from tests.test_step import layer_tensors, quantize, tiny_config, write_gguf  # noqa: I001  (test_step's GGUF helpers)
 
 
 def smaller_smollm2(path, layers: int = 2, retype: dict | None = None, arch: str = "llama") -> None:
@@ -37,7 +38,7 @@ def smaller_smollm2(path, layers: int = 2, retype: dict | None = None, arch: str
         if t.name in (retype or {}):
             values = quants.dequantize(data, kind)
             kind = retype[t.name]
-            data = values.astype(np.float16) if kind == T.F16 else quants.quantize(values, kind)
+            data = values.astype(np.float16) if kind == T.F16 else quantize(values, kind)
         w.add_tensor(t.name, data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -48,7 +49,8 @@ def smaller_smollm2(path, layers: int = 2, retype: dict | None = None, arch: str
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "smol-2layers.gguf"
-    smaller_smollm2(path, retype={"blk.1.ffn_up.weight": T.Q5_0, "blk.0.attn_k.weight": T.F16})
+    smaller_smollm2(path, retype={"blk.1.ffn_up.weight": T.Q5_0, "blk.0.attn_k.weight": T.F16,
+                                  "blk.1.ffn_down.weight": T.Q6_K})
     return path
 
 
@@ -70,8 +72,9 @@ def test_a_gguf_file_is_converted_once_and_serves_from_its_own_blocks(small_gguf
     for engine in (plain, eagle):
         assert isinstance(engine.forwarder, NativeStep)
         text = engine.numerics.describe()
-        assert "4/5/8-bit weights x 8-bit activations" in text and "from smol-2layers.gguf" in text  # Q5_0, F16
-        assert "2 tensors of other types: F16 (1) requantized to Q8_0, Q5_0 (1) as Q5_1 (exactly)" in text
+        assert "4/5/6/8-bit weights x 8-bit activations" in text and "from smol-2layers.gguf" in text  # Q5_0, Q6_K, F16
+        assert ("3 tensors of other types: F16 (1) requantized to Q8_0, Q5_0 (1) as Q5_1 (exactly), Q6_K (1) as 6-bit "
+                "blocks (exactly)") in text
     assert "requantized" not in bf16.numerics.describe()
     prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
 
@@ -186,6 +189,35 @@ def test_q5_k_and_q5_1_reach_the_kernels_as_5_bit_blocks_with_their_own_codes():
     five = quants.quantize(gen.normal(size=(32, 512)).astype(np.float32), T.Q5_1)
     same = quant.read_blocks(quant.GGUFTensor("w", int(T.Q5_1), (512, 32), five.reshape(-1)), 32, 512, requantize=True)
     assert (same.type_name, same.source) == ("Q5_1", "Q5_1") and np.array_equal(same.data.numpy(), five)
+
+
+def test_q6_k_reaches_the_kernels_as_6_bit_blocks_exactly():
+    """Q6_K: each 32 values (two 16-value sub-blocks d sc (u - 32)) become a Q6_HALVES block holding the same d,
+    codes and two scales, so its values are gguf's dequantization exactly, packed (WT_Q6_X8) as in the file; the
+    test's encoder (tests/test_step.q6_k_quantize) writes what gguf reads back."""
+    gen = np.random.default_rng(10)
+    raw = gen.integers(0, 256, (32 * 512 // 256, 210), dtype=np.uint8)  # any bytes with a finite d are Q6_K
+    raw[:, 208:210] = gen.uniform(1e-5, 1e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(32, -1)
+    tensor = quant.GGUFTensor("blk.0.ffn_down.weight", int(T.Q6_K), (512, 32), raw.reshape(-1))
+    with pytest.raises(quant.QuantWeightError, match="has type Q6_K"):
+        quant.read_blocks(tensor, 32, 512)
+    b = quant.read_blocks(tensor, 32, 512, requantize=True)
+    assert (b.type_name, b.source, tuple(b.data.shape)) == ("Q6_K", "Q6_K", (32, 512 // 32 * 28))
+    ref = quants.dequantize(raw, T.Q6_K)                          # llama.cpp's formula, fp32 (exact here)
+    h = b.data.numpy().reshape(32, -1, 28)
+    d = h[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)[..., None]
+    scales = np.repeat(h[..., 2:4].view(np.int8).astype(np.float64), 16, axis=-1)
+    ours = d * scales * (quant.q6_halves_codes(h).astype(np.float64) - 32)
+    assert np.array_equal(ours.reshape(32, 512), ref.astype(np.float64))
+    packed = quant.pack_x8(b)  # kept: the wmat points into its bytes
+    assert (packed.type_name, packed.nbytes) == ("Q6x8", 32 * 512 // 32 * 28)  # 7 bits a weight (Q8_0: 8.5)
+    assert torch.equal(native.dequantize(native.wmat(blocks=packed)), torch.from_numpy(ref).bfloat16())
+    values = gen.normal(size=(32, 512)).astype(np.float32)
+    ours = quantize(values, T.Q6_K)
+    back = quants.dequantize(ours, T.Q6_K)
+    step = np.abs(values).reshape(32, -1, 16).max(-1).repeat(16, -1) / 31  # the encoder's 16-value scale
+    assert np.all(np.abs(back - values) <= step * 0.6), np.abs(back - values).max()
 
 
 def test_gguf_files_that_cannot_serve_say_why_and_leave_nothing_behind(tmp_path, monkeypatch):

@@ -23,7 +23,34 @@ pytestmark = pytest.mark.skipif(not native.status().available,
                                 reason=f"core.kernels.native unavailable: {native.status().reason}")
 
 TYPES = {"Q4_1": GGMLQuantizationType.Q4_1, "Q4_0": GGMLQuantizationType.Q4_0, "Q8_0": GGMLQuantizationType.Q8_0,
-         "Q5_1": GGMLQuantizationType.Q5_1, "Q5_0": GGMLQuantizationType.Q5_0}  # Q5: 8-bit activations only (test_w4a8)
+         "Q5_1": GGMLQuantizationType.Q5_1, "Q5_0": GGMLQuantizationType.Q5_0,  # Q5, Q6: 8-bit activations only
+         "Q6_K": GGMLQuantizationType.Q6_K}                                      # (test_w4a8)
+
+
+def q6_k_quantize(values: np.ndarray) -> np.ndarray:
+    """(n, k) fp32 values (k % 256 == 0) -> Q6_K super-blocks (n, k / 256 * 210), which gguf can read but not write:
+    per 16 values a scale max|v| / 31 as d * sc (fp16 d per 256, int8 sc), codes u = round(v / (d sc)) + 32."""
+    n = values.shape[0]
+    v = values.reshape(-1, 16, 16).astype(np.float32)                           # (B, sub-block, 16)
+    s = np.abs(v).max(-1) / 31                                                  # (B, 16)
+    d = (s.max(-1) / 127).astype(np.float16)                                    # (B,)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(s, df, out=np.zeros_like(s), where=df > 0)), -128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    u = np.clip(np.rint(np.divide(v, step, out=np.zeros_like(v), where=step != 0)), -32, 31).astype(np.int16) + 32
+    c = u.astype(np.uint8).reshape(-1, 2, 4, 32)                                # (B, half, q, l): value 128 h + 32 q + l
+    out = np.empty((len(c), 210), np.uint8)
+    out[:, 0:128] = ((c[:, :, 0:2] & 15) | ((c[:, :, 2:4] & 15) << 4)).reshape(-1, 128)  # ql[64 h + 32 j + l]
+    out[:, 128:192] = ((c >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(
+        axis=2, dtype=np.uint8).reshape(-1, 64)                                 # qh[32 h + l]: q's pair at bits 2q
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = d.reshape(-1, 1).view(np.uint8)
+    return out.reshape(n, -1)
+
+
+def quantize(values: np.ndarray, kind) -> np.ndarray:
+    """gguf's quantization, and q6_k_quantize for Q6_K."""
+    return q6_k_quantize(values) if kind == GGMLQuantizationType.Q6_K else quants.quantize(values, kind)
 
 
 def random_tree(gen: torch.Generator, size: int, vocab: int):
@@ -33,14 +60,16 @@ def random_tree(gen: torch.Generator, size: int, vocab: int):
 
 def quantized_llama(kind: str, tiled: bool) -> tuple[torch.nn.Module, dict]:
     """wide_llama whose linear weights are GGUF blocks of `kind` (quantized by the gguf package),
-    the model holding their dequantization rounded to bf16, as the embedded model's copy does."""
+    the model holding their dequantization rounded to bf16, as the embedded model's copy does. Q6_K:
+    the weights whose K is a multiple of 256 (the down projections, as in a Q4_K_M file), Q4_1 the others."""
     model = wide_llama()
     blocks = {}
     for name, p in model.named_parameters():
         if name.endswith("proj.weight"):
-            raw = quants.quantize(p.float().numpy(), TYPES[kind])  # (N, K // 32 * block bytes) uint8
-            p.copy_(torch.from_numpy(quants.dequantize(raw, TYPES[kind])).to(torch.bfloat16))
-            b = quant.Blocks(int(TYPES[kind]), torch.from_numpy(raw.copy()), *p.shape)
+            t = TYPES[kind if kind != "Q6_K" or p.shape[1] % 256 == 0 else "Q4_1"]
+            raw = quantize(p.float().numpy(), t)  # (N, K // 32 * block bytes) uint8
+            p.copy_(torch.from_numpy(quants.dequantize(raw, t)).to(torch.bfloat16))
+            b = quant.Blocks(int(t), torch.from_numpy(raw.copy()), *p.shape)
             blocks[name] = quant.tile_blocks(b) if tiled else b
     make_invariant(model)
     return model, blocks

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(not native.status().available,
                                 reason=f"core.kernels.native unavailable: {native.status().reason}")
 
 
-def five_bit(b: quant.Blocks) -> quant.Blocks:
-    """A Q5_0 weight as the loader reads it for 8-bit activations (quant.repacked: Q5_1 blocks); others as they are."""
-    if b.type != int(TYPES["Q5_0"]):
+def as_loaded(b: quant.Blocks) -> quant.Blocks:
+    """A weight as the loader reads it for 8-bit activations: Q5_0 and Q6_K repacked (quant.repacked: Q5_1 and
+    Q6_HALVES blocks); others as they are."""
+    if b.type not in (int(TYPES["Q5_0"]), int(TYPES["Q6_K"])):
         return b
     return quant.repacked(quant.GGUFTensor("w", b.type, (b.k, b.n), b.data.numpy().reshape(-1)), b.n, b.k)
 
@@ -32,7 +33,7 @@ def x8_model(kind: str):
     from gguf import quants
 
     model, blocks = quantized_llama(kind, tiled=False)
-    packed = {name: quant.pack_x8(five_bit(b)) for name, b in blocks.items()}
+    packed = {name: quant.pack_x8(as_loaded(b)) for name, b in blocks.items()}
     lm = model.lm_head.weight
     raw = quants.quantize(lm.float().numpy(), TYPES["Q8_0"])
     packed["lm_head.weight"] = quant.pack_x8(quant.Blocks(int(TYPES["Q8_0"]), torch.from_numpy(raw.copy()), *lm.shape))
@@ -54,6 +55,9 @@ def reference(x: torch.Tensor, b: quant.Blocks) -> np.ndarray:
     if b.type == quant.Q5_1:                                                     # d u + m, u in 0..31
         qw = quant.q5_codes(raw[..., 4:24]).astype(np.int64)
         mw = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    elif b.type == quant.Q6_HALVES:                                              # d s (u - 32), s per 16 values
+        scales = np.repeat(raw[..., 2:4].view(np.int8).astype(np.int64), 16, axis=-1)
+        qw, mw = scales * (quant.q6_halves_codes(raw).astype(np.int64) - 32), np.zeros((n, kb))
     elif b.type == 8:
         qw, mw = raw[..., 2:34].view(np.int8).astype(np.int64), np.zeros((n, kb))
     else:
@@ -64,15 +68,16 @@ def reference(x: torch.Tensor, b: quant.Blocks) -> np.ndarray:
     return (isum * dw[None] * d[:, None] + mw[None] * (d * q.sum(-1))[:, None]).sum(-1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_1", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_1", "Q5_0", "Q6_K"])
 def test_packed_blocks_hold_the_same_weights_and_multiply_as_defined(kind):
     """Q5_0 and Q5_1 (and Q5_K, tests/test_gguf_files.py) reach the kernels as Q5_1 blocks: 5-bit codes in
-    Q4's nibble order plus a plane of fifth bits; their values are the file's (gguf's dequantization) exactly."""
+    Q4's nibble order plus a plane of fifth bits; Q6_K as Q6_HALVES blocks: two planes of high bits and a scale
+    per 16 values. Their values are the file's (gguf's dequantization) exactly."""
     model, blocks = quantized_llama(kind, tiled=False)
     params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(3)
-    for name, b in list(blocks.items())[:4]:
-        b = five_bit(b)
+    for name, b in [(n, b) for n, b in blocks.items() if b.type == int(TYPES[kind])][:4]:
+        b = as_loaded(b)
         packed = quant.pack_x8(b)
         assert packed.nbytes <= b.nbytes + b.n * (b.k // 32) * 2  # Q4_0 gains its minimum, nothing more
         assert torch.equal(native.dequantize(native.wmat(blocks=packed)), params[name])  # gguf's values, in bf16
@@ -95,11 +100,13 @@ def test_packing_refuses_what_the_kernel_cannot_read():
 
 def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
     model, blocks, packed = x8_model("Q4_1")
-    five = x8_model("Q5_1")[2]["model.layers.0.mlp.up_proj.weight"]  # Q5: VNNI at every row count
+    packed["five"] = x8_model("Q5_1")[2]["model.layers.0.mlp.up_proj.weight"]  # Q5, Q6: VNNI at every row count
+    packed["six"] = x8_model("Q6_K")[2]["model.layers.0.mlp.down_proj.weight"]
+    assert (packed["five"].type_name, packed["six"].type_name) == ("Q5x8", "Q6x8")
     gen = torch.Generator().manual_seed(5)
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
-                 "five"):
-        w = native.wmat(blocks=five if name == "five" else packed[name])
+                 "five", "six"):
+        w = native.wmat(blocks=packed[name])
         x = torch.randn(40, w.K, generator=gen).bfloat16()
         alone = torch.cat([native.linear_w(x[i:i + 1], w) for i in range(40)])
         had = native.set_x8_amx(True)  # True where this machine has AMX-INT8
@@ -112,11 +119,11 @@ def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
             native.set_x8_amx(had)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q5_0"])
-def test_step_on_w4a8_equals_the_transformers_path_alone_and_in_random_trees(kind):
+@pytest.mark.parametrize("kind,bits", [("Q4_1", "4"), ("Q4_0", "4"), ("Q5_0", "5"), ("Q6_K", "4/6")])
+def test_step_on_w4a8_equals_the_transformers_path_alone_and_in_random_trees(kind, bits):
     model, _, packed = x8_model(kind)
     step = NativeStep(model, packed, "test")
-    assert step.info.weights.startswith(f"{kind[1]}-bit weights x 8-bit activations")  # the layers' code width
+    assert step.info.weights.startswith(f"{bits}-bit weights x 8-bit activations")  # the layers' code widths
     step.drop_bf16_layers()  # transformers' linears (and LM head) now read the same packed blocks
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.wmat.type == 101
     assert_step_equals_transformers(model, step, torch.Generator().manual_seed(11), cases=5)

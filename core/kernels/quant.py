@@ -25,13 +25,16 @@ SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 # our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
 SPLIT = 102  # split_q8's layout (csrc/weights.h WT_Q8_SPLIT)
-X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384)}
-X8_OF = {2: 100, 3: 100, 8: 101, 7: 103}  # the GGUF type each is packed from
-X8_BITS = {100: 4, 103: 5, 101: 8, SPLIT: 8}  # each layout's weight code width
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384), 104: ("Q6x8", 448)}
 # GGUF's Q5_1 (fp16 d, fp16 m, 32 fifth bits, 16 bytes of low nibbles): what Q5_0, Q5_1 and Q5_K tensors are read
 # as for 8-bit activations (repacked; never on the bf16-exact q4 path)
 Q5_1 = 7
-BLOCK_TYPES = {**SUPPORTED, Q5_1: ("Q5_1", 24)}  # every GGUF block type a Blocks may hold: (name, bytes per block)
+# GGUF's Q6_K cut into blocks of 32 values (our own block, not a GGUF type; q6_halves): fp16 d, the two 16-value
+# sub-blocks' int8 scales, 16 bytes of low nibbles (Q4's byte order), 8 bytes of the codes' two high bits
+Q6_HALVES = 106
+X8_OF = {2: 100, 3: 100, 8: 101, Q5_1: 103, Q6_HALVES: 104}  # the block type each is packed from
+X8_BITS = {100: 4, 103: 5, 104: 6, 101: 8, SPLIT: 8}  # each layout's weight code width
+BLOCK_TYPES = {**SUPPORTED, Q5_1: ("Q5_1", 24), Q6_HALVES: ("Q6_K", 28)}  # every block a Blocks may hold: (name, bytes)
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
 LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -68,9 +71,9 @@ def _supported_text() -> str:
 
 def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) -> Blocks:
     """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k). requantize: a type
-    the kernels do not read (SUPPORTED) comes back in one they do instead of raising: Q4_K as Q4_1 and
-    Q5_0, Q5_1 and Q5_K as Q5_1 (repacked: the same codes), any other type gguf de-quantizes (Q6_K, F16,
-    ...) as Q8_0 blocks of its values (requantized_q8)."""
+    the kernels do not read (SUPPORTED) comes back in one they do instead of raising: Q4_K as Q4_1,
+    Q5_0, Q5_1 and Q5_K as Q5_1, Q6_K as Q6_HALVES (repacked: the same codes), any other type gguf
+    de-quantizes (F16, Q3_K, ...) as Q8_0 blocks of its values (requantized_q8)."""
     name, kind = tensor.name, tensor.type
     if kind not in SUPPORTED and not requantize:
         raise QuantWeightError(f"GGUF tensor {name} has type {tensor.type_name}; the native step reads "
@@ -90,7 +93,8 @@ def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) 
 
 # how a tensor of another type reaches the kernels (read_blocks' requantize), as the step's text says it
 REPACKED = {"Q4_K": "as Q4_1 (their scales rounded to fp16)", "Q5_0": "as Q5_1 (exactly)",
-            "Q5_1": "as 5-bit blocks", "Q5_K": "as Q5_1 (their scales rounded to fp16)"}
+            "Q5_1": "as 5-bit blocks", "Q5_K": "as Q5_1 (their scales rounded to fp16)",
+            "Q6_K": "as 6-bit blocks (exactly)"}
 
 
 def _k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -131,6 +135,37 @@ def q5_codes(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth_bits(raw[..., 0:4]) << 4)
 
 
+def q6_k_codes(b: np.ndarray) -> np.ndarray:
+    """GGUF Q6_K super-blocks (B, 210: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d) ->
+    the codes u in 0..63 (B, 256) of the values d * scale[e // 16] * (u - 32). Per half of 128 values, ql[l] holds
+    values l (low nibble) and 64 + l (high), ql[32 + l] values 32 + l and 96 + l, qh[l] the high pairs of l, 32 + l,
+    64 + l and 96 + l (bits 0-1, 2-3, 4-5, 6-7)."""
+    ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)   # (B, half, j, l)
+    low = np.stack([ql & 15, ql >> 4], axis=2).reshape(-1, 2, 4, 32)                   # value 32 q + l: (ql j, nibble)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3           # (B, half, q, l)
+    return (low | (high << 4)).reshape(-1, 256)
+
+
+def q6_halves(d: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """fp16 d (B,), int8 scales (B, 2) and 6-bit codes (B, 32) -> Q6_HALVES blocks (B, 28): d, the two scales,
+    code i's low 4 bits in byte i's low nibble and code 16 + i's in its high (Q4's order), then code e's high two
+    bits at bits 2e, 2e + 1 of a little-endian uint64."""
+    out = np.empty((len(codes), 28), np.uint8)
+    out[:, 0:2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = scales.astype(np.int8).view(np.uint8)
+    out[:, 4:20] = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
+    pairs = (codes >> 4).astype(np.uint64) << (2 * np.arange(32, dtype=np.uint64))
+    out[:, 20:28] = pairs.sum(axis=1, dtype=np.uint64).astype("<u8").reshape(-1, 1).view(np.uint8)
+    return out
+
+
+def q6_halves_codes(raw: np.ndarray) -> np.ndarray:
+    """Q6_HALVES blocks (..., 28) -> their codes (..., 32)."""
+    qs = raw[..., 4:20]
+    pairs = (raw[..., 20:28].copy().view("<u8") >> (2 * np.arange(32, dtype=np.uint64))) & 3
+    return np.concatenate([qs & 15, qs >> 4], axis=-1) | (pairs.astype(np.uint8) << 4)
+
+
 def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
     """A Q4_K, Q5_0, Q5_1 or Q5_K tensor as blocks the kernels read, keeping its integer codes; None for
     other types, a damaged tensor, or scales that do not fit (requantized_q8 serves those).
@@ -142,10 +177,20 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
       else the same d and codes u - 16 as a Q8_0 block, exactly).
     - Q5_1: as it is. Q5_K (as Q4_K with a fifth bit per code): each sub-block a Q5_1 block, D and M as Q4_K's.
     The 5-bit blocks take 24 bytes per 32 values (Q8_0: 34) and run on their own kernel (csrc/gemm_x8.c
-    WT_Q5_X8)."""
+    WT_Q5_X8).
+    - Q6_K (256 values: fp16 d, 16 int8 scales, 6-bit codes u: d sc (u - 32)): each 32 values a Q6_HALVES block
+      (the same d, codes and two scales: exactly), 28 bytes, on csrc/gemm_x8.c's WT_Q6_X8."""
     from gguf import GGMLQuantizationType as T
 
     data = np.asarray(tensor.data)
+    if tensor.type == T.Q6_K and k % 256 == 0 and tensor.complete:
+        b = data.reshape(-1, 210)                                          # (B, 210) super-blocks
+        d = b[:, 208:210].copy().view(np.float16)[:, 0]                    # (B,)
+        if not np.isfinite(d).all():
+            return None
+        scales = b[:, 192:208].view(np.int8).reshape(-1, 8, 2)             # (B, block, half)
+        out = q6_halves(np.repeat(d, 8), scales.reshape(-1, 2), q6_k_codes(b).reshape(-1, 32))
+        return Blocks(Q6_HALVES, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q6_K")
     if tensor.type == T.Q4_K and k % 256 == 0 and tensor.complete:
         b = data.reshape(-1, 144)                                         # (B, 144) super-blocks
         qs = b[:, 16:144].reshape(-1, 4, 32)
@@ -249,21 +294,28 @@ def pack_x8(blocks: Blocks) -> Blocks:
     """The blocks regrouped for csrc/gemm_x8.c (8-bit activations x these weights; layout in its
     header): per 16 rows and block column, the rows' codes interleaved 4 bytes at a time (what
     one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4 minimums; Q4_0's -8 d, exact); Q5_1 adds
-    a plane of the codes' fifth bits after the nibbles. The same information in the same bytes (Q4, Q5_1) or
-    2 bytes more per 32 weights (none for Q8)."""
+    a plane of the codes' fifth bits after the nibbles, Q6 two planes (bits 4 and 5) and each half's int8 scale.
+    The same information in the same bytes (Q4, Q5_1, Q6) or 2 bytes more per 32 weights (none for Q8)."""
     if blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK:
         raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be packed for 8-bit "
-                               f"activations (Q4_0, Q4_1, Q5_1, Q8_0 with rows a multiple of 16, in file order)")
+                               f"activations (Q4_0, Q4_1, Q5_1, Q6_K, Q8_0 with rows a multiple of 16, in file order)")
     g, kb, bs = blocks.n // 16, blocks.k // BLOCK, BLOCK_TYPES[blocks.type][1]
     raw = blocks.data.numpy().reshape(g, 16, kb, bs)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
     per_block = lambda a: a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)  # 16 fp16 of a block column
-    if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits: byte 4 j + b, bit t = row j's code 4 t + b
+    nibbles = lambda qs: qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256)  # Q4x8's order
+
+    def plane(bit: np.ndarray) -> np.ndarray:  # one bit per code (g, 16, kb, 32) -> byte 4 j + b, bit t: code 4 t + b
+        bits = bit.reshape(g, 16, kb, 8, 4)                                # (g, 16, kb, t, b)
+        return (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8).transpose(0, 2, 1, 3).reshape(g, kb, 64)
+
+    if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits
         m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
-        fifth = fifth_bits(raw[..., 4:8]).reshape(g, 16, kb, 8, 4)         # (g, 16, kb, t, b)
-        plane = (fifth << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (g, 16, kb, 4)
-        parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256),
-                 plane.transpose(0, 2, 1, 3).reshape(g, kb, 64), per_block(d), per_block(m)]
+        parts = [nibbles(qs), plane(fifth_bits(raw[..., 4:8])), per_block(d), per_block(m)]
+    elif blocks.type == Q6_HALVES:  # Q4x8's nibbles, planes of bits 4 and 5, d, then each half's 16 scales
+        high = q6_halves_codes(raw) >> 4                                   # (g, 16, kb, 32)
+        sc = raw[..., 2:4].transpose(0, 2, 3, 1).reshape(g, kb, 32)        # (g, kb, half, row)
+        parts = [nibbles(raw[..., 4:20]), plane(high & 1), plane(high >> 1), per_block(d), sc]
     elif blocks.type == 8:
         codes = q8_unsigned(raw)[1]  # (g, 16, kb, 32)
         parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512), per_block(d)]
@@ -275,7 +327,7 @@ def pack_x8(blocks: Blocks) -> Blocks:
                 m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:18]
             if not np.isfinite(m).all():
                 raise QuantWeightError("a Q4_0 block scale too large for 8-bit activations (|d| * 8 overflows fp16)")
-        parts = [qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256), per_block(d), per_block(m)]
+        parts = [nibbles(qs), per_block(d), per_block(m)]
     data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
     return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k)
 

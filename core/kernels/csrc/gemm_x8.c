@@ -25,6 +25,13 @@
 //   WT_Q5_X8: Q4_X8's 256 bytes of low 4 bits, 64 bytes of fifth bits (byte i, bit t: the code at byte i of
 //             operand vector t, i.e. row i / 4's element 4t + i % 4), 16 fp16 d_w, 16 fp16 m_w -> 384 bytes;
 //             codes u in 0..31 and w = d_w u + m_w (Q5_1; Q5_0: m_w = -16 d_w, exact), Q4's fp32 steps
+//   WT_Q6_X8: Q4_X8's 256 bytes of low 4 bits, two 64-byte planes (plane c, byte i, bit t: bit 4 + c of the
+//             code at byte i of operand vector t), 16 fp16 d_w, 16 int8 s0_w, 16 int8 s1_w -> 448 bytes;
+//             GGUF's Q6_K: codes u in 0..63, w = d_w s_w (u - 32) with s_w = s0_w for K positions 0-15 of the
+//             block, s1_w for 16-31 (its 16-value sub-blocks). Per block, with a row's half sums S0, S1 of q_x:
+//               T = s0_w (sum_0-15 u q_x - 32 S0) + s1_w (sum_16-31 u q_x - 32 S1)   (exact: |T| < 2^24)
+//               acc = fma(d_w * d_x, float(T), acc)
+//             so a block adds the exact product of the file's weights and the quantized row, rounded twice.
 // so one vector holds 4 consecutive K positions of 16 output rows (vpdpbusd's layout) and a
 // thread reads its groups front to back.
 #include "common.h"
@@ -44,7 +51,7 @@
 //   part two, after all of part one, per group and block column: 256 bytes of l, the same order.
 // u is rebuilt exactly ((h << 4) | l per byte), so its integer sums, and every logit, are Q8_X8's bit for bit.
 int x8_group_bytes(int type) {
-    return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT ? 288 : type == WT_Q5_X8 ? 384 : 544;
+    return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT ? 288 : type == WT_Q5_X8 ? 384 : type == WT_Q6_X8 ? 448 : 544;
 }
 
 // Block column kb of group g of a WT_Q8_SPLIT weight: its h part (256 bytes, then 16 fp16 d_w) and its l part.
@@ -74,6 +81,19 @@ static inline void q5_codes(const uint8_t *b, __m512i *ops) {
     __m512i hb = _mm512_loadu_si512(b + 256);
     for (int t = 0; t < 8; t++)  // per 16-bit lane: the bit shifted in from the next byte is masked off
         ops[t] = _mm512_or_si512(ops[t], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, t), one), 4));
+}
+
+// One block column of a WT_Q6_X8 weight -> the 8 operand vectors (codes 0..63): nibble_codes' low 4 bits,
+// bits 4 and 5 from bit t of the two planes' bytes for operand vector t.
+static inline void q6_codes(const uint8_t *b, __m512i *ops) {
+    nibble_codes(b, ops);
+    const __m512i one = _mm512_set1_epi8(1);
+    __m512i p4 = _mm512_loadu_si512(b + 256), p5 = _mm512_loadu_si512(b + 320);
+    for (int t = 0; t < 8; t++) {
+        __m512i b4 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(p4, t), one), 4);
+        __m512i b5 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(p5, t), one), 5);
+        ops[t] = _mm512_or_si512(ops[t], _mm512_or_si512(b4, b5));
+    }
 }
 
 // A thread reads its share of a layer's 4-bit weights front to back, group after group; each block
@@ -115,8 +135,9 @@ static inline void split_codes(const uint8_t *hi, const uint8_t *lo, __m512i *u)
     }
 }
 
-// One row of x -> q (K int8), and per block: d (fp32), d * sum q (fp32), sum q (int32).
-static void quantize_row_x8(const uint16_t *x, int K, int8_t *q, float *d, float *ds, int32_t *s) {
+// One row of x -> q (K int8), and per block: d (fp32), d * sum q (fp32), sum q (int32), and where h is given the
+// sum of its first 16 q (int32: Q6 weights scale the block's halves apart).
+static void quantize_row_x8(const uint16_t *x, int K, int8_t *q, float *d, float *ds, int32_t *s, int32_t *h) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int kb = 0; kb < K / 32; kb++) {
         __m512 a = bf16x16_to_ps(x + 32 * kb), b = bf16x16_to_ps(x + 32 * kb + 16);
@@ -129,7 +150,13 @@ static void quantize_row_x8(const uint16_t *x, int K, int8_t *q, float *d, float
         __m512i ib = _mm512_cvt_roundps_epi32(fb, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128((__m128i *)(q + 32 * kb), _mm512_cvtepi32_epi8(ia));
         _mm_storeu_si128((__m128i *)(q + 32 * kb + 16), _mm512_cvtepi32_epi8(ib));
-        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        int32_t sum;
+        if (h) {
+            h[kb] = _mm512_reduce_add_epi32(ia);
+            sum = h[kb] + _mm512_reduce_add_epi32(ib);
+        } else {
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        }
         d[kb] = dd;
         s[kb] = sum;
         ds[kb] = dd * (float)sum;
@@ -141,6 +168,7 @@ typedef struct {
     int8_t *q;        // (M, K)
     float *d, *ds;    // (M, K / 32)
     int32_t *s;       // (M, K / 32)
+    int32_t *h;       // (M, K / 32): the sum of each block's first 16 q
 } qrows;
 
 static qrows x8_parts(void *work, int M, int K) {
@@ -150,10 +178,18 @@ static qrows x8_parts(void *work, int M, int K) {
     r.d = (float *)((char *)work + (((int64_t)M * K + 63) & ~(int64_t)63));
     r.ds = r.d + blocks;
     r.s = (int32_t *)(r.ds + blocks);
+    r.h = r.s + blocks;
     return r;
 }
 
-int64_t x8_work_bytes(int M, int K) { return (((int64_t)M * K + 63) & ~(int64_t)63) + (int64_t)M * (K / 32) * 12; }
+int64_t x8_work_bytes(int M, int K) { return (((int64_t)M * K + 63) & ~(int64_t)63) + (int64_t)M * (K / 32) * 16; }
+
+// Row m of x into a's parts (halves: with the first-half sums, which only Q6 weights read).
+static inline void quantize_into(const uint16_t *x, int64_t ldx, int K, const qrows *a, int m, int halves) {
+    int64_t KB = K / 32;
+    quantize_row_x8(x + m * ldx, K, a->q + (int64_t)m * K, a->d + m * KB, a->ds + m * KB, a->s + m * KB,
+                    halves ? a->h + m * KB : NULL);
+}
 
 static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
@@ -200,6 +236,42 @@ static inline __m512i block_isum_q5(const __m512i *ops, const int8_t *qx) {
     const __m256i *o = (const __m256i *)ops;
     __m512i r = {isum_codes8(o, 0, qx, 1), isum_codes8(o, 1, qx, 1)};
     return r;
+}
+#endif
+
+// One block's 16 integer sums per half of its K positions (s[0]: 0-15, s[1]: 16-31), for Q6's two scales.
+#ifndef EAGLE_AVX2
+static inline void block_isum_halves(const __m512i *ops, const int8_t *qx, __m512i *s) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int p = 0; p < 4; p++) {
+        s0 = _mm512_dpbusd_epi32(s0, ops[p], bcast4(qx + 4 * p));
+        s1 = _mm512_dpbusd_epi32(s1, ops[4 + p], bcast4(qx + 16 + 4 * p));
+    }
+    s[0] = s0;
+    s[1] = s1;
+}
+#else
+// Codes below 64: a vpmaddubsw pair is at most 2 x 63 x 127 = 16,002, so two vectors add up in 16 bits
+// (<= 32,004) before vpmaddwd widens them: operand vectors t0 .. t0 + 3 (K positions 4 t0 ..), rows of `half`.
+static inline __m256i isum_codes6(const __m256i *o, int half, const int8_t *qx, int t0) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i r = _mm256_setzero_si256();
+    for (int t = t0; t < t0 + 4; t += 2) {
+        int32_t v0, v1;
+        memcpy(&v0, qx + 4 * t, 4);
+        memcpy(&v1, qx + 4 * t + 4, 4);
+        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(o[2 * t + half], _mm256_set1_epi32(v0)),
+                                     _mm256_maddubs_epi16(o[2 * (t + 1) + half], _mm256_set1_epi32(v1)));
+        r = _mm256_add_epi32(r, _mm256_madd_epi16(s, ones));
+    }
+    return r;
+}
+static inline void block_isum_halves(const __m512i *ops, const int8_t *qx, __m512i *s) {
+    const __m256i *o = (const __m256i *)ops;  // ops[t] = (rows 0-7, rows 8-15): o[2 t + half]
+    __m512i s0 = {isum_codes6(o, 0, qx, 0), isum_codes6(o, 1, qx, 0)};
+    __m512i s1 = {isum_codes6(o, 0, qx, 4), isum_codes6(o, 1, qx, 4)};
+    s[0] = s0;
+    s[1] = s1;
 }
 #endif
 
@@ -372,6 +444,30 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
 }
 #endif
 
+// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q6_X8 weight -> acc[i]: the block column's codes
+// rebuilt once, then per row the two halves' integer sums and the header's exact T, one fp32 multiply-add.
+static inline void group_q6(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    for (int kb = 0; kb < KB; kb++) {
+        const uint8_t *b = w + (int64_t)kb * 448;
+        prefetch_ahead(b, 448);
+        __m512i ops[8];
+        q6_codes(b, ops);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 384)));
+        __m512 s0w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 416))));
+        __m512 s1w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 432))));
+        for (int i = 0; i < rows; i++) {
+            int64_t m = m0 + i, blk = m * KB + kb;
+            __m512i s[2];
+            block_isum_halves(ops, a->q + m * K + 32 * kb, s);
+            int32_t h0 = a->h[blk], h1 = a->s[blk] - h0;
+            __m512 i0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[0], _mm512_set1_epi32(32 * h0)));  // |i| <= 65,024
+            __m512 i1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[1], _mm512_set1_epi32(32 * h1)));
+            __m512 t = _mm512_fmadd_ps(s0w, i0, _mm512_mul_ps(s1w, i1));  // exact: each product and T below 2^24
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->d[blk])), t, acc[i]);
+        }
+    }
+}
+
 #ifdef EAGLE_AVX2
 // AVX2: a block's codes u = 16 h + l split into nibbles once per half of the group (8 output rows), not
 // once per row: vector t of each (K positions 4t .. 4t + 3) against the row's 4 codes there, the two sums
@@ -502,7 +598,8 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     }
     // VNNI takes up to 16 rows a pass as AMX does: each pass unpacks the group's 4-bit codes again
     // (a pass of 8 rows then one of 1 cost a 9-row forward 20% more than 8 rows on the Intel VM)
-    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS && w->type != WT_Q5_X8;  // Q5: VNNI at every M
+    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS && (w->type == WT_Q4_X8 || w->type == WT_Q8_X8 ||
+                                                                w->type == WT_Q8_SPLIT);  // Q5, Q6: VNNI at every M
     (void)amx;  // a build without AMX flags has only VNNI
     for (int m0 = 0; m0 < M; m0 += chunk) {
         int rows = M - m0 < chunk ? M - m0 : chunk;
@@ -514,6 +611,7 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
 #endif
         if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
         else if (w->type == WT_Q5_X8) group_q45(wg, KB, a, K, m0, rows, acc, 1);
+        else if (w->type == WT_Q6_X8) group_q6(wg, KB, a, K, m0, rows, acc);
         else if (w->type == WT_Q8_SPLIT) {
             int list[16];
             for (int i = 0; i < rows; i++) list[i] = m0 + i;
@@ -525,7 +623,9 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     }
 }
 
-int is_x8(int type) { return type == WT_Q4_X8 || type == WT_Q8_X8 || type == WT_Q8_SPLIT || type == WT_Q5_X8; }
+int is_x8(int type) {
+    return type == WT_Q4_X8 || type == WT_Q8_X8 || type == WT_Q8_SPLIT || type == WT_Q5_X8 || type == WT_Q6_X8;
+}
 
 int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *shared,
                  void *mine, int64_t mine_bytes) {
@@ -537,15 +637,13 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
     // on a busy machine each costs a wake-up). AMX reads 16 rows: the memory holds them.
     int own = M <= 16 && x8_work_bytes(16, K) <= mine_bytes;
     qrows a = x8_parts(own ? mine : shared, M, K);
+    int halves = 0;
+    for (int j = 0; j < count; j++) halves |= jobs[j].w->type == WT_Q6_X8;
     if (own) {
-        for (int m = 0; m < M; m++)
-            quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
-                            a.s + (int64_t)m * KB);
+        for (int m = 0; m < M; m++) quantize_into(x, ldx, K, &a, m, halves);
     } else {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
-                            a.s + (int64_t)m * KB);
+        for (int m = 0; m < M; m++) quantize_into(x, ldx, K, &a, m, halves);
     }
     int first[9], total = 0;  // job j's groups are [first[j], first[j + 1]) of the batch's
     for (int j = 0; j < count && j < 8; j++) { first[j] = total; total += jobs[j].w->N / 16; }
@@ -579,6 +677,21 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
                 int byte = 4 * (int)j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
                 u |= ((b[256 + byte] >> (e / 4)) & 1) << 4;
                 out[32 * kb + e] = to_bf16(d * (float)u + m);
+            }
+        }
+        return;
+    }
+    if (w->type == WT_Q6_X8) {  // Q5's nibble and plane bit, bit 5 from the second plane; d (s (u - 32)) exact in fp32
+        for (int kb = 0; kb < KB; kb++) {
+            const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
+            uint16_t dh;
+            memcpy(&dh, b + 384 + 2 * j, 2);
+            float d = _cvtsh_ss(dh);
+            int s0 = (int8_t)b[416 + j], s1 = (int8_t)b[432 + j];
+            for (int e = 0; e < 32; e++) {
+                int byte = 4 * (int)j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
+                u |= ((b[256 + byte] >> (e / 4)) & 1) << 4 | ((b[320 + byte] >> (e / 4)) & 1) << 5;
+                out[32 * kb + e] = to_bf16(d * (float)((e < 16 ? s0 : s1) * (u - 32)));
             }
         }
         return;
@@ -799,8 +912,7 @@ int lm_screen_team(const uint16_t *x, int64_t ldx, const wmat *w, const lm_scree
     float *z = (float *)(((uintptr_t)mine + x8_work_bytes(16, K) + 63) & ~(uintptr_t)63);
     float *b = z + M * r, *xh = b + M * 4;
     for (int m = 0; m < M; m++) {  // every thread quantizes the rows into its own memory (the same bits)
-        quantize_row_x8(x + m * ldx, K, a.q + (int64_t)m * K, a.d + (int64_t)m * KB, a.ds + (int64_t)m * KB,
-                        a.s + (int64_t)m * KB);
+        quantize_into(x, ldx, K, &a, m, 0);
         screen_row(sc, &a, K, m, xh, z + m * r, b + m * 4);
     }
     // shared: each row's largest bound per group or half group (M x G x SCREEN_PARTS), then per thread and

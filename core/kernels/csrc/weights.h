@@ -12,7 +12,9 @@ enum { WT_BF16 = 30, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8 };  // ggml's type id
 // WT_Q8_SPLIT: Q8_X8 with each code's two nibbles in two arrays (the screened LM head, csrc/gemm_x8.c).
 // WT_Q5_X8: 5-bit codes (GGUF's Q5_0 / Q5_1 / Q5_K as Q5_1 blocks, w = d u + m, u in 0..31) in Q4_X8's nibble
 // order plus a plane of fifth bits (csrc/gemm_x8.c).
-enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101, WT_Q8_SPLIT = 102, WT_Q5_X8 = 103 };
+// WT_Q6_X8: GGUF's Q6_K (w = d s (u - 32), u in 0..63, a scale s per 16 values) in Q4_X8's nibble order plus
+// two planes of high bits (csrc/gemm_x8.c).
+enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101, WT_Q8_SPLIT = 102, WT_Q5_X8 = 103, WT_Q6_X8 = 104 };
 
 typedef struct {
     int32_t type;      // WT_*
