@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +87,9 @@ class LoadedModel:
     quantized: bool
     max_context: int
     gguf: Path | None = None  # the Llama GGUF the weights were dequantized from (embedded, or a file), if any
+    # the decoder layers' linear weights not loaded (on the meta device; a GGUF too large for its fp32 copy):
+    # the native step serves them from the file's blocks, or with_layer_weights reads them
+    lean: bool = False
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -144,39 +147,78 @@ def names_gguf(name: str) -> bool:
     return is_gguf_file(name) or hub_gguf(name) is not None
 
 
+# In a GGUF file's cached folder: its config and tokenizer only, the weights read from the file at every load
+GGUF_DIRECT = "weights-read-from-gguf.txt"
+
+
 def gguf_model_dir(path: Path) -> Path:
     """A local GGUF file (llama.cpp's format) de-quantized once to an fp32 safetensors folder, as the
     embedded model is, cached per file (its name, size and modification time key it: a changed file
-    converts again). The file must be a model transformers reads from GGUF (Llama, Mistral, Qwen2, ...)
-    whose fp32 copy fits in memory and on disk: checked first, with the sizes in the message."""
+    converts again). The file must be a model transformers reads from GGUF (Llama, Mistral, Qwen2, ...).
+    Where that fp32 copy would not fit in memory or on disk (a 7B file's is 28 GB), the folder holds the
+    model's config and tokenizer alone and every load reads the weights from the file straight into the
+    model's dtype (`reads_gguf_directly`: slower to load, about 2 bytes a weight at its peak); a model that
+    does not fit even so is refused, with the sizes in the message."""
     st = path.stat()
     key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_home() / "models" / "gguf" / f"{path.stem}-{key}"
-    if not _complete(out):  # the file's header read only when it converts
-        from core.kernels.quant import QuantWeightError, gguf_info
+    if _complete(out) or reads_gguf_directly(out):
+        return out
+    from core.kernels.quant import QuantWeightError, gguf_info  # the file's header read only when it converts
 
-        try:
-            arch, tensors = gguf_info(path)
-        except QuantWeightError as e:
-            raise ModelLoadError(str(e)) from e
-        if arch not in SUPPORTED_TYPES:
-            raise ModelLoadError(f"{path.name} holds a {arch or 'unnamed'!r} model; eagle-chat runs Llama-family "
-                                 f"GGUF files ({', '.join(SUPPORTED_TYPES)})")
-        if short := next((t for t in tensors if t.data.size < t.nbytes), None):
-            raise ModelLoadError(f"{path.name} is truncated: tensor {short.name} ends early; download the file again")
-        need = 4 * sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)  # fp32 bytes
-        room = available_memory()
-        if room is not None and need > room:
-            raise ModelLoadError(f"{path.name} needs about {need / 1e9:.1f} GB of memory to convert (its weights in "
-                                 f"fp32) and {room / 1e9:.1f} GB is available: close other programs, or use a "
-                                 "smaller model")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(out.parent).free
-        if need > free:
-            raise ModelLoadError(f"{path.name} converts to about {need / 1e9:.1f} GB of fp32 safetensors and "
-                                 f"{out.parent} has {free / 1e9:.1f} GB free: free some space or set EAGLE_CHAT_HOME "
-                                 "to a larger disk")
-    return _converted(path, out, "once per file")
+    try:
+        arch, tensors = gguf_info(path)
+    except QuantWeightError as e:
+        raise ModelLoadError(str(e)) from e
+    if arch not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{path.name} holds a {arch or 'unnamed'!r} model; eagle-chat runs Llama-family "
+                             f"GGUF files ({', '.join(SUPPORTED_TYPES)})")
+    if short := next((t for t in tensors if t.data.size < t.nbytes), None):
+        raise ModelLoadError(f"{path.name} is truncated: tensor {short.name} ends early; download the file again")
+    weights = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors)
+    need, room = 4 * weights, available_memory()  # fp32 bytes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if (room is None or need <= room) and need <= free:
+        return _converted(path, out, "once per file")
+    if arch == "llama":  # the layers stay in the file's blocks (load_target's lean model), the rest in bf16
+        others = sum(int(np.prod(t.shape, dtype=np.int64)) for t in tensors if not t.name.startswith("blk."))
+        direct, what = 2 * st.st_size + 2 * others, "the file's blocks and its other weights in bf16"
+    else:
+        direct, what = 2 * weights + st.st_size, "its weights in bf16 and the file's blocks"
+    if room is not None and direct > room:
+        raise ModelLoadError(f"{path.name} needs about {direct / 1e9:.1f} GB of memory to load ({what}; "
+                             f"{need / 1e9:.1f} GB to convert them to fp32) and {room / 1e9:.1f} GB is available: "
+                             "close other programs, or use a smaller model")
+    where = "in memory" if room is not None and need > room else f"on {out.parent}'s disk ({free / 1e9:.1f} GB free)"
+    return _direct_folder(path, out, f"its fp32 copy, {need / 1e9:.1f} GB, would not fit {where}")
+
+
+def reads_gguf_directly(folder: Path) -> bool:
+    """Whether `folder` is a GGUF file's config and tokenizer alone (gguf_model_dir): its weights load from the file."""
+    return (folder / GGUF_DIRECT).is_file() and (folder / "config.json").is_file() and not _complete(folder)
+
+
+def _direct_folder(gguf: Path, out: Path, why: str) -> Path:
+    """`gguf`'s config and tokenizer in `out` (no weights: load_target reads them from the file)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    print(f"Reading {gguf.name}'s weights from the file at every load ({why}) ...", flush=True)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        (tmp / GGUF_DIRECT).write_text(f"{gguf}\n{why}\n")
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"{gguf.name} could not be read as a model: {e}") from e
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def available_memory() -> int | None:
@@ -326,12 +368,25 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch_dtype)
         kwargs["device_map"] = {"": device}
+    direct = gguf is not None and reads_gguf_directly(folder)  # the weights from the file, into torch_dtype
+    if direct and (load_in_4bit or device != "cpu"):
+        raise ModelLoadError(f"{gguf.name} is too large for its fp32 copy here, and is read from the file only on "
+                             "the CPU without --load-in-4bit: free memory or disk for the copy, or load it on the CPU")
+    lean = direct and config.model_type == "llama" and torch_dtype == torch.bfloat16  # what the native step reads
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        if lean:
+            model = _without_layer_weights(gguf, config, torch_dtype)
+        elif direct:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+            model.hf_quantizer = None  # de-quantized into torch_dtype as it loaded
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelLoadError(f"loading {name_or_path} failed: {e}") from e
-    if not load_in_4bit:
+    if not load_in_4bit and not lean:  # lean: on the CPU already, its layers' weights not loaded (meta)
         model = model.to(device)
     model.eval().requires_grad_(False)
     entry = catalogue_entry(name_or_path)
@@ -341,4 +396,82 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
         gguf = None
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path,
                        device=torch.device(device), dtype=torch_dtype, quantized=load_in_4bit,
-                       max_context=int(getattr(config, "max_position_embeddings", 2048)), gguf=gguf)
+                       max_context=int(getattr(config, "max_position_embeddings", 2048)), gguf=gguf, lean=lean)
+
+
+# a Llama GGUF's tensors outside the decoder layers' linears -> transformers' parameter names (layer i: {i})
+_GGUF_OTHERS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight",
+                "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+                "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight"}
+
+
+def _gguf_dense(tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One GGUF tensor de-quantized by gguf (as transformers' GGUF loader does), in `dtype`."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType(tensor.type))
+    values = np.array(values, dtype=np.float32)  # a copy: the file is mapped read-only
+    return torch.from_numpy(values).reshape(shape).to(dtype)
+
+
+def _set_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    model.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _without_layer_weights(gguf: Path, config, dtype: torch.dtype) -> torch.nn.Module:
+    """A Llama model built from a GGUF file with everything but the decoder layers' linear weights read from it
+    (the embedding, norms and an untied LM head: the values transformers' GGUF loader gives); those weights
+    stay on the meta device, for the native step to serve from the file's own blocks (core.kernels.step), or
+    for with_layer_weights to read. A 7B file then peaks at its blocks plus about 1 GB, not 13 GB of bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from core.kernels.quant import open_gguf
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = {t.name: t for t in open_gguf(gguf)}
+    params = dict(model.named_parameters())
+    for theirs, ours in _GGUF_OTHERS.items():
+        for i in range(config.num_hidden_layers) if "{i}" in theirs else [0]:
+            name, key = theirs.format(i=i), ours.format(i=i)
+            if name in tensors:
+                _set_param(model, key, _gguf_dense(tensors[name], tuple(params[key].shape), dtype))
+    if getattr(config, "tie_word_embeddings", False) or "output.weight" not in tensors:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its tables computed, not read
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()]
+               if p.is_meta and not (".layers." in n and n.endswith("proj.weight"))]
+    if missing:
+        raise ModelLoadError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}: not the Llama model its "
+                             "header describes")
+    return model
+
+
+def with_layer_weights(target: LoadedModel) -> LoadedModel:
+    """A lean target (load_target) with its decoder layers' linear weights read from its GGUF file into its dtype,
+    where the native step does not serve them: the values a full load gives (llama.cpp's q / k row order put
+    back); the target itself when it is not lean."""
+    if not target.lean:
+        return target
+    from tqdm import tqdm
+
+    from core.kernels.quant import LAYER_TENSORS, open_gguf, rotary_row_order
+
+    tensors = {t.name: t for t in open_gguf(target.gguf)}
+    config, params = target.model.config, dict(target.model.named_parameters())
+    need = 2 * sum(p.numel() for p in params.values() if p.is_meta)
+    room = available_memory()
+    if room is not None and need > room:
+        raise ModelLoadError(f"{target.gguf.name}'s layers need about {need / 1e9:.1f} GB of memory in bf16 where the "
+                             f"native step does not serve its blocks, and {room / 1e9:.1f} GB is available: run "
+                             "the native step (--weights auto on a CPU with AVX2), or use a smaller model")
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for i in tqdm(range(config.num_hidden_layers), desc=f"Reading {target.gguf.name}'s layers", unit="layer"):
+        for ours, theirs in LAYER_TENSORS.items():
+            part = "self_attn" if ours in heads or ours in ("v_proj", "o_proj") else "mlp"
+            key = f"model.layers.{i}.{part}.{ours}.weight"
+            w = _gguf_dense(tensors[f"blk.{i}.{theirs}.weight"], tuple(params[key].shape), target.dtype)
+            _set_param(target.model, key, w[rotary_row_order(w.shape[0], heads[ours])] if ours in heads else w)
+    return replace(target, lean=False)

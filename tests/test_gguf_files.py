@@ -242,11 +242,72 @@ def test_gguf_files_that_cannot_serve_say_why_and_leave_nothing_behind(tmp_path,
     with pytest.raises(ModelLoadError, match=r"cut\.gguf is truncated: tensor blk\.0\.\w+\.weight ends early"):
         resolve(str(tmp_path / "cut.gguf"))
     monkeypatch.setattr("core.models.available_memory", lambda: 10_000_000)
-    with pytest.raises(ModelLoadError, match=r"ok\.gguf needs about 0\.\d GB of memory to convert .* "
+    with pytest.raises(ModelLoadError, match=r"ok\.gguf needs about 0\.\d GB of memory to load \(the file's blocks and "
+                                             r"its other weights in bf16; 0\.\d GB to convert them to fp32\) and "
                                              r"0\.0 GB is available"):
         resolve(str(tmp_path / "ok.gguf"))
     home = tmp_path / "home" / "models" / "gguf"
     assert not home.exists() or not any(home.iterdir()), "nothing converted, nothing half-written"
+
+
+@pytest.mark.slow
+def test_a_gguf_file_whose_fp32_copy_does_not_fit_loads_from_the_file_itself(tmp_path, monkeypatch, capsys):
+    """Where the fp32 copy would not fit in memory (a 7B file's is 28 GB), the cached folder holds the config and
+    tokenizer alone and every load reads the weights from the file: a Llama file in bf16 without its layers'
+    linear weights (the native step serves them from the file's blocks), the rest the converted copy's values;
+    with_layer_weights reads the linears as a full load does (q / k rows put back in transformers' order), and
+    the answers on either path equal the converted copy's."""
+    from core.kernels import quant as q
+    from core.models import GGUF_DIRECT, gguf_model_dir, reads_gguf_directly, with_layer_weights
+
+    path = tmp_path / "ok.gguf"
+    smaller_smollm2(path, layers=1)
+    weights = sum(int(np.prod(t.shape)) for t in q.open_gguf(path))
+    others = sum(int(np.prod(t.shape)) for t in q.open_gguf(path) if not t.name.startswith("blk."))
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "converted"))
+    converted = load_target(str(path), dtype="bfloat16")
+    monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / "direct"))
+    lean = 2 * path.stat().st_size + 2 * others  # the file's blocks and the embedding in bf16 fit, fp32 does not
+    room = (lean + 4 * weights) // 2
+    assert lean < room < 4 * weights
+    monkeypatch.setattr("core.models.available_memory", lambda: room)
+    capsys.readouterr()
+    folder = gguf_model_dir(path)
+    assert reads_gguf_directly(folder) and (folder / GGUF_DIRECT).is_file()
+    assert not list(folder.glob("*.safetensors")), "no copy of the weights"
+    assert (f"Reading ok.gguf's weights from the file at every load (its fp32 copy, {4 * weights / 1e9:.1f} GB, "
+            "would not fit in memory)") in capsys.readouterr().out
+    direct = load_target(str(path), dtype="bfloat16")
+    assert "Reading" not in capsys.readouterr().out, "the folder is kept"
+    assert direct.lean and direct.gguf == path and direct.dtype == torch.bfloat16
+    a, b = direct.model.state_dict(), converted.model.state_dict()
+    linears = {k for k in b if ".layers." in k and k.endswith("proj.weight")}
+    assert a.keys() == b.keys() and len(linears) == 7 and all(a[k].is_meta for k in linears)
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in linears)
+    bf16 = 2 * sum(b[k].numel() for k in linears)
+    monkeypatch.setattr("core.models.available_memory", lambda: bf16 - 1)
+    with pytest.raises(ModelLoadError, match=r"ok\.gguf's layers need about 0\.0 GB of memory in bf16 where the native "
+                                             r"step does not serve its blocks"):
+        with_layer_weights(direct)
+    monkeypatch.setattr("core.models.available_memory", lambda: room)
+    full = with_layer_weights(direct)
+    a = full.model.state_dict()
+    assert not full.lean and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ModelLoadError, match=r"ok\.gguf is too large for its fp32 copy here, and is read from the file "
+                                             r"only on the CPU without --load-in-4bit"):
+        load_target(str(path), dtype="bfloat16", load_in_4bit=True)
+    if native.kernel_isa() is None:
+        pytest.skip("no native kernels on this CPU")
+    prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
+    cfg = GenerationConfig(max_new_tokens=16, speculative=False)
+    answers = {}
+    for home, weights in (("converted", "auto"), ("direct", "auto"), ("converted", "bf16"), ("direct", "bf16")):
+        monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / home))
+        engine = Engine.load(str(path), None, weights=weights)
+        assert isinstance(engine.forwarder, NativeStep), (home, weights)
+        answers[home, weights] = [t for ev in engine.generate(prompt, cfg) for t in ev.token_ids]
+    assert answers["direct", "auto"] == answers["converted", "auto"] and len(answers["direct", "auto"]) == 16
+    assert answers["direct", "bf16"] == answers["converted", "bf16"]
 
 
 def test_the_models_tab_takes_a_gguf_file_as_the_target(tmp_path):

@@ -38,7 +38,7 @@ def q6_k_quantize(values: np.ndarray) -> np.ndarray:
     sc = np.clip(np.rint(np.divide(s, df, out=np.zeros_like(s), where=df > 0)), -128, 127).astype(np.int8)
     step = (df * sc)[..., None]
     u = np.clip(np.rint(np.divide(v, step, out=np.zeros_like(v), where=step != 0)), -32, 31).astype(np.int16) + 32
-    c = u.astype(np.uint8).reshape(-1, 2, 4, 32)                                # (B, half, q, l): value 128 h + 32 q + l
+    c = u.astype(np.uint8).reshape(-1, 2, 4, 32)                     # (B, half, q, l): value 128 h + 32 q + l
     out = np.empty((len(c), 210), np.uint8)
     out[:, 0:128] = ((c[:, :, 0:2] & 15) | ((c[:, :, 2:4] & 15) << 4)).reshape(-1, 128)  # ql[64 h + 32 j + l]
     out[:, 128:192] = ((c >> 4) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(

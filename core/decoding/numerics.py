@@ -15,10 +15,10 @@ import torch
 
 from core.kernels import invariant, native
 from core.config import ATTENTIONS, EngineError
-from core.models import LoadedModel, load_target
+from core.models import LoadedModel, load_target, with_layer_weights
 from core.decoding.probe import ProbeResult, probe
 from core.kernels.quant import QuantWeightError
-from core.kernels.step import WEIGHTS, NativeStep, StepError, load_step, warm_math
+from core.kernels.step import WEIGHTS, NativeStep, StepError, load_step, unsupported, warm_math
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,15 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
     target = load_target(model, dtype=dtype, device=device, load_in_4bit=load_in_4bit)
     warm_math()  # the first vectorised cos / sin on one thread (core.threads.one_torch_thread)
     set_numerics(target, attention)
+    if target.lean and (weights == "bf16" or unsupported(target.model)):  # the step will not read the file's blocks
+        target = with_layer_weights(target)
     try:
         step, step_text = load_step(target, weights)
-    except (StepError, QuantWeightError) as e:  # only where q4 was asked for by name
+    except (StepError, QuantWeightError) as e:  # only where q4 was asked for by name (or a lean target's file)
         raise EngineError(str(e)) from e
     result = probe(step or target.model, target.dtype, attention, device) if check else None
-    if auto and result is not None and not result.exact and attention == "exact":
+    # (a lean target stays: its fp32 copy is what did not fit, and the numerics line says the probe failed)
+    if auto and result is not None and not result.exact and attention == "exact" and not target.lean:
         target.model.float()
         target = replace(target, dtype=torch.float32)
         set_numerics(target, "sdpa")

@@ -262,13 +262,18 @@ def requantized_q8(tensor: "GGUFTensor", n: int, k: int) -> Blocks:
                   source=tensor.type_name)
 
 
-def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
+def rotary_row_order(n: int, heads: int) -> torch.Tensor:
     """llama.cpp's converter stores q and k with each head's rotary halves interleaved
-    (row h*hd + 2i + j holds transformers' row h*hd + j*hd/2 + i); put the rows back in
-    transformers' order (whole rows of blocks move, the values do not change)."""
-    hd = blocks.n // heads
-    order = torch.arange(blocks.n).view(heads, hd // 2, 2).transpose(1, 2).reshape(-1)
-    return replace(blocks, data=blocks.data[order].contiguous())
+    (row h*hd + 2i + j holds transformers' row h*hd + j*hd/2 + i): the file's row for each of
+    transformers' rows (n,)."""
+    hd = n // heads
+    return torch.arange(n).view(heads, hd // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
+    """q or k blocks put back in transformers' row order (rotary_row_order: whole rows of blocks move,
+    the values do not change)."""
+    return replace(blocks, data=blocks.data[rotary_row_order(blocks.n, heads)].contiguous())
 
 
 def tile_blocks(blocks: Blocks) -> Blocks:
@@ -307,7 +312,8 @@ def pack_x8(blocks: Blocks) -> Blocks:
 
     def plane(bit: np.ndarray) -> np.ndarray:  # one bit per code (g, 16, kb, 32) -> byte 4 j + b, bit t: code 4 t + b
         bits = bit.reshape(g, 16, kb, 8, 4)                                # (g, 16, kb, t, b)
-        return (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8).transpose(0, 2, 1, 3).reshape(g, kb, 64)
+        packed = (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (g, 16, kb, b)
+        return packed.transpose(0, 2, 1, 3).reshape(g, kb, 64)
 
     if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits
         m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
@@ -329,7 +335,8 @@ def pack_x8(blocks: Blocks) -> Blocks:
                 raise QuantWeightError("a Q4_0 block scale too large for 8-bit activations (|d| * 8 overflows fp16)")
         parts = [nibbles(qs), per_block(d), per_block(m)]
     data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
-    return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k)
+    return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k,
+                  source=blocks.source)
 
 
 def split_q8(blocks: Blocks) -> Blocks:
@@ -495,11 +502,13 @@ def gguf_info(path: Path) -> tuple[str, list[GGUFTensor]]:
     return arch, tensors
 
 
-def load_llama_blocks(path: Path, config, requantize: bool = False) -> dict[str, Blocks]:
+def load_llama_blocks(path: Path, config, requantize: bool = False, prepare=None) -> dict[str, Blocks]:
     """The decoder's weights from a Llama GGUF, keyed by transformers' parameter names
     (`model.layers.0.self_attn.q_proj.weight`, ..., `model.embed_tokens.weight`, `lm_head.weight`
     when the file has its own output layer). requantize: read_blocks' (tqdm shows the progress; each
-    such Blocks names its file's type in `source`)."""
+    such Blocks names its file's type in `source`). prepare(name, blocks) -> Blocks, where given, turns each
+    tensor into what is kept as soon as it is read (pack_x8: one tensor's file-order copy at a time, not the
+    whole file's next to its packed copy: 4 GB less at the peak for a 7B file)."""
     from tqdm import tqdm
 
     tensors = {t.name: t for t in open_gguf(path)}
@@ -533,5 +542,5 @@ def load_llama_blocks(path: Path, config, requantize: bool = False) -> dict[str,
                 bar.update()
             if key.endswith(("q_proj.weight", "k_proj.weight")):
                 b = unpermute_rows(b, heads[key.split(".")[-2]])
-            out[key] = b
+            out[key] = prepare(key, b) if prepare else b
     return out

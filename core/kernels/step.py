@@ -451,23 +451,26 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
                 raise StepError(f"--weights {weights} reads a GGUF's blocks, and this model was not loaded from one")
         else:
             try:  # q4 promises the bf16 path's bits: only the file's own Q4_0 / Q4_1 / Q8_0 blocks serve it
-                found = load_llama_blocks(target.gguf, target.model.config, requantize=weights != "q4")
+                # q4: layers only: the embedding / tied LM head stays bf16 (on its Q8_0 blocks rebuilt to bf16
+                # the step measured no faster, 10.5-10.8 against 10.6-11.0 ms); w4a8: the LM head too, below
+                layer = tile_blocks if weights == "q4" else pack_x8  # each layer tensor as it is read
+                found = load_llama_blocks(target.gguf, target.model.config, requantize=weights != "q4",
+                                          prepare=lambda name, b: layer(b) if ".layers." in name else b)
                 if moved := Counter(b.source for b in found.values() if b.source):
                     note = (f" ({sum(moved.values())} tensors of other types: " + ", ".join(
                         f"{k} ({v}) {REPACKED.get(k, 'requantized to Q8_0')}" for k, v in sorted(moved.items())) + ")")
-                if weights == "q4":  # layers only: the embedding / tied LM head stays bf16 (on its Q8_0
-                    # blocks rebuilt to bf16 the step measured no faster, 10.5-10.8 against 10.6-11.0 ms)
-                    blocks = {k: tile_blocks(v) for k, v in found.items() if ".layers." in k}
-                else:  # the LM head too: the file's own (or its tied embedding's) Q8_0 blocks
-                    blocks = {k: pack_x8(v) for k, v in found.items() if ".layers." in k}
+                blocks = {k: v for k, v in found.items() if ".layers." in k}
+                if weights != "q4":  # the file's own (or its tied embedding's) Q8_0 blocks
                     lm = found.get("lm_head.weight", found["model.embed_tokens.weight"])
                     screened = screen_wanted() and lm.type == 8 and lm.n % 16 == 0
                     blocks["lm_head.weight"] = split_q8(lm) if screened else pack_x8(lm)
             except QuantWeightError as e:
-                if weights != "auto":
+                if weights != "auto" or getattr(target, "lean", False):  # lean: no bf16 layer weights to fall back on
                     raise
                 note = f" (bf16 weights: {e})"
     step = NativeStep(target.model, blocks, target.gguf.name if blocks else "")
+    if getattr(target, "lean", False):  # no bf16 layer weights to fall back on: transformers' linears read the
+        step.drop_bf16_layers()         # blocks from here on (the probe and the screen's answers included)
     if screened:  # greedy steps then read about half of the LM head (core.kernels.screen)
         from core.kernels import screen
 
