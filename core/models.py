@@ -155,10 +155,11 @@ def gguf_model_dir(path: Path) -> Path:
     """A local GGUF file (llama.cpp's format) de-quantized once to an fp32 safetensors folder, as the
     embedded model is, cached per file (its name, size and modification time key it: a changed file
     converts again). The file must be a model transformers reads from GGUF (Llama, Mistral, Qwen2, ...).
-    Where that fp32 copy would not fit in memory or on disk (a 7B file's is 28 GB), the folder holds the
-    model's config and tokenizer alone and every load reads the weights from the file straight into the
-    model's dtype (`reads_gguf_directly`: slower to load, about 2 bytes a weight at its peak); a model that
-    does not fit even so is refused, with the sizes in the message."""
+    Where that fp32 copy would not fit in memory or on disk (a 7B file's is 27 GB), the folder holds the
+    model's config and tokenizer alone and every load reads the file (`reads_gguf_directly`): a Llama file's
+    layers stay in its blocks (load_target's lean model, about twice the file at the peak), other
+    architectures load in bf16 (2 bytes a weight); a model that does not fit even so is refused, with the
+    sizes in the message."""
     st = path.stat()
     key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_home() / "models" / "gguf" / f"{path.stem}-{key}"

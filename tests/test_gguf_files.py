@@ -305,6 +305,8 @@ def test_a_gguf_file_whose_fp32_copy_does_not_fit_loads_from_the_file_itself(tmp
         monkeypatch.setenv("EAGLE_CHAT_HOME", str(tmp_path / home))
         engine = Engine.load(str(path), None, weights=weights)
         assert isinstance(engine.forwarder, NativeStep), (home, weights)
+        assert ("read from the file alone: its fp32 copy would not fit here" in engine.numerics.describe()) == (
+            (home, weights) == ("direct", "auto"))
         answers[home, weights] = [t for ev in engine.generate(prompt, cfg) for t in ev.token_ids]
     assert answers["direct", "auto"] == answers["converted", "auto"] and len(answers["direct", "auto"]) == 16
     assert answers["direct", "bf16"] == answers["converted", "bf16"]

@@ -471,6 +471,7 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
     step = NativeStep(target.model, blocks, target.gguf.name if blocks else "")
     if getattr(target, "lean", False):  # no bf16 layer weights to fall back on: transformers' linears read the
         step.drop_bf16_layers()         # blocks from here on (the probe and the screen's answers included)
+        note += " (read from the file alone: its fp32 copy would not fit here, so no bf16 copy of its layers)"
     if screened:  # greedy steps then read about half of the LM head (core.kernels.screen)
         from core.kernels import screen
 
