@@ -378,6 +378,13 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
         if lean:
             model = _without_layer_weights(gguf, config, torch_dtype)
         elif direct:
+            from core.kernels.quant import open_gguf
+
+            need = torch_dtype.itemsize * sum(int(np.prod(t.shape, dtype=np.int64)) for t in open_gguf(gguf))
+            if (room := available_memory()) is not None and need > room:
+                raise ModelLoadError(f"{gguf.name} needs about {need / 1e9:.1f} GB of memory in {torch_dtype} and "
+                                     f"{room / 1e9:.1f} GB is available: load it in bf16 (--dtype auto), or use a "
+                                     "smaller model")
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
             model.hf_quantizer = None  # de-quantized into torch_dtype as it loaded
             if hasattr(model.config, "quantization_config"):

@@ -296,6 +296,9 @@ def test_a_gguf_file_whose_fp32_copy_does_not_fit_loads_from_the_file_itself(tmp
     with pytest.raises(ModelLoadError, match=r"ok\.gguf is too large for its fp32 copy here, and is read from the file "
                                              r"only on the CPU without --load-in-4bit"):
         load_target(str(path), dtype="bfloat16", load_in_4bit=True)
+    with pytest.raises(ModelLoadError, match=r"ok\.gguf needs about 0\.1 GB of memory in torch\.float32 and 0\.1 GB is "
+                                             r"available: load it in bf16"):
+        load_target(str(path), dtype="float32")  # fp32 is what did not fit
     if native.kernel_isa() is None:
         pytest.skip("no native kernels on this CPU")
     prompt = [{"role": "user", "content": "Name three rivers in Europe."}]
