@@ -204,22 +204,39 @@ def _direct_folder(gguf: Path, out: Path, why: str) -> Path:
     """`gguf`'s config and tokenizer in `out` (no weights: load_target reads them from the file)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    print(f"Reading {gguf.name}'s weights from the file at every load ({why}) ...", flush=True)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def fill(tmp: Path) -> None:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         (tmp / GGUF_DIRECT).write_text(f"{gguf}\n{why}\n")
+
+    print(f"Reading {gguf.name}'s weights from the file at every load ({why}) ...", flush=True)
+    return _write_folder(gguf, out, fill)
+
+
+def _write_folder(gguf: Path, out: Path, fill) -> Path:
+    """`out` written by fill(folder) from `gguf` as a whole: into a `.partial` folder renamed into place, so an
+    interrupted or failed write never leaves a half folder; a file transformers cannot read is a ModelLoadError."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        fill(tmp)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"{gguf.name} could not be read as a model: {e}") from e
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def _without_gguf_quantizer(model):
+    """A model transformers loaded from a GGUF with its weights de-quantized: no GGUF quantizer or config left."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def available_memory() -> int | None:
@@ -243,23 +260,14 @@ def _converted(gguf: Path, out: Path, how_long: str) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"Converting {gguf.name} to safetensors ({how_long}) ...", flush=True)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def fill(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # the GGUF weights are already de-quantized to fp32 here
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
+        _without_gguf_quantizer(model).save_pretrained(tmp)  # the GGUF weights are de-quantized to fp32 here
         tok.save_pretrained(tmp)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelLoadError(f"{gguf.name} could not be read as a model: {e}") from e
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)  # atomic: an interrupted conversion never leaves a half folder in place
-    return out
+
+    print(f"Converting {gguf.name} to safetensors ({how_long}) ...", flush=True)
+    return _write_folder(gguf, out, fill)
 
 
 def gguf_source(name_or_path: str) -> Path | None:
@@ -385,10 +393,8 @@ def load_target(name_or_path: str = EMBEDDED, *, dtype: str | torch.dtype = "flo
                 raise ModelLoadError(f"{gguf.name} needs about {need / 1e9:.1f} GB of memory in {torch_dtype} and "
                                      f"{room / 1e9:.1f} GB is available: load it in bf16 (--dtype auto), or use a "
                                      "smaller model")
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
-            model.hf_quantizer = None  # de-quantized into torch_dtype as it loaded
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
+            model = _without_gguf_quantizer(  # de-quantized into torch_dtype as it loaded
+                AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs))
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -465,7 +471,7 @@ def with_layer_weights(target: LoadedModel) -> LoadedModel:
         return target
     from tqdm import tqdm
 
-    from core.kernels.quant import LAYER_TENSORS, open_gguf, rotary_row_order
+    from core.kernels.quant import layer_tensor_names, open_gguf, rotary_row_order
 
     tensors = {t.name: t for t in open_gguf(target.gguf)}
     config, params = target.model.config, dict(target.model.named_parameters())
@@ -477,9 +483,8 @@ def with_layer_weights(target: LoadedModel) -> LoadedModel:
                              "the native step (--weights auto on a CPU with AVX2), or use a smaller model")
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for i in tqdm(range(config.num_hidden_layers), desc=f"Reading {target.gguf.name}'s layers", unit="layer"):
-        for ours, theirs in LAYER_TENSORS.items():
-            part = "self_attn" if ours in heads or ours in ("v_proj", "o_proj") else "mlp"
-            key = f"model.layers.{i}.{part}.{ours}.weight"
-            w = _gguf_dense(tensors[f"blk.{i}.{theirs}.weight"], tuple(params[key].shape), target.dtype)
+        for key, name in layer_tensor_names(i).items():
+            ours = key.split(".")[-2]
+            w = _gguf_dense(tensors[name], tuple(params[key].shape), target.dtype)
             _set_param(target.model, key, w[rotary_row_order(w.shape[0], heads[ours])] if ours in heads else w)
     return replace(target, lean=False)

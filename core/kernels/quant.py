@@ -41,6 +41,12 @@ LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_
                  "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
+def layer_tensor_names(layer: int) -> dict[str, str]:
+    """Decoder layer `layer`'s linear weights: transformers' full parameter name -> the GGUF tensor name."""
+    return {f"model.layers.{layer}.{'self_attn' if theirs.startswith('attn') else 'mlp'}.{ours}.weight":
+            f"blk.{layer}.{theirs}.weight" for ours, theirs in LAYER_TENSORS.items()}
+
+
 class QuantWeightError(ValueError):
     """A GGUF tensor the native step cannot read; the message names it and what is supported."""
 
@@ -111,6 +117,16 @@ def _k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return (D, M) if np.isfinite(D).all() and np.isfinite(M).all() else None
 
 
+def nibble_bytes(codes: np.ndarray) -> np.ndarray:
+    """Codes (..., 32) -> GGUF's 16 bytes of low 4 bits (Q4's order: code i in byte i's low nibble, 16 + i high)."""
+    return (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
+
+
+def nibble_codes(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 16 bytes of 4-bit codes in Q4's order (..., 16) -> the codes (..., 32); nibble_bytes' inverse."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
 def q5_1_blocks(d: np.ndarray, m: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """fp16 d, m (B,) and 5-bit codes (B, 32) -> GGUF Q5_1 blocks (B, 24): d, m, the fifth bits (bit e of a
     little-endian uint32: code e's), then code i's low 4 bits in byte i's low nibble, code 16 + i's in its high."""
@@ -119,7 +135,7 @@ def q5_1_blocks(d: np.ndarray, m: np.ndarray, codes: np.ndarray) -> np.ndarray:
     out[:, 2:4] = m.astype(np.float16).reshape(-1, 1).view(np.uint8)
     bits = ((codes >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
     out[:, 4:8] = bits.sum(axis=1, dtype=np.uint32).astype("<u4").reshape(-1, 1).view(np.uint8)
-    out[:, 8:24] = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
+    out[:, 8:24] = nibble_bytes(codes)
     return out
 
 
@@ -132,7 +148,7 @@ def fifth_bits(qh: np.ndarray) -> np.ndarray:
 def q5_codes(raw: np.ndarray) -> np.ndarray:
     """GGUF Q5_0 / Q5_1 blocks' last 20 bytes (..., 20: the fifth bits, then the nibbles) -> codes (..., 32)."""
     qs = raw[..., 4:20]
-    return np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth_bits(raw[..., 0:4]) << 4)
+    return nibble_codes(qs) | (fifth_bits(raw[..., 0:4]) << 4)
 
 
 def q6_k_codes(b: np.ndarray) -> np.ndarray:
@@ -153,7 +169,7 @@ def q6_halves(d: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> np.ndarra
     out = np.empty((len(codes), 28), np.uint8)
     out[:, 0:2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
     out[:, 2:4] = scales.astype(np.int8).view(np.uint8)
-    out[:, 4:20] = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
+    out[:, 4:20] = nibble_bytes(codes)
     pairs = (codes >> 4).astype(np.uint64) << (2 * np.arange(32, dtype=np.uint64))
     out[:, 20:28] = pairs.sum(axis=1, dtype=np.uint64).astype("<u8").reshape(-1, 1).view(np.uint8)
     return out
@@ -163,7 +179,7 @@ def q6_halves_codes(raw: np.ndarray) -> np.ndarray:
     """Q6_HALVES blocks (..., 28) -> their codes (..., 32)."""
     qs = raw[..., 4:20]
     pairs = (raw[..., 20:28].copy().view("<u8") >> (2 * np.arange(32, dtype=np.uint64))) & 3
-    return np.concatenate([qs & 15, qs >> 4], axis=-1) | (pairs.astype(np.uint8) << 4)
+    return nibble_codes(qs) | (pairs.astype(np.uint8) << 4)
 
 
 def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
@@ -201,7 +217,7 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
         out = np.empty((len(b), 8, 20), np.uint8)
         out[:, :, 0:2] = D.view(np.uint8).reshape(-1, 8, 2)
         out[:, :, 2:4] = M.view(np.uint8).reshape(-1, 8, 2)
-        out[:, :, 4:] = codes[:, :, :16] | (codes[:, :, 16:] << 4)         # Q4_1's nibble order
+        out[:, :, 4:] = nibble_bytes(codes)                                # Q4_1's nibble order
         return Blocks(3, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q4_K")
     if tensor.type == T.Q5_0 and tensor.complete:
         b = data.reshape(-1, 22)
@@ -288,6 +304,20 @@ def tile_blocks(blocks: Blocks) -> Blocks:
     return Blocks(blocks.type, data, blocks.n, blocks.k, tiled=True)
 
 
+def x8_order(v: np.ndarray) -> np.ndarray:
+    """Bytes per row and block column (g, 16, kb, B) -> per block column (g, kb, 16 B) in csrc/gemm_x8.c's order:
+    vector t holds bytes 4t .. 4t + 3 of the 16 rows side by side (what one vpdpbusd multiplies)."""
+    g, _, kb, nb = v.shape
+    return v.reshape(g, 16, kb, nb // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 16 * nb)
+
+
+def x8_scales(a: np.ndarray) -> np.ndarray:
+    """fp16 per row and block column (g, 16, kb) -> per block column the 16 rows' values side by side (g, kb, 32
+    bytes)."""
+    g, _, kb = a.shape
+    return a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)
+
+
 def q8_unsigned(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 blocks (..., 34 bytes) -> their fp16 scales (...) and their codes as unsigned bytes
     u = q + 128 (..., 32), as the 8-bit-activation kernels read them."""
@@ -307,8 +337,6 @@ def pack_x8(blocks: Blocks) -> Blocks:
     g, kb, bs = blocks.n // 16, blocks.k // BLOCK, BLOCK_TYPES[blocks.type][1]
     raw = blocks.data.numpy().reshape(g, 16, kb, bs)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
-    per_block = lambda a: a.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)  # 16 fp16 of a block column
-    nibbles = lambda qs: qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256)  # Q4x8's order
 
     def plane(bit: np.ndarray) -> np.ndarray:  # one bit per code (g, 16, kb, 32) -> byte 4 j + b, bit t: code 4 t + b
         bits = bit.reshape(g, 16, kb, 8, 4)                                # (g, 16, kb, t, b)
@@ -317,14 +345,14 @@ def pack_x8(blocks: Blocks) -> Blocks:
 
     if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits
         m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
-        parts = [nibbles(qs), plane(fifth_bits(raw[..., 4:8])), per_block(d), per_block(m)]
+        parts = [x8_order(qs), plane(fifth_bits(raw[..., 4:8])), x8_scales(d), x8_scales(m)]
     elif blocks.type == Q6_HALVES:  # Q4x8's nibbles, planes of bits 4 and 5, d, then each half's 16 scales
         high = q6_halves_codes(raw) >> 4                                   # (g, 16, kb, 32)
         sc = raw[..., 2:4].transpose(0, 2, 3, 1).reshape(g, kb, 32)        # (g, kb, half, row)
-        parts = [nibbles(raw[..., 4:20]), plane(high & 1), plane(high >> 1), per_block(d), sc]
+        parts = [x8_order(raw[..., 4:20]), plane(high & 1), plane(high >> 1), x8_scales(d), sc]
     elif blocks.type == 8:
         codes = q8_unsigned(raw)[1]  # (g, 16, kb, 32)
-        parts = [codes.reshape(g, 16, kb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 512), per_block(d)]
+        parts = [x8_order(codes), x8_scales(d)]
     else:
         if blocks.type == 3:
             m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:20]
@@ -333,7 +361,7 @@ def pack_x8(blocks: Blocks) -> Blocks:
                 m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:18]
             if not np.isfinite(m).all():
                 raise QuantWeightError("a Q4_0 block scale too large for 8-bit activations (|d| * 8 overflows fp16)")
-        parts = [nibbles(qs), per_block(d), per_block(m)]
+        parts = [x8_order(qs), x8_scales(d), x8_scales(m)]
     data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
     return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k,
                   source=blocks.source)
@@ -349,14 +377,8 @@ def split_q8(blocks: Blocks) -> Blocks:
                                f"rows a multiple of 16, in file order)")
     g, kb = blocks.n // 16, blocks.k // BLOCK
     d, u = q8_unsigned(blocks.data.numpy().reshape(g, 16, kb, 34))                    # (g, 16, kb), (g, 16, kb, 32)
-
-    def nibbles(v: np.ndarray) -> np.ndarray:  # (g, 16, kb, 32) values < 16 -> (g, kb, 256), Q4x8's order
-        qs = v[..., :16] | (v[..., 16:] << 4)                                          # GGUF's Q4 byte order
-        return qs.reshape(g, 16, kb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, kb, 256)
-
-    scales = d.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, kb, 32)
-    hi = np.concatenate([nibbles(u >> 4), scales], axis=-1).reshape(-1)
-    data = np.concatenate([hi, nibbles(u & 15).reshape(-1)])
+    hi = np.concatenate([x8_order(nibble_bytes(u >> 4)), x8_scales(d)], axis=-1).reshape(-1)
+    data = np.concatenate([hi, x8_order(nibble_bytes(u & 15)).reshape(-1)])
     return Blocks(SPLIT, torch.from_numpy(np.ascontiguousarray(data)).view(1, -1), blocks.n, blocks.k)
 
 
@@ -528,9 +550,7 @@ def load_llama_blocks(path: Path, config, requantize: bool = False, prepare=None
     if "output.weight" in tensors:
         wanted.append(("lm_head.weight", "output.weight", (V, H)))
     for layer in range(config.num_hidden_layers):
-        for ours, theirs in LAYER_TENSORS.items():
-            part = "self_attn" if ours in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            wanted.append((f"model.layers.{layer}.{part}.{ours}.weight", f"blk.{layer}.{theirs}.weight", shapes[ours]))
+        wanted += [(key, name, shapes[key.split(".")[-2]]) for key, name in layer_tensor_names(layer).items()]
     slow = sum(1 for _, name, _ in wanted if name in tensors and tensors[name].type not in SUPPORTED)
     out = {}
     with tqdm(total=slow, desc=f"Repacking {path.name}'s other tensors", unit="tensor",

@@ -73,27 +73,27 @@ static inline void nibble_codes(const uint8_t *codes, __m512i *ops) {
     }
 }
 
-// One block column of a WT_Q5_X8 weight -> the 8 operand vectors (codes 0..31): nibble_codes' low 4 bits,
-// each byte's fifth bit from bit t of the plane's byte for operand vector t.
-static inline void q5_codes(const uint8_t *b, __m512i *ops) {
-    nibble_codes(b, ops);
+// A 64-byte plane of code bits (byte i, bit t: a bit of the code at byte i of operand vector t) ORed into
+// the 8 operand vectors as bit `bit` of each code byte.
+static inline void or_plane(const uint8_t *plane, int bit, __m512i *ops) {
     const __m512i one = _mm512_set1_epi8(1);
-    __m512i hb = _mm512_loadu_si512(b + 256);
+    __m512i p = _mm512_loadu_si512(plane);
     for (int t = 0; t < 8; t++)  // per 16-bit lane: the bit shifted in from the next byte is masked off
-        ops[t] = _mm512_or_si512(ops[t], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, t), one), 4));
+        ops[t] = _mm512_or_si512(ops[t], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(p, t), one), bit));
 }
 
-// One block column of a WT_Q6_X8 weight -> the 8 operand vectors (codes 0..63): nibble_codes' low 4 bits,
-// bits 4 and 5 from bit t of the two planes' bytes for operand vector t.
-static inline void q6_codes(const uint8_t *b, __m512i *ops) {
+// One block column of a WT_Q5_X8 weight -> the 8 operand vectors (codes 0..31): nibble_codes' low 4 bits,
+// the fifth from the plane after them.
+static inline void q5_codes(const uint8_t *b, __m512i *ops) {
     nibble_codes(b, ops);
-    const __m512i one = _mm512_set1_epi8(1);
-    __m512i p4 = _mm512_loadu_si512(b + 256), p5 = _mm512_loadu_si512(b + 320);
-    for (int t = 0; t < 8; t++) {
-        __m512i b4 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(p4, t), one), 4);
-        __m512i b5 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(p5, t), one), 5);
-        ops[t] = _mm512_or_si512(ops[t], _mm512_or_si512(b4, b5));
-    }
+    or_plane(b + 256, 4, ops);
+}
+
+// One block column of a WT_Q6_X8 weight -> the 8 operand vectors (codes 0..63): q5_codes' five bits, the
+// sixth from the second plane.
+static inline void q6_codes(const uint8_t *b, __m512i *ops) {
+    q5_codes(b, ops);
+    or_plane(b + 320, 5, ops);
 }
 
 // A thread reads its share of a layer's 4-bit weights front to back, group after group; each block
@@ -193,16 +193,23 @@ static inline void quantize_into(const uint16_t *x, int64_t ldx, int K, const qr
 
 static inline __m512i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
-// One block's 16 integer sums: ops[r] holds K positions 4r..4r+3 of the 16 output rows (unsigned
-// bytes), qx the row's 32 signed codes; two chains of four vpdpbusd, then their sum (exact).
+// One block's 16 integer sums per half of its K positions (s[0]: 0-15, s[1]: 16-31; Q6's two scales): ops[r]
+// holds K positions 4r..4r+3 of the 16 output rows (unsigned bytes), qx the row's 32 signed codes; two chains of
+// four vpdpbusd. block_isum: their sum (exact).
 #ifndef EAGLE_AVX2
-static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
+static inline void block_isum_halves(const __m512i *ops, const int8_t *qx, __m512i *s) {
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int p = 0; p < 4; p++) {
         s0 = _mm512_dpbusd_epi32(s0, ops[p], bcast4(qx + 4 * p));
         s1 = _mm512_dpbusd_epi32(s1, ops[4 + p], bcast4(qx + 16 + 4 * p));
     }
-    return _mm512_add_epi32(s0, s1);
+    s[0] = s0;
+    s[1] = s1;
+}
+static inline __m512i block_isum(const __m512i *ops, const int8_t *qx) {
+    __m512i s[2];
+    block_isum_halves(ops, qx, s);
+    return _mm512_add_epi32(s[0], s[1]);
 }
 #define block_isum_nibbles block_isum  // codes below 16 (Q4, the screen's h): the same instructions
 #define block_isum_q5 block_isum       // and below 32 (Q5)
@@ -239,18 +246,7 @@ static inline __m512i block_isum_q5(const __m512i *ops, const int8_t *qx) {
 }
 #endif
 
-// One block's 16 integer sums per half of its K positions (s[0]: 0-15, s[1]: 16-31), for Q6's two scales.
-#ifndef EAGLE_AVX2
-static inline void block_isum_halves(const __m512i *ops, const int8_t *qx, __m512i *s) {
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-    for (int p = 0; p < 4; p++) {
-        s0 = _mm512_dpbusd_epi32(s0, ops[p], bcast4(qx + 4 * p));
-        s1 = _mm512_dpbusd_epi32(s1, ops[4 + p], bcast4(qx + 16 + 4 * p));
-    }
-    s[0] = s0;
-    s[1] = s1;
-}
-#else
+#ifdef EAGLE_AVX2
 // Codes below 64: a vpmaddubsw pair is at most 2 x 63 x 127 = 16,002, so two vectors add up in 16 bits
 // (<= 32,004) before vpmaddwd widens them: operand vectors t0 .. t0 + 3 (K positions 4 t0 ..), rows of `half`.
 static inline __m256i isum_codes6(const __m256i *o, int half, const int8_t *qx, int t0) {
@@ -657,7 +653,15 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
     return 0;
 }
 
-// Row n of an X8 weight as bf16: the converter's values (Q4, Q5: bf16(d q + m); Q8: bf16(d q)),
+// Row j's code at element e of a Q5_X8 / Q6_X8 block column b (planes: 1 or 2 planes of high bits): the nibble
+// (e >= 16: high) of byte 64 ((e % 16) / 4) + 4 j + e % 4, bit 4 + c from bit e / 4 of plane c's byte 4 j + e % 4.
+static inline int plane_code(const uint8_t *b, int j, int e, int planes) {
+    int byte = 4 * j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
+    for (int c = 0; c < planes; c++) u |= ((b[256 + 64 * c + byte] >> (e / 4)) & 1) << (4 + c);
+    return u;
+}
+
+// Row n of an X8 weight as bf16: the converter's values (Q4, Q5: bf16(d q + m); Q6: bf16(d s (q - 32)); Q8: bf16(d q)),
 // for the embedding lookup and the prefill's dequantized copy.
 void x8_row(const wmat *w, int64_t n, uint16_t *out) {
     int KB = w->K / 32, gb = x8_group_bytes(w->type);
@@ -666,33 +670,26 @@ void x8_row(const wmat *w, int64_t n, uint16_t *out) {
         for (int kb = 0; kb < KB; kb++) q4x8_block(w, g, kb, (int)j, 1, out + 32 * kb, 0);
         return;
     }
-    if (w->type == WT_Q5_X8) {  // element e: nibble (e >= 16: high) of byte 64 ((e % 16) / 4) + 4 j + e % 4, fifth
-        for (int kb = 0; kb < KB; kb++) {  // bit: bit e / 4 of plane byte 4 j + e % 4; d u exact, + m rounds once
+    if (w->type == WT_Q5_X8) {  // d u exact, + m rounds once
+        for (int kb = 0; kb < KB; kb++) {
             const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
             uint16_t dh, mh;
             memcpy(&dh, b + 320 + 2 * j, 2);
             memcpy(&mh, b + 352 + 2 * j, 2);
             float d = _cvtsh_ss(dh), m = _cvtsh_ss(mh);
-            for (int e = 0; e < 32; e++) {
-                int byte = 4 * (int)j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
-                u |= ((b[256 + byte] >> (e / 4)) & 1) << 4;
-                out[32 * kb + e] = to_bf16(d * (float)u + m);
-            }
+            for (int e = 0; e < 32; e++) out[32 * kb + e] = to_bf16(d * (float)plane_code(b, (int)j, e, 1) + m);
         }
         return;
     }
-    if (w->type == WT_Q6_X8) {  // Q5's nibble and plane bit, bit 5 from the second plane; d (s (u - 32)) exact in fp32
+    if (w->type == WT_Q6_X8) {  // d (s (u - 32)) exact in fp32
         for (int kb = 0; kb < KB; kb++) {
             const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
             uint16_t dh;
             memcpy(&dh, b + 384 + 2 * j, 2);
             float d = _cvtsh_ss(dh);
             int s0 = (int8_t)b[416 + j], s1 = (int8_t)b[432 + j];
-            for (int e = 0; e < 32; e++) {
-                int byte = 4 * (int)j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
-                u |= ((b[256 + byte] >> (e / 4)) & 1) << 4 | ((b[320 + byte] >> (e / 4)) & 1) << 5;
-                out[32 * kb + e] = to_bf16(d * (float)((e < 16 ? s0 : s1) * (u - 32)));
-            }
+            for (int e = 0; e < 32; e++)
+                out[32 * kb + e] = to_bf16(d * (float)((e < 16 ? s0 : s1) * (plane_code(b, (int)j, e, 2) - 32)));
         }
         return;
     }
