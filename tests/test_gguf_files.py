@@ -1,7 +1,7 @@
 """A local GGUF file as the model: converted once, served from its own blocks by the native step (other
-tensor types converted and named: Q4_K as Q4_1, Q5_0 and Q5_K as Q5_1, Q6_K as 6-bit blocks, the rest requantized
-to Q8_0), greedy
-speculation still equal to plain decoding, and clear errors for files that are not what they claim."""
+tensor types converted and named: Q4_K and Q5_K as their own super-blocks, Q5_0 as Q5_1, Q6_K as 6-bit blocks,
+the rest requantized to Q8_0), greedy speculation still equal to plain decoding, and clear errors for files that
+are not what they claim."""
 
 import numpy as np
 import pytest
@@ -131,64 +131,53 @@ def test_tensors_of_other_types_reach_the_kernels_where_asked(tmp_path):
     assert np.array_equal(quants.dequantize(big.data.numpy(), T.Q8_0), quants.dequantize(raw, T.Q5_0))
 
 
-def random_q4_k(gen, n: int, k: int) -> np.ndarray:
-    """n x k values as random Q4_K super-blocks (any bytes are one): fp16 d and dmin, 12 bytes of packed
-    six-bit scales and mins, 128 bytes of 4-bit codes."""
-    b = gen.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
-    b[:, 0:4] = gen.uniform(1e-4, 2e-2, (len(b), 2)).astype(np.float16).view(np.uint8)
-    return b.reshape(n, -1)
-
-
-def test_q4_k_is_repacked_as_q4_1_with_its_own_codes():
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quants_reach_the_kernels_as_their_own_super_blocks_exactly(kind):
+    """Q4_K and Q5_K: kept as the file's super-blocks and packed with their own d, dmin, six-bit scales and
+    minimums (WT_Q4K_X8, WT_Q5K_X8), so their values are gguf's dequantization exactly (no scale rounded to fp16),
+    in the file's bytes plus 4 per 256 values; the test's encoder (tests/test_step.k_quantize) writes what gguf
+    reads."""
+    kt, size, bits = T[kind], quant.K_SUPER[int(T[kind])], 4 if kind == "Q4_K" else 5
     gen = np.random.default_rng(8)
-    raw = random_q4_k(gen, 32, 512)
-    tensor = quant.GGUFTensor("blk.0.ffn_down.weight", int(T.Q4_K), (512, 32), raw.reshape(-1))
-    with pytest.raises(quant.QuantWeightError, match="has type Q4_K"):
-        quant.read_blocks(tensor, 32, 512)
-    b = quant.read_blocks(tensor, 32, 512, requantize=True)
-    assert (b.type_name, b.source, tuple(b.data.shape)) == ("Q4_1", "Q4_K", (32, 512 // 32 * 20))
-    ref = quants.dequantize(raw, T.Q4_K)                      # d sc q - dmin m, fp32 (llama.cpp's formula)
-    ours = quants.dequantize(b.data.numpy(), T.Q4_1)          # D q + M, D and M in fp16
-    scale = np.abs(ref).reshape(32, -1, 32).max(-1).repeat(32, -1) + 1e-30
-    err = np.abs(ours - ref) / scale
-    assert err.max() <= 2 ** -9 and err.mean() < 2 ** -12, (err.max(), err.mean())  # the scales' fp16 rounding
-    codes = b.data.numpy().reshape(32, -1, 20)[:, :, 4:]     # the file's 4-bit codes, unchanged
-    nib = np.concatenate([codes & 15, codes >> 4], axis=-1).reshape(32, -1, 32)
-    qs = raw.reshape(32, 2, 144)[:, :, 16:].reshape(32, 2, 4, 32)
-    theirs = np.stack([qs & 15, qs >> 4], axis=3).reshape(32, -1, 32)
-    assert np.array_equal(nib, theirs)
-    # a tensor whose sub-block scales d sc overflow fp16 (2,000 x 63) is requantized to Q8_0 instead
-    raw.reshape(-1, 144)[:, 0:2] = np.full((len(raw) * 2, 1), 2000, np.float16).view(np.uint8)
-    raw.reshape(-1, 144)[:, 4:16] = 255
-    big = quant.read_blocks(quant.GGUFTensor("w", int(T.Q4_K), (512, 32), raw.reshape(-1)), 32, 512, requantize=True)
-    assert (big.type_name, big.source) == ("Q8_0", "Q4_K")
-
-
-def test_q5_k_and_q5_1_reach_the_kernels_as_5_bit_blocks_with_their_own_codes():
-    """Q5_K: each 32-value sub-block d sc u - dmin m (u = the 4 low bits plus a fifth from qh) is a Q5_1 block
-    with D = d sc and M = -dmin m rounded to fp16; Q5_1 as it is. Both then multiply on WT_Q5_X8."""
-    gen = np.random.default_rng(9)
-    raw = gen.integers(0, 256, (32 * 512 // 256, 176), dtype=np.uint8)  # any bytes are Q5_K super-blocks
+    raw = gen.integers(0, 256, (32 * 512 // 256, size), dtype=np.uint8)  # any bytes with finite d, dmin are one
     raw[:, 0:4] = gen.uniform(1e-4, 2e-2, (len(raw), 2)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(32, -1)
-    b = quant.read_blocks(quant.GGUFTensor("w", int(T.Q5_K), (512, 32), raw.reshape(-1)), 32, 512, requantize=True)
-    assert (b.type_name, b.source, tuple(b.data.shape)) == ("Q5_1", "Q5_K", (32, 512 // 32 * 24))
-    ref = quants.dequantize(raw, T.Q5_K)                      # llama.cpp's formula, fp32
-    ours = quants.dequantize(b.data.numpy(), T.Q5_1)          # D u + M, D and M in fp16
-    scale = np.abs(ref).reshape(32, -1, 32).max(-1).repeat(32, -1) + 1e-30
-    err = np.abs(ours - ref) / scale
-    assert err.max() <= 2 ** -9 and err.mean() < 2 ** -12, (err.max(), err.mean())  # the scales' fp16 rounding
-    sb = raw.reshape(32, 2, 176)                               # the file's codes, unchanged: sub-block s of a
-    ql, qh = sb[..., 48:].reshape(32, 2, 4, 32), sb[..., 16:48]  # super-block: nibble s % 2 of chunk s // 2, bit s
-    low = np.stack([ql & 15, ql >> 4], axis=3).reshape(32, 2, 8, 32)
-    high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
-    assert np.array_equal(quant.q5_codes(b.data.numpy().reshape(32, -1, 24)[..., 4:]),
-                          (low | (high << 4)).reshape(32, -1, 32))
+    tensor = quant.GGUFTensor("blk.0.ffn_down.weight", int(kt), (512, 32), raw.reshape(-1))
+    with pytest.raises(quant.QuantWeightError, match=f"has type {kind}"):
+        quant.read_blocks(tensor, 32, 512)
+    b = quant.read_blocks(tensor, 32, 512, requantize=True)
+    assert (b.type_name, b.source, tuple(b.data.shape)) == (kind, kind, (32, 512 // 256 * size))
+    assert np.array_equal(b.data.numpy(), raw)
+    sb = raw.reshape(32, 2, size)                              # the codes, decoded here on their own: sub-block s
+    qs = sb[..., -128:].reshape(32, 2, 4, 32)                  # of a super-block: nibble s % 2 of chunk s // 2 ...
+    codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(32, 2, 8, 32)
+    if kind == "Q5_K":                                         # ... and Q5_K's bit s of qh[l]
+        codes |= ((sb[..., 16:48][:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1) << 4
+    assert np.array_equal(quant.k_quant_codes(sb), codes)
+    ref = quants.dequantize(raw, kt)                          # d sc u - dmin m, fp32 (llama.cpp's formula)
     packed = quant.pack_x8(b)  # kept: the wmat points into its bytes
-    assert torch.equal(native.dequantize(native.wmat(blocks=packed)), torch.from_numpy(ours).bfloat16())
+    assert (packed.type_name, packed.nbytes) == (f"Q{bits}Kx8", 32 * 512 // 256 * (size + 4))
+    assert torch.equal(native.dequantize(native.wmat(blocks=packed)), torch.from_numpy(ref).bfloat16())
+    # a damaged tensor (a d that is not finite) is refused by name
+    raw.reshape(-1, size)[:, 0:2] = np.full((len(raw) * 2, 1), np.inf, np.float16).view(np.uint8)
+    with pytest.raises(quant.QuantWeightError, match="GGUF tensor w holds values that are not finite"), \
+            np.errstate(invalid="ignore"):
+        quant.read_blocks(quant.GGUFTensor("w", int(kt), (512, 32), raw.reshape(-1)), 32, 512, requantize=True)
+    values = gen.normal(size=(32, 512)).astype(np.float32)
+    back = quants.dequantize(quantize(values, kt), kt)
+    v = values.reshape(32, -1, 32)
+    step = (v.max(-1) - np.minimum(v.min(-1), 0)) / (2 ** bits - 1)  # the encoder's step per 32 values
+    assert np.all(np.abs(back - values).reshape(32, -1, 32) <= step[..., None] * 0.75), np.abs(back - values).max()
+
+
+def test_q5_1_reaches_the_kernels_as_it_is():
+    gen = np.random.default_rng(9)
     five = quants.quantize(gen.normal(size=(32, 512)).astype(np.float32), T.Q5_1)
     same = quant.read_blocks(quant.GGUFTensor("w", int(T.Q5_1), (512, 32), five.reshape(-1)), 32, 512, requantize=True)
     assert (same.type_name, same.source) == ("Q5_1", "Q5_1") and np.array_equal(same.data.numpy(), five)
+    packed = quant.pack_x8(same)  # kept: the wmat points into its bytes
+    assert torch.equal(native.dequantize(native.wmat(blocks=packed)),
+                       torch.from_numpy(quants.dequantize(five, T.Q5_1)).bfloat16())
 
 
 def test_q6_k_reaches_the_kernels_as_6_bit_blocks_exactly():

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not native.status().available,
 
 TYPES = {"Q4_1": GGMLQuantizationType.Q4_1, "Q4_0": GGMLQuantizationType.Q4_0, "Q8_0": GGMLQuantizationType.Q8_0,
          "Q5_1": GGMLQuantizationType.Q5_1, "Q5_0": GGMLQuantizationType.Q5_0,  # Q5, Q6: 8-bit activations only
-         "Q6_K": GGMLQuantizationType.Q6_K}                                      # (test_w4a8)
+         "Q6_K": GGMLQuantizationType.Q6_K, "Q4_K": GGMLQuantizationType.Q4_K,   # (test_w4a8)
+         "Q5_K": GGMLQuantizationType.Q5_K}
 
 
 def q6_k_quantize(values: np.ndarray) -> np.ndarray:
@@ -48,9 +49,40 @@ def q6_k_quantize(values: np.ndarray) -> np.ndarray:
     return out.reshape(n, -1)
 
 
+def k_quantize(values: np.ndarray, bits: int = 4) -> np.ndarray:
+    """(n, k) fp32 values (k % 256 == 0) -> Q4_K (bits 4) or Q5_K (5) super-blocks (n, k / 256 * 144 or 176), which
+    gguf can read but not write: per 32 values a step s = (max - min(0, min)) / (2^bits - 1) and an offset o =
+    -min(0, min), as d sc and dmin mn (fp16 d, dmin per 256, six-bit sc, mn), codes u = round((v + dmin mn) / (d
+    sc)) in 0 .. 2^bits - 1."""
+    n, top = values.shape[0], 2 ** bits - 1
+    v = values.reshape(-1, 8, 32).astype(np.float32)                            # (B, sub-block, 32)
+    lo = np.minimum(v.min(-1), 0)
+    s, o = (v.max(-1) - lo) / top, -lo                                          # (B, 8)
+    d, dmin = (s.max(-1) / 63).astype(np.float16), (o.max(-1) / 63).astype(np.float16)   # (B,)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(s, df, out=np.zeros_like(s), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(np.divide(o, mf, out=np.zeros_like(o), where=mf > 0)), 0, 63).astype(np.uint8)
+    step, off = (df * sc)[..., None], (mf * mn)[..., None]
+    u = np.clip(np.rint(np.divide(v + off, step, out=np.zeros_like(v), where=step > 0)), 0, top).astype(np.uint8)
+    out = np.empty((len(v), 144 if bits == 4 else 176), np.uint8)
+    out[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = dmin.reshape(-1, 1).view(np.uint8)
+    out[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)                           # k_scales_mins' inverse
+    out[:, 8:12] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    out[:, -128:] = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c, 2c + 1
+    if bits == 5:                                                               # qh[l], bit s: sub-block s's fifth bit
+        out[:, 16:48] = ((u >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=1, dtype=np.uint8)
+    return out.reshape(n, -1)
+
+
 def quantize(values: np.ndarray, kind) -> np.ndarray:
-    """gguf's quantization, and q6_k_quantize for Q6_K."""
-    return q6_k_quantize(values) if kind == GGMLQuantizationType.Q6_K else quants.quantize(values, kind)
+    """gguf's quantization, and our own encoders for Q6_K, Q4_K and Q5_K (gguf reads them, but cannot write them)."""
+    if kind == GGMLQuantizationType.Q6_K:
+        return q6_k_quantize(values)
+    if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        return k_quantize(values, 4 if kind == GGMLQuantizationType.Q4_K else 5)
+    return quants.quantize(values, kind)
 
 
 def random_tree(gen: torch.Generator, size: int, vocab: int):
@@ -60,13 +92,13 @@ def random_tree(gen: torch.Generator, size: int, vocab: int):
 
 def quantized_llama(kind: str, tiled: bool) -> tuple[torch.nn.Module, dict]:
     """wide_llama whose linear weights are GGUF blocks of `kind` (quantized by the gguf package),
-    the model holding their dequantization rounded to bf16, as the embedded model's copy does. Q6_K:
+    the model holding their dequantization rounded to bf16, as the embedded model's copy does. Q4_K, Q5_K, Q6_K:
     the weights whose K is a multiple of 256 (the down projections, as in a Q4_K_M file), Q4_1 the others."""
     model = wide_llama()
     blocks = {}
     for name, p in model.named_parameters():
         if name.endswith("proj.weight"):
-            t = TYPES[kind if kind != "Q6_K" or p.shape[1] % 256 == 0 else "Q4_1"]
+            t = TYPES[kind if not kind.endswith("_K") or p.shape[1] % 256 == 0 else "Q4_1"]
             raw = quantize(p.float().numpy(), t)  # (N, K // 32 * block bytes) uint8
             p.copy_(torch.from_numpy(quants.dequantize(raw, t)).to(torch.bfloat16))
             b = quant.Blocks(int(t), torch.from_numpy(raw.copy()), *p.shape)

@@ -50,9 +50,16 @@ def reference(x: torch.Tensor, b: quant.Blocks) -> np.ndarray:
     q = np.clip(np.rint((xf * inv).astype(np.float32)), -127, 127).astype(np.int64)
     d = (amax / np.float32(127)).astype(np.float32)[..., 0].astype(np.float64)   # (M, KB)
     n, kb, bs = b.n, b.k // 32, quant.BLOCK_TYPES[b.type][1]
-    raw = b.data.numpy().reshape(n, kb, bs)
+    k_quant = b.type in quant.K_SUPER
+    raw = b.data.numpy().reshape(n, -1, quant.K_SUPER[b.type]) if k_quant else b.data.numpy().reshape(n, kb, bs)
     dw = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)      # (N, KB)
-    if b.type == quant.Q5_1:                                                     # d u + m, u in 0..31
+    if k_quant:                                                                  # d sc u - dmin mn per 32 values
+        sc, mn = quant.k_scales_mins(raw[..., 4:16])                             # (N, KB / 8, 8)
+        dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        mw = (-dmin[..., None] * mn).reshape(n, kb)
+        dw = (dw[..., None] * sc).reshape(n, kb)
+        qw = quant.k_quant_codes(raw).reshape(n, kb, 32).astype(np.int64)
+    elif b.type == quant.Q5_1:                                                     # d u + m, u in 0..31
         qw = quant.q5_codes(raw[..., 4:24]).astype(np.int64)
         mw = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
     elif b.type == quant.Q6_HALVES:                                              # d s (u - 32), s per 16 values
@@ -68,18 +75,20 @@ def reference(x: torch.Tensor, b: quant.Blocks) -> np.ndarray:
     return (isum * dw[None] * d[:, None] + mw[None] * (d * q.sum(-1))[:, None]).sum(-1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_1", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0", "Q5_1", "Q5_0", "Q6_K", "Q4_K", "Q5_K"])
 def test_packed_blocks_hold_the_same_weights_and_multiply_as_defined(kind):
-    """Q5_0 and Q5_1 (and Q5_K, tests/test_gguf_files.py) reach the kernels as Q5_1 blocks: 5-bit codes in
-    Q4's nibble order plus a plane of fifth bits; Q6_K as Q6_HALVES blocks: two planes of high bits and a scale
-    per 16 values. Their values are the file's (gguf's dequantization) exactly."""
+    """Q5_0 and Q5_1 reach the kernels as Q5_1 blocks: 5-bit codes in Q4's nibble order plus a plane of fifth
+    bits; Q6_K as Q6_HALVES blocks: two planes of high bits and a scale per 16 values; Q4_K and Q5_K as their own
+    super-blocks (a header of d and dmin, a byte per six-bit scale and minimum); Q4_0 with d alone. Their values
+    are the file's (gguf's dequantization) exactly."""
     model, blocks = quantized_llama(kind, tiled=False)
     params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(3)
     for name, b in [(n, b) for n, b in blocks.items() if b.type == int(TYPES[kind])][:4]:
         b = as_loaded(b)
         packed = quant.pack_x8(b)
-        assert packed.nbytes <= b.nbytes + b.n * (b.k // 32) * 2  # Q4_0 gains its minimum, nothing more
+        extra = b.n * (b.k // 256) * 4 if kind.endswith("_K") and kind != "Q6_K" else 0  # a byte per six-bit scale
+        assert packed.nbytes == b.nbytes + extra, (packed.nbytes, b.nbytes)
         assert torch.equal(native.dequantize(native.wmat(blocks=packed)), params[name])  # gguf's values, in bf16
         x = torch.randn(6, b.k, generator=gen).bfloat16()
         x[0, 5] = 40.0  # an outlier: its block's scale, not the row's
@@ -102,10 +111,14 @@ def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
     model, blocks, packed = x8_model("Q4_1")
     packed["five"] = x8_model("Q5_1")[2]["model.layers.0.mlp.up_proj.weight"]  # Q5, Q6: VNNI at every row count
     packed["six"] = x8_model("Q6_K")[2]["model.layers.0.mlp.down_proj.weight"]
-    assert (packed["five"].type_name, packed["six"].type_name) == ("Q5x8", "Q6x8")
+    packed["q4k"] = x8_model("Q4_K")[2]["model.layers.0.mlp.down_proj.weight"]
+    packed["q40"] = x8_model("Q4_0")[2]["model.layers.0.mlp.up_proj.weight"]
+    packed["q5k"] = x8_model("Q5_K")[2]["model.layers.0.mlp.down_proj.weight"]
+    kinds = ("five", "six", "q4k", "q40", "q5k")
+    assert [packed[k].type_name for k in kinds] == ["Q5x8", "Q6x8", "Q4Kx8", "Q40x8", "Q5Kx8"]
     gen = torch.Generator().manual_seed(5)
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
-                 "five", "six"):
+                 *kinds):
         w = native.wmat(blocks=packed[name])
         x = torch.randn(40, w.K, generator=gen).bfloat16()
         alone = torch.cat([native.linear_w(x[i:i + 1], w) for i in range(40)])
@@ -119,7 +132,8 @@ def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
             native.set_x8_amx(had)
 
 
-@pytest.mark.parametrize("kind,bits", [("Q4_1", "4"), ("Q4_0", "4"), ("Q5_0", "5"), ("Q6_K", "4/6")])
+@pytest.mark.parametrize("kind,bits", [("Q4_1", "4"), ("Q4_0", "4"), ("Q5_0", "5"), ("Q6_K", "4/6"), ("Q4_K", "4"),
+                                       ("Q5_K", "4/5")])
 def test_step_on_w4a8_equals_the_transformers_path_alone_and_in_random_trees(kind, bits):
     model, _, packed = x8_model(kind)
     step = NativeStep(model, packed, "test")

@@ -25,16 +25,21 @@ SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 # our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
 SPLIT = 102  # split_q8's layout (csrc/weights.h WT_Q8_SPLIT)
-X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384), 104: ("Q6x8", 448)}
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384), 104: ("Q6x8", 448),
+      105: ("Q4Kx8", 296), 107: ("Q40x8", 288), 108: ("Q5Kx8", 360)}
 # GGUF's Q5_1 (fp16 d, fp16 m, 32 fifth bits, 16 bytes of low nibbles): what Q5_0, Q5_1 and Q5_K tensors are read
 # as for 8-bit activations (repacked; never on the bf16-exact q4 path)
 Q5_1 = 7
 # GGUF's Q6_K cut into blocks of 32 values (our own block, not a GGUF type; q6_halves): fp16 d, the two 16-value
 # sub-blocks' int8 scales, 16 bytes of low nibbles (Q4's byte order), 8 bytes of the codes' two high bits
 Q6_HALVES = 106
-X8_OF = {2: 100, 3: 100, 8: 101, Q5_1: 103, Q6_HALVES: 104}  # the block type each is packed from
-X8_BITS = {100: 4, 103: 5, 104: 6, 101: 8, SPLIT: 8}  # each layout's weight code width
-BLOCK_TYPES = {**SUPPORTED, Q5_1: ("Q5_1", 24), Q6_HALVES: ("Q6_K", 28)}  # every block a Blocks may hold: (name, bytes)
+# GGUF's Q4_K and Q5_K as they are (144- and 176-byte super-blocks of 256 values: 18 and 22 bytes per 32), read only
+# for 8-bit activations
+Q4_K, Q5_K = 12, 13
+K_SUPER = {Q4_K: 144, Q5_K: 176}  # bytes per 256 values
+X8_OF = {2: 107, 3: 100, 8: 101, Q5_1: 103, Q6_HALVES: 104, Q4_K: 105, Q5_K: 108}  # the layout each type is packed in
+X8_BITS = {100: 4, 107: 4, 105: 4, 103: 5, 108: 5, 104: 6, 101: 8, SPLIT: 8}  # each layout's weight code width
+BLOCK_TYPES = {**SUPPORTED, Q5_1: ("Q5_1", 24), Q6_HALVES: ("Q6_K", 28), Q4_K: ("Q4_K", 18), Q5_K: ("Q5_K", 22)}
 
 # transformers' parameter name (per layer) -> the GGUF tensor name
 LAYER_TENSORS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -77,8 +82,8 @@ def _supported_text() -> str:
 
 def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) -> Blocks:
     """A GGUF tensor (open_gguf's) -> Blocks, checked against the expected (n, k). requantize: a type
-    the kernels do not read (SUPPORTED) comes back in one they do instead of raising: Q4_K as Q4_1,
-    Q5_0, Q5_1 and Q5_K as Q5_1, Q6_K as Q6_HALVES (repacked: the same codes), any other type gguf
+    the kernels do not read (SUPPORTED) comes back in one they do instead of raising: Q4_K and Q5_K as they
+    are, Q5_0 and Q5_1 as Q5_1, Q6_K as Q6_HALVES (repacked: the same codes), any other type gguf
     de-quantizes (F16, Q3_K, ...) as Q8_0 blocks of its values (requantized_q8)."""
     name, kind = tensor.name, tensor.type
     if kind not in SUPPORTED and not requantize:
@@ -98,23 +103,16 @@ def read_blocks(tensor: "GGUFTensor", n: int, k: int, requantize: bool = False) 
 
 
 # how a tensor of another type reaches the kernels (read_blocks' requantize), as the step's text says it
-REPACKED = {"Q4_K": "as Q4_1 (their scales rounded to fp16)", "Q5_0": "as Q5_1 (exactly)",
-            "Q5_1": "as 5-bit blocks", "Q5_K": "as Q5_1 (their scales rounded to fp16)",
+REPACKED = {"Q4_K": "as 4-bit blocks with their own scales (exactly)", "Q5_0": "as Q5_1 (exactly)",
+            "Q5_1": "as 5-bit blocks", "Q5_K": "as 5-bit blocks with their own scales (exactly)",
             "Q6_K": "as 6-bit blocks (exactly)"}
 
 
-def _k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Q4_K / Q5_K super-blocks (B, bytes: fp16 d, dmin, 12 bytes of six-bit scales and mins) -> each 32-value
-    sub-block's D = d*sc and M = -dmin*m rounded to fp16 (B, 8) (exact in fp32 first); None where one does not
-    fit fp16."""
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)           # (B, 1)
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    s = b[:, 4:16]
-    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)  # (B, 8)
-    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        D, M = (d * sc).astype(np.float16), (-(dmin * mn)).astype(np.float16)
-    return (D, M) if np.isfinite(D).all() and np.isfinite(M).all() else None
+def k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks' 12 bytes of six-bit scales and minimums (..., 12) -> sc, mn (..., 8), uint8."""
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
 
 
 def nibble_bytes(codes: np.ndarray) -> np.ndarray:
@@ -183,15 +181,14 @@ def q6_halves_codes(raw: np.ndarray) -> np.ndarray:
 
 
 def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
-    """A Q4_K, Q5_0, Q5_1 or Q5_K tensor as blocks the kernels read, keeping its integer codes; None for
+    """A Q4_K, Q5_0, Q5_1, Q5_K or Q6_K tensor as blocks the kernels read, keeping its integer codes; None for
     other types, a damaged tensor, or scales that do not fit (requantized_q8 serves those).
-    - Q4_K (256 values: fp16 d, dmin, 8 six-bit scales and mins, 4-bit codes): each 32-value
-      sub-block is d*sc*q - dmin*m, a Q4_1 block (D q + M) with D = d*sc and M = -dmin*m rounded to fp16
-      (a relative 2^-11 at most, a tenth of what requantizing the values to Q8_0 moves them); half the
-      bytes of Q8_0.
+    - Q4_K (256 values: fp16 d, dmin, 8 six-bit scales and mins, 4-bit codes: d sc q - dmin mn) and Q5_K (the
+      same with a fifth bit per code): as they are, on csrc/gemm_x8.c's WT_Q4K_X8 / WT_Q5K_X8 (the file's values
+      exactly, in its 4.5 / 5.5 bits a weight plus an eighth).
     - Q5_0 (fp16 d, 5-bit codes u: d (u - 16)): a Q5_1 block with m = -16 d, exactly (where -16 d fits fp16;
       else the same d and codes u - 16 as a Q8_0 block, exactly).
-    - Q5_1: as it is. Q5_K (as Q4_K with a fifth bit per code): each sub-block a Q5_1 block, D and M as Q4_K's.
+    - Q5_1: as it is.
     The 5-bit blocks take 24 bytes per 32 values (Q8_0: 34) and run on their own kernel (csrc/gemm_x8.c
     WT_Q5_X8).
     - Q6_K (256 values: fp16 d, 16 int8 scales, 6-bit codes u: d sc (u - 32)): each 32 values a Q6_HALVES block
@@ -207,18 +204,12 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
         scales = b[:, 192:208].view(np.int8).reshape(-1, 8, 2)             # (B, block, half)
         out = q6_halves(np.repeat(d, 8), scales.reshape(-1, 2), q6_k_codes(b).reshape(-1, 32))
         return Blocks(Q6_HALVES, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q6_K")
-    if tensor.type == T.Q4_K and k % 256 == 0 and tensor.complete:
-        b = data.reshape(-1, 144)                                         # (B, 144) super-blocks
-        qs = b[:, 16:144].reshape(-1, 4, 32)
-        if (scales := _k_sub_scales(b)) is None:
+    if tensor.type in (T.Q4_K, T.Q5_K) and k % 256 == 0 and tensor.complete:
+        b = data.reshape(-1, K_SUPER[int(tensor.type)])                   # (B, 144 or 176) super-blocks
+        if not np.isfinite(b[:, 0:4].copy().view(np.float16)).all():      # d, dmin
             return None
-        D, M = scales
-        codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)   # sub-block 2c: low nibbles, 2c + 1: high
-        out = np.empty((len(b), 8, 20), np.uint8)
-        out[:, :, 0:2] = D.view(np.uint8).reshape(-1, 8, 2)
-        out[:, :, 2:4] = M.view(np.uint8).reshape(-1, 8, 2)
-        out[:, :, 4:] = nibble_bytes(codes)                                # Q4_1's nibble order
-        return Blocks(3, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q4_K")
+        return Blocks(int(tensor.type), torch.from_numpy(np.array(b, dtype=np.uint8).reshape(n, -1)), n, k,
+                      source=T(tensor.type).name)
     if tensor.type == T.Q5_0 and tensor.complete:
         b = data.reshape(-1, 22)
         d = b[:, 0:2].copy().view(np.float16)[:, 0]                        # (B,)
@@ -238,17 +229,6 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
         if not np.isfinite(b[:, 0:4].copy().view(np.float16)).all():
             return None
         return Blocks(Q5_1, torch.from_numpy(np.array(b, dtype=np.uint8).reshape(n, -1)), n, k, source="Q5_1")
-    if tensor.type == T.Q5_K and k % 256 == 0 and tensor.complete:
-        b = data.reshape(-1, 176)                                          # (B, 176) super-blocks
-        if (scales := _k_sub_scales(b)) is None:
-            return None
-        D, M = scales
-        qh, ql = b[:, 16:48], b[:, 48:176].reshape(-1, 4, 32)              # (B, 32), (B, 4, 32)
-        low = np.stack([ql & 15, ql >> 4], axis=2).reshape(-1, 8, 32)      # sub-block 2c: low nibbles, 2c + 1: high
-        high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (B, 8, 32): bit s of qh[l]
-        codes = (low | (high << 4)).reshape(-1, 32)
-        out = q5_1_blocks(D.reshape(-1), M.reshape(-1), codes)
-        return Blocks(Q5_1, torch.from_numpy(out.reshape(n, -1)), n, k, source="Q5_K")
     return None
 
 
@@ -328,41 +308,79 @@ def q8_unsigned(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def pack_x8(blocks: Blocks) -> Blocks:
     """The blocks regrouped for csrc/gemm_x8.c (8-bit activations x these weights; layout in its
     header): per 16 rows and block column, the rows' codes interleaved 4 bytes at a time (what
-    one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4 minimums; Q4_0's -8 d, exact); Q5_1 adds
-    a plane of the codes' fifth bits after the nibbles, Q6 two planes (bits 4 and 5) and each half's int8 scale.
-    The same information in the same bytes (Q4, Q5_1, Q6) or 2 bytes more per 32 weights (none for Q8)."""
-    if blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK:
+    one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4_1's minimums); Q5_1 adds a plane of the codes'
+    fifth bits after the nibbles, Q6 two planes (bits 4 and 5) and each half's int8 scale; Q4_K keeps its
+    super-blocks: per 16 rows and 256 columns their fp16 d and dmin, then per block column the codes and the
+    rows' six-bit scales and minimums (a byte each; Q5_K: a plane of fifth bits before them). The same
+    information in the same bytes (Q4_0, Q4_1, Q5_1, Q6, Q8), or 4 bytes more per 256 weights (Q4_K, Q5_K: their
+    six-bit scales unpacked to bytes)."""
+    if (blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK
+            or (blocks.type in K_SUPER and blocks.k % 256)):
         raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be packed for 8-bit "
-                               f"activations (Q4_0, Q4_1, Q5_1, Q6_K, Q8_0 with rows a multiple of 16, in file order)")
+                               f"activations (Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0 with rows a multiple of 16, "
+                               f"in file order)")
+    if blocks.type in K_SUPER:
+        return _pack_k_quant(blocks)
     g, kb, bs = blocks.n // 16, blocks.k // BLOCK, BLOCK_TYPES[blocks.type][1]
     raw = blocks.data.numpy().reshape(g, 16, kb, bs)
     d = raw[..., 0:2].copy().view(np.float16)[..., 0]                     # (g, 16, kb)
 
-    def plane(bit: np.ndarray) -> np.ndarray:  # one bit per code (g, 16, kb, 32) -> byte 4 j + b, bit t: code 4 t + b
-        bits = bit.reshape(g, 16, kb, 8, 4)                                # (g, 16, kb, t, b)
-        packed = (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (g, 16, kb, b)
-        return packed.transpose(0, 2, 1, 3).reshape(g, kb, 64)
-
     if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits
         m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
-        parts = [x8_order(qs), plane(fifth_bits(raw[..., 4:8])), x8_scales(d), x8_scales(m)]
+        parts = [x8_order(qs), x8_plane(fifth_bits(raw[..., 4:8])), x8_scales(d), x8_scales(m)]
     elif blocks.type == Q6_HALVES:  # Q4x8's nibbles, planes of bits 4 and 5, d, then each half's 16 scales
         high = q6_halves_codes(raw) >> 4                                   # (g, 16, kb, 32)
         sc = raw[..., 2:4].transpose(0, 2, 3, 1).reshape(g, kb, 32)        # (g, kb, half, row)
-        parts = [x8_order(raw[..., 4:20]), plane(high & 1), plane(high >> 1), x8_scales(d), sc]
+        parts = [x8_order(raw[..., 4:20]), x8_plane(high & 1), x8_plane(high >> 1), x8_scales(d), sc]
     elif blocks.type == 8:
         codes = q8_unsigned(raw)[1]  # (g, 16, kb, 32)
         parts = [x8_order(codes), x8_scales(d)]
-    else:
-        if blocks.type == 3:
-            m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:20]
-        else:  # Q4_0: d (q - 8) = d q + (-8 d), and -8 d is exact in fp16 short of overflow
-            with np.errstate(over="ignore"):
-                m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:18]
-            if not np.isfinite(m).all():
-                raise QuantWeightError("a Q4_0 block scale too large for 8-bit activations (|d| * 8 overflows fp16)")
+    elif blocks.type == 3:
+        m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:20]
         parts = [x8_order(qs), x8_scales(d), x8_scales(m)]
+    else:  # Q4_0: d alone (the kernel computes its m = -8 d in fp32, exactly)
+        parts = [x8_order(raw[..., 2:18]), x8_scales(d)]
     data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
+    return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k,
+                  source=blocks.source)
+
+
+def x8_plane(bit: np.ndarray) -> np.ndarray:
+    """One bit per code (g, 16, kb, 32) -> per block column a 64-byte plane (g, kb, 64): byte 4 j + b, bit t holds
+    row j's code 4 t + b (csrc/gemm_x8.c's or_plane)."""
+    g, _, kb, _ = bit.shape
+    bits = bit.reshape(g, 16, kb, 8, 4)                                    # (g, 16, kb, t, b)
+    packed = (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (g, 16, kb, b)
+    return packed.transpose(0, 2, 1, 3).reshape(g, kb, 64)
+
+
+def k_quant_codes(raw: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K super-blocks (..., 144 or 176) -> their codes (..., 8, 32): sub-block 2c is chunk c's low nibbles,
+    2c + 1 its high ones; Q5_K's fifth bit of sub-block s, value l is bit s of qh[l]."""
+    qs = raw[..., -128:].reshape(*raw.shape[:-1], 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*raw.shape[:-1], 8, 32)
+    if raw.shape[-1] == 176:
+        qh = raw[..., 16:48]
+        codes = codes | (((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    return codes
+
+
+def _pack_k_quant(blocks: Blocks) -> Blocks:
+    """pack_x8 for Q4_K / Q5_K blocks: per 16 rows g and super-block column s (256 columns) the 16 rows' fp16 d,
+    then their fp16 dmin (64 bytes), then per block column c of the 8: the low 4 bits of the codes in x8_order
+    (256 bytes), Q5_K's plane of fifth bits (64), the rows' six-bit scales sc (16 bytes) and minimums mn (16):
+    2,368 / 2,880 bytes (csrc/gemm_x8.c WT_Q4K_X8, WT_Q5K_X8)."""
+    g, sb, size = blocks.n // 16, blocks.k // 256, K_SUPER[blocks.type]
+    raw = blocks.data.numpy().reshape(g, 16, sb, size)
+    d, dmin = (raw[..., o:o + 2].copy().view(np.float16)[..., 0] for o in (0, 2))  # (g, 16, sb)
+    sc, mn = k_scales_mins(raw[..., 4:16])                                # (g, 16, sb, 8)
+    codes = k_quant_codes(raw).reshape(g, 16, sb * 8, 32)
+    parts = [x8_order(nibble_bytes(codes))]                               # (g, sb * 8, 256)
+    if blocks.type == Q5_K:
+        parts.append(x8_plane(codes >> 4))
+    rows = lambda v: v.reshape(g, 16, sb * 8).transpose(0, 2, 1)         # (g, sb * 8, 16): per block column, row order
+    cols = np.concatenate(parts + [rows(sc), rows(mn)], axis=-1).reshape(g, sb, -1)
+    data = np.concatenate([x8_scales(d), x8_scales(dmin), cols], axis=-1).reshape(g, -1)
     return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k,
                   source=blocks.source)
 

@@ -124,13 +124,9 @@ void weight_row(const wmat *w, int64_t n, uint16_t *out) {
 // (core.kernels.invariant.BlockLinear), and the tests' reference.
 // ctypes: dequantize_bf16(ptr w, ptr out, i32 nthreads) -> void
 void dequantize_bf16(const wmat *w, uint16_t *out, int nthreads) {
-    if (w->type == WT_Q4_X8) {
-        int64_t groups = (w->N + 15) / 16;
+    if (is_x8(w->type)) {  // 16 rows at a time (N % 16 == 0)
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int64_t g = 0; g < groups; g++) {
-            int rows = w->N - 16 * g < 16 ? (int)(w->N - 16 * g) : 16;
-            for (int kb = 0; kb < w->K / 32; kb++) q4x8_block(w, g, kb, 0, rows, out + 16 * g * (int64_t)w->K + 32 * kb, w->K);
-        }
+        for (int64_t g = 0; g < w->N / 16; g++) x8_rows_bf16(w, g, 0, 16, out + 16 * g * (int64_t)w->K, w->K);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)

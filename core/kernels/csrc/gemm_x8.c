@@ -32,6 +32,18 @@
 //               T = s0_w (sum_0-15 u q_x - 32 S0) + s1_w (sum_16-31 u q_x - 32 S1)   (exact: |T| < 2^24)
 //               acc = fma(d_w * d_x, float(T), acc)
 //             so a block adds the exact product of the file's weights and the quantized row, rounded twice.
+//   WT_Q40_X8: GGUF's Q4_0 (w = d_w (u - 8)): Q4_X8's 256 bytes of codes, 16 fp16 d_w -> 288 bytes (Q4_0's own 4.5
+//             bits a weight); Q4's fp32 steps with m_w = -8 d_w computed in fp32 (exact): the bits of a Q4_0
+//             weight packed as Q4_X8, in 10% fewer bytes.
+//   WT_Q4K_X8: GGUF's Q4_K, its super-blocks of 8 block columns kept together: per group and super-block, a
+//             header of 16 fp16 d_w and 16 fp16 dmin_w (64 bytes), then per block column Q4_X8's 256 bytes of
+//             codes, the 16 rows' 6-bit scales sc_w and minimums mn_w (one byte each) -> 64 + 8 x 288 = 2,368
+//             bytes, 296 a block column (Q4_K's 4.5 bits a weight, plus an eighth of a bit). w = d_w sc_w u -
+//             dmin_w mn_w, and D = d_w sc_w, M = -dmin_w mn_w are exact in fp32 (11 x 6 bits), so a block runs
+//             Q4's fp32 steps on D and M: the file's own values, not D and M rounded to fp16.
+//   WT_Q5K_X8: GGUF's Q5_K as WT_Q4K_X8, each block column Q5_X8's 256 bytes of low 4 bits and 64 of fifth bits,
+//             then sc_w and mn_w -> 64 + 8 x 352 = 2,880 bytes, 360 a block column (5.6 bits a weight); codes
+//             u in 0..31, w = d_w sc_w u - dmin_w mn_w, Q4's fp32 steps on D and M as WT_Q4K_X8's.
 // so one vector holds 4 consecutive K positions of 16 output rows (vpdpbusd's layout) and a
 // thread reads its groups front to back.
 #include "common.h"
@@ -51,7 +63,37 @@
 //   part two, after all of part one, per group and block column: 256 bytes of l, the same order.
 // u is rebuilt exactly ((h << 4) | l per byte), so its integer sums, and every logit, are Q8_X8's bit for bit.
 int x8_group_bytes(int type) {
-    return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT ? 288 : type == WT_Q5_X8 ? 384 : type == WT_Q6_X8 ? 448 : 544;
+    return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT || type == WT_Q40_X8 ? 288 : type == WT_Q5_X8 ? 384
+         : type == WT_Q6_X8 ? 448 : type == WT_Q4K_X8 ? 296 : type == WT_Q5K_X8 ? 360 : 544;
+}
+
+// WT_Q4K_X8 / WT_Q5K_X8: a block column's bytes past its header; a super-block (8 of them) of one group is the
+// 64-byte header and 8 of these (x8_group_bytes = super-block bytes / 8)
+static inline int k_column_bytes(int type) { return type == WT_Q4K_X8 ? 288 : 352; }
+static inline int is_k_quant(int type) { return type == WT_Q4K_X8 || type == WT_Q5K_X8; }
+
+// Block column kb's codes in a group's bytes wg (every layout but WT_Q8_SPLIT's, which split_hi / split_lo address).
+static inline const uint8_t *x8_block(int type, const uint8_t *wg, int kb) {
+    if (is_k_quant(type)) return wg + (int64_t)(kb / 8) * 8 * x8_group_bytes(type) + 64 + (kb % 8) * k_column_bytes(type);
+    return wg + (int64_t)kb * x8_group_bytes(type);
+}
+
+// The 16 rows' D and M of a 4- or 5-bit block column b (w = D u + M, exact in fp32): Q4_X8's and Q5_X8's stored
+// fp16 d and m; Q40's d and -8 d; Q4K's and Q5K's d sc and -dmin mn from its super-block's header (x8_block(type,
+// wg, kb) = b).
+static inline void block_scales(int type, const uint8_t *wg, int kb, const uint8_t *b, __m512 *d, __m512 *m) {
+    if (is_k_quant(type)) {
+        const uint8_t *head = wg + (int64_t)(kb / 8) * 8 * x8_group_bytes(type), *s = b + k_column_bytes(type) - 32;
+        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)));
+        __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 16))));
+        *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)), sc);
+        *m = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))), _mm512_sub_ps(_mm512_setzero_ps(), mn));
+        return;
+    }
+    int off = type == WT_Q5_X8 ? 320 : 256;
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + off)));
+    *m = type == WT_Q40_X8 ? _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f))
+                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + off + 32)));
 }
 
 // Block column kb of group g of a WT_Q8_SPLIT weight: its h part (256 bytes, then 16 fp16 d_w) and its l part.
@@ -309,7 +351,7 @@ static inline void b_rows(const wmat *w, int64_t g, int kb, const uint8_t *blk, 
         __m512i u[8];
         split_codes(blk, split_lo(w, g, kb), u);
         for (int t = 0; t < 8; t++) _mm512_store_si512(b + 64 * t, u[t]);
-    } else if (type == WT_Q4_X8) {
+    } else if (is_nibbles(type)) {
         __m512i ops[8];
         nibble_codes(blk, ops);
         for (int t = 0; t < 8; t++) _mm512_store_si512(b + 64 * t, ops[t]);
@@ -330,10 +372,10 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
     for (int h = 0; h < 4; h++) memset(b[h] + (h % 2 ? 0 : 512), 0, 512);  // the halves that stay zero
     for (int kb = 0; kb < KB; kb += 4) {
         int n = KB - kb < 4 ? KB - kb : 4;
-        if (w->type == WT_Q4_X8) prefetch_ahead(wg + (int64_t)kb * gb, 4 * gb);
+        if (is_nibbles(w->type)) prefetch_ahead(x8_block(w->type, wg, kb), 4 * gb);
         for (int h = 0; h < 4; h++) {
             uint8_t *half = b[h] + (h % 2 ? 512 : 0);
-            if (h < n) b_rows(w, g, kb + h, wg + (int64_t)(kb + h) * gb, half);
+            if (h < n) b_rows(w, g, kb + h, x8_block(w->type, wg, kb + h), half);
             else memset(half, 0, 512);
         }
         // blocks kb, kb + 1 (x in tile A over 64 bytes, each block's weights in its half of B) -> C tiles
@@ -355,33 +397,36 @@ static void group_amx(const wmat *w, int64_t g, const uint8_t *wg, int KB, const
             _tile_stored(3, c[3], 64);
         }
         for (int h = 0; h < n; h++) {
-            const uint8_t *blk = wg + (int64_t)(kb + h) * gb;
-            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + (w->type == WT_Q8_X8 ? 512 : 256))));
-            __m512 mw = w->type == WT_Q4_X8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)))
-                                            : _mm512_setzero_ps();
+            const uint8_t *blk = x8_block(w->type, wg, kb + h);
+            int nib = is_nibbles(w->type);
+            __m512 dw, mw;
+            if (nib) block_scales(w->type, wg, kb + h, blk, &dw, &mw);
+            else dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + (w->type == WT_Q8_X8 ? 512 : 256))));
             for (int i = 0; i < rows; i++) {
                 int64_t blkid = (int64_t)(m0 + i) * KB + kb + h;
                 __m512i isum = _mm512_load_si512(c[h][i]);
-                acc[i] = w->type == WT_Q4_X8 ? block_q4_fp32(acc[i], isum, dw, mw, a->d[blkid], a->ds[blkid])
-                                             : block_q8_fp32(acc[i], isum, dw, a->d[blkid], a->s[blkid]);
+                acc[i] = nib ? block_q4_fp32(acc[i], isum, dw, mw, a->d[blkid], a->ds[blkid])
+                             : block_q8_fp32(acc[i], isum, dw, a->d[blkid], a->s[blkid]);
             }
         }
     }
 }
 #endif
 
-// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q4_X8 weight -> acc[i]
+// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a 4-bit weight (Q4_X8, Q40_X8, Q4K_X8: `type`, a
+// constant where inlined) -> acc[i]
 #ifdef EAGLE_AVX2
 // AVX2 (16 vector registers): one half of the group (8 output rows) at a time, its 8 code vectors kept in
 // registers across the rows of x (both halves' 16 spill: every product then reloads its operand). The
 // same integers (isum_codes8's, summed in another order: exact) and block_q4_fp32's steps per lane.
-static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+static inline void group_q4(int type, const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int gb = x8_group_bytes(type);
     for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = w + (int64_t)kb * 320;
-        prefetch_ahead(b, 320);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256)));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288)));
+        const uint8_t *b = x8_block(type, w, kb);
+        prefetch_ahead(b, gb);
+        __m512 dw, mw;
+        block_scales(type, w, kb, b, &dw, &mw);
         for (int h = 0; h < 2; h++) {
             __m256i ops[8];
             for (int p = 0; p < 4; p++) {
@@ -411,21 +456,22 @@ static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int
 }
 #endif
 
-// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a Q4_X8 weight, or (five_bit) a Q5_X8 one, -> acc[i]:
-// the block column's codes rebuilt once (low nibbles: K positions 0-15, high: 16-31), then per row the block's
-// integer sums and block_q4_fp32's steps; a block ends with its 16 fp16 d_w and 16 fp16 m_w either way.
-// `five_bit` is a constant where inlined. The AVX2 build's Q4 weights take group_q4 (above) instead.
-static inline void group_q45(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc,
-                             int five_bit) {
-    const int gb = five_bit ? 384 : 320;
+// Rows [m0, m0 + rows) (rows <= 16) of one 16-row group of a 4-bit weight (`type`: Q4_X8, Q40_X8, Q4K_X8) or a
+// 5-bit one (Q5_X8, Q5K_X8) -> acc[i]: the block column's codes rebuilt once (low nibbles: K positions 0-15, high:
+// 16-31; Q5: the fifth bits' plane), then per row the block's integer sums and block_q4_fp32's steps on the
+// block's D and M (block_scales). `type` is a constant where inlined. The AVX2 build's 4-bit weights take
+// group_q4 (above) instead.
+static inline void group_q45(int type, const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows,
+                             __m512 *acc) {
+    const int gb = x8_group_bytes(type), five_bit = type == WT_Q5_X8 || type == WT_Q5K_X8;
     for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = w + (int64_t)kb * gb;
+        const uint8_t *b = x8_block(type, w, kb);
         prefetch_ahead(b, gb);
         __m512i ops[8];
+        __m512 dw, mw;
         if (five_bit) q5_codes(b, ops);
         else nibble_codes(b, ops);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + gb - 64)));
-        __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + gb - 32)));
+        block_scales(type, w, kb, b, &dw, &mw);
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
             const int8_t *qx = a->q + m * K + 32 * kb;
@@ -435,8 +481,8 @@ static inline void group_q45(const uint8_t *w, int KB, const qrows *a, int K, in
     }
 }
 #ifndef EAGLE_AVX2
-static inline void group_q4(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
-    group_q45(w, KB, a, K, m0, rows, acc, 0);
+static inline void group_q4(int type, const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
+    group_q45(type, w, KB, a, K, m0, rows, acc);
 }
 #endif
 
@@ -594,7 +640,7 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
     }
     // VNNI takes up to 16 rows a pass as AMX does: each pass unpacks the group's 4-bit codes again
     // (a pass of 8 rows then one of 1 cost a 9-row forward 20% more than 8 rows on the Intel VM)
-    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS && (w->type == WT_Q4_X8 || w->type == WT_Q8_X8 ||
+    int chunk = 16, amx = x8_amx && M >= AMX_X8_MIN_ROWS && (is_nibbles(w->type) || w->type == WT_Q8_X8 ||
                                                                 w->type == WT_Q8_SPLIT);  // Q5, Q6: VNNI at every M
     (void)amx;  // a build without AMX flags has only VNNI
     for (int m0 = 0; m0 < M; m0 += chunk) {
@@ -605,8 +651,11 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
         if (amx) group_amx(w, g, wg, KB, a, K, m0, rows, acc);
         else
 #endif
-        if (w->type == WT_Q4_X8) group_q4(wg, KB, a, K, m0, rows, acc);
-        else if (w->type == WT_Q5_X8) group_q45(wg, KB, a, K, m0, rows, acc, 1);
+        if (w->type == WT_Q4_X8) group_q4(WT_Q4_X8, wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q40_X8) group_q4(WT_Q40_X8, wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q4K_X8) group_q4(WT_Q4K_X8, wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q5_X8) group_q45(WT_Q5_X8, wg, KB, a, K, m0, rows, acc);
+        else if (w->type == WT_Q5K_X8) group_q45(WT_Q5K_X8, wg, KB, a, K, m0, rows, acc);
         else if (w->type == WT_Q6_X8) group_q6(wg, KB, a, K, m0, rows, acc);
         else if (w->type == WT_Q8_SPLIT) {
             int list[16];
@@ -620,7 +669,8 @@ static void x8_group(const gemm_job *job, int g, const qrows *a, int M, int K) {
 }
 
 int is_x8(int type) {
-    return type == WT_Q4_X8 || type == WT_Q8_X8 || type == WT_Q8_SPLIT || type == WT_Q5_X8 || type == WT_Q6_X8;
+    return is_nibbles(type) || type == WT_Q8_X8 || type == WT_Q8_SPLIT || type == WT_Q5_X8 || type == WT_Q6_X8 ||
+           type == WT_Q5K_X8;
 }
 
 int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count, int M, int K, void *shared,
@@ -653,87 +703,35 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
     return 0;
 }
 
-// Row j's code at element e of a Q5_X8 / Q6_X8 block column b (planes: 1 or 2 planes of high bits): the nibble
-// (e >= 16: high) of byte 64 ((e % 16) / 4) + 4 j + e % 4, bit 4 + c from bit e / 4 of plane c's byte 4 j + e % 4.
-static inline int plane_code(const uint8_t *b, int j, int e, int planes) {
-    int byte = 4 * j + e % 4, u = (b[64 * ((e % 16) / 4) + byte] >> (e >= 16 ? 4 : 0)) & 15;
-    for (int c = 0; c < planes; c++) u |= ((b[256 + 64 * c + byte] >> (e / 4)) & 1) << (4 + c);
-    return u;
-}
-
-// Row n of an X8 weight as bf16: the converter's values (Q4, Q5: bf16(d q + m); Q6: bf16(d s (q - 32)); Q8: bf16(d q)),
-// for the embedding lookup and the prefill's dequantized copy.
-void x8_row(const wmat *w, int64_t n, uint16_t *out) {
-    int KB = w->K / 32, gb = x8_group_bytes(w->type);
-    int64_t g = n / 16, j = n % 16;
-    if (w->type == WT_Q4_X8) {  // the group decoder's values, row j alone
-        for (int kb = 0; kb < KB; kb++) q4x8_block(w, g, kb, (int)j, 1, out + 32 * kb, 0);
-        return;
-    }
-    if (w->type == WT_Q5_X8) {  // d u exact, + m rounds once
-        for (int kb = 0; kb < KB; kb++) {
-            const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
-            uint16_t dh, mh;
-            memcpy(&dh, b + 320 + 2 * j, 2);
-            memcpy(&mh, b + 352 + 2 * j, 2);
-            float d = _cvtsh_ss(dh), m = _cvtsh_ss(mh);
-            for (int e = 0; e < 32; e++) out[32 * kb + e] = to_bf16(d * (float)plane_code(b, (int)j, e, 1) + m);
-        }
-        return;
-    }
-    if (w->type == WT_Q6_X8) {  // d (s (u - 32)) exact in fp32
-        for (int kb = 0; kb < KB; kb++) {
-            const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
-            uint16_t dh;
-            memcpy(&dh, b + 384 + 2 * j, 2);
-            float d = _cvtsh_ss(dh);
-            int s0 = (int8_t)b[416 + j], s1 = (int8_t)b[432 + j];
-            for (int e = 0; e < 32; e++)
-                out[32 * kb + e] = to_bf16(d * (float)((e < 16 ? s0 : s1) * (plane_code(b, (int)j, e, 2) - 32)));
-        }
-        return;
-    }
-    for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = (const uint8_t *)w->data + (g * KB + kb) * gb;
-        uint16_t dh;
-        memcpy(&dh, b + (w->type == WT_Q8_SPLIT ? 256 : 512) + 2 * j, 2);
-        float d = _cvtsh_ss(dh);
-        for (int e = 0; e < 32; e++) {
-            float v;
-            if (w->type == WT_Q8_SPLIT) {  // h and l in Q4_X8's nibble order
-                int half = e / 16, r = e % 16, p = r / 4, byte = r % 4, shift = half ? 4 : 0;
-                int h = (b[64 * p + 4 * j + byte] >> shift) & 15, l = (split_lo(w, g, kb)[64 * p + 4 * j + byte] >> shift) & 15;
-                v = d * (float)(16 * h + l - 128);
-            } else {
-                int t = e / 4, byte = e % 4;
-                v = d * (float)((int)b[64 * t + 4 * j + byte] - 128);
-            }
-            out[32 * kb + e] = to_bf16(v);
-        }
-    }
-}
-
-// Block column kb of rows 16 g + j0 .. 16 g + j0 + rows - 1 of a WT_Q4_X8 weight as bf16 (the converter's
-// values, bf16(d q + m)), row j0 + r's 32 values at out + r * ldo: a prompt's weights (every layer once per
-// prefill chunk, ~70x a scalar loop's speed), the embedding lookup (x8_row). A block's 256 code bytes hold
-// row j's codes for values 4p .. 4p + 3 (low nibbles) and 16 + 4p .. 19 + 4p (high) at byte 64 p + 4 j; a
-// 4 x 4 transpose of dwords per 128-bit lane gathers each row's 16 code bytes in value order. d q is exact
-// (fp16 x 4 bits), so d q + m rounds once, as in gguf.
-void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo) {
-    uint8_t codes[4][64] __attribute__((aligned(64)));
-    float d[16], m[16];
-    const uint8_t *b = (const uint8_t *)w->data + (g * (w->K / 32) + kb) * 320;
-    __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64);
-    __m512i z2 = _mm512_loadu_si512(b + 128), z3 = _mm512_loadu_si512(b + 192);
-    __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
-    __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
-    // codes[i] lane L: row 4 L + i's 16 code bytes, values 0 .. 15 in order
+// 4 code vectors (dword j: row j's codes at 4 consecutive K positions; the 4 vectors' positions in K order) ->
+// codes[i] lane L: row 4 L + i's 16 codes in K order (a 4 x 4 transpose of dwords per 128-bit lane).
+static inline void rows_of_codes(const __m512i *z, uint8_t codes[4][64]) {
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
     _mm512_store_si512(codes[0], _mm512_unpacklo_epi64(t0, t2));
     _mm512_store_si512(codes[1], _mm512_unpackhi_epi64(t0, t2));
     _mm512_store_si512(codes[2], _mm512_unpacklo_epi64(t1, t3));
     _mm512_store_si512(codes[3], _mm512_unpackhi_epi64(t1, t3));
-    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 256))));
-    _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 288))));
+}
+
+// Block column kb of rows 16 g + j0 .. 16 g + j0 + rows - 1 of a 4-bit weight (WT_Q4_X8, WT_Q40_X8, WT_Q4K_X8)
+// as bf16 (the converter's values, bf16(D q + M)), row j0 + r's 32 values at out + r * ldo: a prompt's weights
+// (every layer once per prefill chunk, ~70x a scalar loop's speed), the embedding lookup (x8_row). A block's
+// 256 code bytes hold row j's codes for values 4p .. 4p + 3 (low nibbles) and 16 + 4p .. 19 + 4p (high) at byte
+// 64 p + 4 j; rows_of_codes gathers each row's 16 code bytes in value order. D q is exact (at most 11 + 6 + 4
+// bits), so D q + M rounds once, as in gguf (Q4_0: d (q - 8) exactly; Q4_K: d sc q - dmin mn, one rounding).
+void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo) {
+    uint8_t codes[4][64] __attribute__((aligned(64)));
+    float d[16], m[16];
+    const uint8_t *wg = (const uint8_t *)w->data + g * (w->K / 32) * x8_group_bytes(w->type);
+    const uint8_t *b = x8_block(w->type, wg, kb);
+    __m512i z[4];
+    for (int p = 0; p < 4; p++) z[p] = _mm512_loadu_si512(b + 64 * p);
+    rows_of_codes(z, codes);
+    __m512 dv, mv;
+    block_scales(w->type, wg, kb, b, &dv, &mv);
+    _mm512_storeu_ps(d, dv);
+    _mm512_storeu_ps(m, mv);
     for (int j = j0; j < j0 + rows; j++) {
         __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes[j & 3] + 16 * (j >> 2))));
         __m512 dj = _mm512_set1_ps(d[j]), mj = _mm512_set1_ps(m[j]);
@@ -744,6 +742,61 @@ void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *ou
         _mm256_storeu_si256((__m256i *)(o + 16), to_bf16x16(hi));
     }
 }
+
+// The same for a WT_Q5_X8, WT_Q5K_X8, WT_Q6_X8, WT_Q8_X8 or WT_Q8_SPLIT weight: the block's 8 code vectors (what
+// the GEMM multiplies) transposed to rows, then the converter's values: Q5 bf16(D u + M) (D u exact), Q6 bf16(d (s
+// (u - 32))) (s (u - 32) exact), Q8 bf16(d (u - 128)).
+static void x8_block_bf16(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo) {
+    int type = w->type, five = type == WT_Q5_X8 || type == WT_Q5K_X8;
+    const uint8_t *wg = (const uint8_t *)w->data + g * (w->K / 32) * x8_group_bytes(type);
+    const uint8_t *b = type == WT_Q8_SPLIT ? split_hi(w, g, kb) : x8_block(type, wg, kb);
+    __m512i u[8];
+    if (five) q5_codes(b, u);
+    else if (type == WT_Q6_X8) q6_codes(b, u);
+    else if (type == WT_Q8_SPLIT) split_codes(b, split_lo(w, g, kb), u);
+    else for (int t = 0; t < 8; t++) u[t] = _mm512_loadu_si512(b + 64 * t);
+    uint8_t codes[2][4][64] __attribute__((aligned(64)));  // K positions 0-15, 16-31
+    rows_of_codes(u, codes[0]);
+    rows_of_codes(u + 4, codes[1]);
+    float d[16], m[16], s[2][16];
+    if (five) {
+        __m512 dv, mv;
+        block_scales(type, wg, kb, b, &dv, &mv);
+        _mm512_storeu_ps(d, dv);
+        _mm512_storeu_ps(m, mv);
+    } else {
+        int off = type == WT_Q6_X8 ? 384 : type == WT_Q8_SPLIT ? 256 : 512;
+        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + off))));
+    }
+    if (type == WT_Q6_X8)
+        for (int h = 0; h < 2; h++)
+            _mm512_storeu_ps(s[h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 416 + 16 * h)))));
+    __m512i zero = _mm512_set1_epi32(type == WT_Q6_X8 ? 32 : five ? 0 : 128);
+    for (int j = j0; j < j0 + rows; j++) {
+        uint16_t *o = out + (int64_t)(j - j0) * ldo;
+        __m512 dj = _mm512_set1_ps(d[j]);
+        for (int h = 0; h < 2; h++) {
+            __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes[h][j & 3] + 16 * (j >> 2))));
+            __m512 c = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, zero)), v;
+            if (five) v = _mm512_add_ps(_mm512_mul_ps(dj, c), _mm512_set1_ps(m[j]));
+            else if (type == WT_Q6_X8) v = _mm512_mul_ps(dj, _mm512_mul_ps(c, _mm512_set1_ps(s[h][j])));
+            else v = _mm512_mul_ps(dj, c);
+            _mm256_storeu_si256((__m256i *)(o + 16 * h), to_bf16x16(v));
+        }
+    }
+}
+
+// Rows 16 g + j0 .. 16 g + j0 + rows - 1 of an X8 weight as bf16 (the converter's values), row j0 + r at out + r
+// * ldo: the embedding lookup (x8_row) and the prefill's dequantized copy (dequant.c's dequantize_bf16).
+void x8_rows_bf16(const wmat *w, int64_t g, int j0, int rows, uint16_t *out, int64_t ldo) {
+    for (int kb = 0; kb < w->K / 32; kb++) {
+        if (is_nibbles(w->type)) q4x8_block(w, g, kb, j0, rows, out + 32 * kb, ldo);
+        else x8_block_bf16(w, g, kb, j0, rows, out + 32 * kb, ldo);
+    }
+}
+
+// Row n of an X8 weight as bf16.
+void x8_row(const wmat *w, int64_t n, uint16_t *out) { x8_rows_bf16(w, n / 16, (int)(n % 16), 1, out, 0); }
 
 // ---- The screened LM head (greedy decoding reads only each row's maximum) --------------------
 //

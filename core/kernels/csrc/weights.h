@@ -14,7 +14,14 @@ enum { WT_BF16 = 30, WT_Q4_0 = 2, WT_Q4_1 = 3, WT_Q8_0 = 8 };  // ggml's type id
 // order plus a plane of fifth bits (csrc/gemm_x8.c).
 // WT_Q6_X8: GGUF's Q6_K (w = d s (u - 32), u in 0..63, a scale s per 16 values) in Q4_X8's nibble order plus
 // two planes of high bits (csrc/gemm_x8.c).
-enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101, WT_Q8_SPLIT = 102, WT_Q5_X8 = 103, WT_Q6_X8 = 104 };
+// WT_Q4K_X8: GGUF's Q4_K (256-value super-blocks: fp16 d, dmin, a 6-bit scale and minimum per 32 values,
+// w = d sc u - dmin mn) with its own scales, in Q4_X8's nibble order (csrc/gemm_x8.c).
+// WT_Q40_X8: GGUF's Q4_0 (w = d (u - 8)) in Q4_X8's nibble order, d alone (csrc/gemm_x8.c).
+// WT_Q5K_X8: GGUF's Q5_K as WT_Q4K_X8 with Q5_X8's plane of fifth bits (csrc/gemm_x8.c).
+enum { WT_Q4_X8 = 100, WT_Q8_X8 = 101, WT_Q8_SPLIT = 102, WT_Q5_X8 = 103, WT_Q6_X8 = 104, WT_Q4K_X8 = 105,
+       WT_Q40_X8 = 107, WT_Q5K_X8 = 108 };
+// The 4-bit layouts: codes in Q4_X8's nibble order, w = D u + M per block column (csrc/gemm_x8.c nibble_scales)
+static inline int is_nibbles(int type) { return type == WT_Q4_X8 || type == WT_Q40_X8 || type == WT_Q4K_X8; }
 
 typedef struct {
     int32_t type;      // WT_*
@@ -65,6 +72,7 @@ int gemm_x8_team(const uint16_t *x, int64_t ldx, const gemm_job *jobs, int count
 int is_x8(int type);
 int64_t x8_work_bytes(int M, int K);
 void x8_row(const wmat *w, int64_t n, uint16_t *out);
+void x8_rows_bf16(const wmat *w, int64_t g, int j0, int rows, uint16_t *out, int64_t ldo);
 void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo);
 int amx_serves(int N, int K);  // 1 where AMX tiles were granted and the shape suits them (csrc/gemm_amx.c)
 void amx_begin(void);  // per thread, once per parallel region that runs AMX GEMMs (no-op without AMX)
