@@ -182,7 +182,7 @@ def test_q5_1_reaches_the_kernels_as_it_is():
 
 def test_q6_k_reaches_the_kernels_as_6_bit_blocks_exactly():
     """Q6_K: each 32 values (two 16-value sub-blocks d sc (u - 32)) become a Q6_HALVES block holding the same d,
-    codes and two scales, so its values are gguf's dequantization exactly, packed (WT_Q6_X8) as in the file; the
+    codes and two scales, so its values are gguf's dequantization exactly, packed (WT_Q6_X8) in the file's bytes; the
     test's encoder (tests/test_step.q6_k_quantize) writes what gguf reads back."""
     gen = np.random.default_rng(10)
     raw = gen.integers(0, 256, (32 * 512 // 256, 210), dtype=np.uint8)  # any bytes with a finite d are Q6_K
@@ -200,7 +200,7 @@ def test_q6_k_reaches_the_kernels_as_6_bit_blocks_exactly():
     ours = d * scales * (quant.q6_halves_codes(h).astype(np.float64) - 32)
     assert np.array_equal(ours.reshape(32, 512), ref.astype(np.float64))
     packed = quant.pack_x8(b)  # kept: the wmat points into its bytes
-    assert (packed.type_name, packed.nbytes) == ("Q6x8", 32 * 512 // 32 * 28)  # 7 bits a weight (Q8_0: 8.5)
+    assert (packed.type_name, packed.nbytes) == ("Q6x8", 32 * 512 // 256 * 210)  # the file's 6.5625 bits a weight
     assert torch.equal(native.dequantize(native.wmat(blocks=packed)), torch.from_numpy(ref).bfloat16())
     values = gen.normal(size=(32, 512)).astype(np.float32)
     ours = quantize(values, T.Q6_K)

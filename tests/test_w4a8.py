@@ -87,8 +87,9 @@ def test_packed_blocks_hold_the_same_weights_and_multiply_as_defined(kind):
     for name, b in [(n, b) for n, b in blocks.items() if b.type == int(TYPES[kind])][:4]:
         b = as_loaded(b)
         packed = quant.pack_x8(b)
-        extra = b.n * (b.k // 256) * 4 if kind.endswith("_K") and kind != "Q6_K" else 0  # a byte per six-bit scale
-        assert packed.nbytes == b.nbytes + extra, (packed.nbytes, b.nbytes)
+        bits = {"Q4_0": 4.5, "Q4_1": 5, "Q4_K": 4.625, "Q5_0": 6, "Q5_1": 6, "Q5_K": 5.625, "Q6_K": 6.5625, "Q8_0": 8.5}
+        assert packed.nbytes * 8 == b.n * b.k * bits[kind], (kind, packed.nbytes)  # the file's (Q5_0: as Q5_1; Q4_K,
+                                                                                   # Q5_K: a byte per six-bit scale)
         assert torch.equal(native.dequantize(native.wmat(blocks=packed)), params[name])  # gguf's values, in bf16
         x = torch.randn(6, b.k, generator=gen).bfloat16()
         x[0, 5] = 40.0  # an outlier: its block's scale, not the row's

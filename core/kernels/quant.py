@@ -25,7 +25,7 @@ SUPPORTED = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 # our layouts for 8-bit activations (csrc/gemm_x8.c): type id -> (name, bytes per 16 rows x 32 columns)
 SPLIT = 102  # split_q8's layout (csrc/weights.h WT_Q8_SPLIT)
-X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384), 104: ("Q6x8", 448),
+X8 = {100: ("Q4x8", 320), 101: ("Q8x8", 544), SPLIT: ("Q8x8 split", 544), 103: ("Q5x8", 384), 104: ("Q6x8", 420),
       105: ("Q4Kx8", 296), 107: ("Q40x8", 288), 108: ("Q5Kx8", 360)}
 # GGUF's Q5_1 (fp16 d, fp16 m, 32 fifth bits, 16 bytes of low nibbles): what Q5_0, Q5_1 and Q5_K tensors are read
 # as for 8-bit activations (repacked; never on the bf16-exact q4 path)
@@ -192,7 +192,8 @@ def repacked(tensor: "GGUFTensor", n: int, k: int) -> Blocks | None:
     The 5-bit blocks take 24 bytes per 32 values (Q8_0: 34) and run on their own kernel (csrc/gemm_x8.c
     WT_Q5_X8).
     - Q6_K (256 values: fp16 d, 16 int8 scales, 6-bit codes u: d sc (u - 32)): each 32 values a Q6_HALVES block
-      (the same d, codes and two scales: exactly), 28 bytes, on csrc/gemm_x8.c's WT_Q6_X8."""
+      (the same d, codes and two scales: exactly), 28 bytes, packed back into super-blocks (Q6_K's 26.25 bytes
+      per 32) for csrc/gemm_x8.c's WT_Q6_X8."""
     from gguf import GGMLQuantizationType as T
 
     data = np.asarray(tensor.data)
@@ -309,13 +310,13 @@ def pack_x8(blocks: Blocks) -> Blocks:
     """The blocks regrouped for csrc/gemm_x8.c (8-bit activations x these weights; layout in its
     header): per 16 rows and block column, the rows' codes interleaved 4 bytes at a time (what
     one VNNI vpdpbusd multiplies), then their fp16 scales (and Q4_1's minimums); Q5_1 adds a plane of the codes'
-    fifth bits after the nibbles, Q6 two planes (bits 4 and 5) and each half's int8 scale; Q4_K keeps its
-    super-blocks: per 16 rows and 256 columns their fp16 d and dmin, then per block column the codes and the
-    rows' six-bit scales and minimums (a byte each; Q5_K: a plane of fifth bits before them). The same
-    information in the same bytes (Q4_0, Q4_1, Q5_1, Q6, Q8), or 4 bytes more per 256 weights (Q4_K, Q5_K: their
-    six-bit scales unpacked to bytes)."""
+    fifth bits after the nibbles. The K-quants keep their super-blocks: per 16 rows and 256 columns their fp16 d
+    (Q4_K, Q5_K: and dmin), then per block column the codes and the rows' scales: Q4_K, Q5_K six-bit scales and
+    minimums (a byte each; Q5_K: a plane of fifth bits before them), Q6_K two planes (bits 4 and 5) and each
+    half's int8 scale. The same information in the same bytes (Q4_0, Q4_1, Q5_1, Q6_K, Q8), or 4 bytes more per
+    256 weights (Q4_K, Q5_K: their six-bit scales unpacked to bytes)."""
     if (blocks.type not in X8_OF or blocks.tiled or blocks.n % 16 or blocks.k % BLOCK
-            or (blocks.type in K_SUPER and blocks.k % 256)):
+            or (blocks.type in (*K_SUPER, Q6_HALVES) and blocks.k % 256)):
         raise QuantWeightError(f"a {blocks.type_name} weight {blocks.n} x {blocks.k} cannot be packed for 8-bit "
                                f"activations (Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0 with rows a multiple of 16, "
                                f"in file order)")
@@ -328,10 +329,15 @@ def pack_x8(blocks: Blocks) -> Blocks:
     if blocks.type == Q5_1:  # Q4x8's nibbles, then the fifth bits
         m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 8:24]
         parts = [x8_order(qs), x8_plane(fifth_bits(raw[..., 4:8])), x8_scales(d), x8_scales(m)]
-    elif blocks.type == Q6_HALVES:  # Q4x8's nibbles, planes of bits 4 and 5, d, then each half's 16 scales
+    elif blocks.type == Q6_HALVES:  # per super-block d, then per block column the nibbles, planes of bits 4 and 5
+        sd = d.reshape(g, 16, kb // 8, 8)                                  # and each half's 16 scales
+        if not (sd == sd[..., :1]).all():
+            raise QuantWeightError("6-bit blocks whose d differs within 256 values (not from a Q6_K tensor) cannot "
+                                   "be packed for 8-bit activations")
         high = q6_halves_codes(raw) >> 4                                   # (g, 16, kb, 32)
         sc = raw[..., 2:4].transpose(0, 2, 3, 1).reshape(g, kb, 32)        # (g, kb, half, row)
-        parts = [x8_order(raw[..., 4:20]), x8_plane(high & 1), x8_plane(high >> 1), x8_scales(d), sc]
+        cols = np.concatenate([x8_order(raw[..., 4:20]), x8_plane(high & 1), x8_plane(high >> 1), sc], axis=-1)
+        parts = [x8_scales(sd[..., 0]), cols.reshape(g, kb // 8, 8 * 416)]  # (g, super-block, ...)
     elif blocks.type == 8:
         codes = q8_unsigned(raw)[1]  # (g, 16, kb, 32)
         parts = [x8_order(codes), x8_scales(d)]
@@ -340,7 +346,7 @@ def pack_x8(blocks: Blocks) -> Blocks:
         parts = [x8_order(qs), x8_scales(d), x8_scales(m)]
     else:  # Q4_0: d alone (the kernel computes its m = -8 d in fp32, exactly)
         parts = [x8_order(raw[..., 2:18]), x8_scales(d)]
-    data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])
+    data = np.concatenate(parts, axis=-1).reshape(g, kb * X8[X8_OF[blocks.type]][1])  # (Q6: super-blocks in order)
     return Blocks(X8_OF[blocks.type], torch.from_numpy(np.ascontiguousarray(data)), blocks.n, blocks.k,
                   source=blocks.source)
 

@@ -25,9 +25,11 @@
 //   WT_Q5_X8: Q4_X8's 256 bytes of low 4 bits, 64 bytes of fifth bits (byte i, bit t: the code at byte i of
 //             operand vector t, i.e. row i / 4's element 4t + i % 4), 16 fp16 d_w, 16 fp16 m_w -> 384 bytes;
 //             codes u in 0..31 and w = d_w u + m_w (Q5_1; Q5_0: m_w = -16 d_w, exact), Q4's fp32 steps
-//   WT_Q6_X8: Q4_X8's 256 bytes of low 4 bits, two 64-byte planes (plane c, byte i, bit t: bit 4 + c of the
-//             code at byte i of operand vector t), 16 fp16 d_w, 16 int8 s0_w, 16 int8 s1_w -> 448 bytes;
-//             GGUF's Q6_K: codes u in 0..63, w = d_w s_w (u - 32) with s_w = s0_w for K positions 0-15 of the
+//   WT_Q6_X8: GGUF's Q6_K, its super-blocks of 8 block columns kept together: per group and super-block, 16 fp16
+//             d_w (32 bytes), then per block column Q4_X8's 256 bytes of low 4 bits, two 64-byte planes (plane c,
+//             byte i, bit t: bit 4 + c of the code at byte i of operand vector t), 16 int8 s0_w, 16 int8 s1_w ->
+//             32 + 8 x 416 = 3,360 bytes, 420 a block column (Q6_K's own 6.5625 bits a weight);
+//             codes u in 0..63, w = d_w s_w (u - 32) with s_w = s0_w for K positions 0-15 of the
 //             block, s1_w for 16-31 (its 16-value sub-blocks). Per block, with a row's half sums S0, S1 of q_x:
 //               T = s0_w (sum_0-15 u q_x - 32 S0) + s1_w (sum_16-31 u q_x - 32 S1)   (exact: |T| < 2^24)
 //               acc = fma(d_w * d_x, float(T), acc)
@@ -35,7 +37,7 @@
 //   WT_Q40_X8: GGUF's Q4_0 (w = d_w (u - 8)): Q4_X8's 256 bytes of codes, 16 fp16 d_w -> 288 bytes (Q4_0's own 4.5
 //             bits a weight); Q4's fp32 steps with m_w = -8 d_w computed in fp32 (exact): the bits of a Q4_0
 //             weight packed as Q4_X8, in 10% fewer bytes.
-//   WT_Q4K_X8: GGUF's Q4_K, its super-blocks of 8 block columns kept together: per group and super-block, a
+//   WT_Q4K_X8: GGUF's Q4_K, its super-blocks kept together as WT_Q6_X8's: per group and super-block, a
 //             header of 16 fp16 d_w and 16 fp16 dmin_w (64 bytes), then per block column Q4_X8's 256 bytes of
 //             codes, the 16 rows' 6-bit scales sc_w and minimums mn_w (one byte each) -> 64 + 8 x 288 = 2,368
 //             bytes, 296 a block column (Q4_K's 4.5 bits a weight, plus an eighth of a bit). w = d_w sc_w u -
@@ -64,17 +66,25 @@
 // u is rebuilt exactly ((h << 4) | l per byte), so its integer sums, and every logit, are Q8_X8's bit for bit.
 int x8_group_bytes(int type) {
     return type == WT_Q4_X8 ? 320 : type == WT_Q8_SPLIT || type == WT_Q40_X8 ? 288 : type == WT_Q5_X8 ? 384
-         : type == WT_Q6_X8 ? 448 : type == WT_Q4K_X8 ? 296 : type == WT_Q5K_X8 ? 360 : 544;
+         : type == WT_Q6_X8 ? 420 : type == WT_Q4K_X8 ? 296 : type == WT_Q5K_X8 ? 360 : 544;
 }
 
-// WT_Q4K_X8 / WT_Q5K_X8: a block column's bytes past its header; a super-block (8 of them) of one group is the
-// 64-byte header and 8 of these (x8_group_bytes = super-block bytes / 8)
-static inline int k_column_bytes(int type) { return type == WT_Q4K_X8 ? 288 : 352; }
-static inline int is_k_quant(int type) { return type == WT_Q4K_X8 || type == WT_Q5K_X8; }
+// The layouts that keep GGUF's super-blocks (8 block columns behind a header of their 16 rows' d, and dmin):
+// a block column's bytes past the header, 0 for the others (x8_group_bytes = super-block bytes / 8).
+static inline int super_column_bytes(int type) {
+    return type == WT_Q4K_X8 ? 288 : type == WT_Q5K_X8 ? 352 : type == WT_Q6_X8 ? 416 : 0;
+}
+static inline int is_k_quant(int type) { return type == WT_Q4K_X8 || type == WT_Q5K_X8; }  // a scale and min per block
+
+// The header of block column kb's super-block in a group's bytes wg (super_column_bytes(type) > 0).
+static inline const uint8_t *super_header(int type, const uint8_t *wg, int kb) {
+    return wg + (int64_t)(kb / 8) * 8 * x8_group_bytes(type);
+}
 
 // Block column kb's codes in a group's bytes wg (every layout but WT_Q8_SPLIT's, which split_hi / split_lo address).
 static inline const uint8_t *x8_block(int type, const uint8_t *wg, int kb) {
-    if (is_k_quant(type)) return wg + (int64_t)(kb / 8) * 8 * x8_group_bytes(type) + 64 + (kb % 8) * k_column_bytes(type);
+    if (super_column_bytes(type))
+        return super_header(type, wg, kb) + (type == WT_Q6_X8 ? 32 : 64) + (kb % 8) * super_column_bytes(type);
     return wg + (int64_t)kb * x8_group_bytes(type);
 }
 
@@ -83,7 +93,7 @@ static inline const uint8_t *x8_block(int type, const uint8_t *wg, int kb) {
 // wg, kb) = b).
 static inline void block_scales(int type, const uint8_t *wg, int kb, const uint8_t *b, __m512 *d, __m512 *m) {
     if (is_k_quant(type)) {
-        const uint8_t *head = wg + (int64_t)(kb / 8) * 8 * x8_group_bytes(type), *s = b + k_column_bytes(type) - 32;
+        const uint8_t *head = super_header(type, wg, kb), *s = b + super_column_bytes(type) - 32;
         __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)));
         __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + 16))));
         *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)), sc);
@@ -490,13 +500,13 @@ static inline void group_q4(int type, const uint8_t *w, int KB, const qrows *a, 
 // rebuilt once, then per row the two halves' integer sums and the header's exact T, one fp32 multiply-add.
 static inline void group_q6(const uint8_t *w, int KB, const qrows *a, int K, int m0, int rows, __m512 *acc) {
     for (int kb = 0; kb < KB; kb++) {
-        const uint8_t *b = w + (int64_t)kb * 448;
-        prefetch_ahead(b, 448);
+        const uint8_t *b = x8_block(WT_Q6_X8, w, kb);
+        prefetch_ahead(b, 420);
         __m512i ops[8];
         q6_codes(b, ops);
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 384)));
-        __m512 s0w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 416))));
-        __m512 s1w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 432))));
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super_header(WT_Q6_X8, w, kb)));
+        __m512 s0w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 384))));
+        __m512 s1w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 400))));
         for (int i = 0; i < rows; i++) {
             int64_t m = m0 + i, blk = m * KB + kb;
             __m512i s[2];
@@ -765,12 +775,12 @@ static void x8_block_bf16(const wmat *w, int64_t g, int kb, int j0, int rows, ui
         _mm512_storeu_ps(d, dv);
         _mm512_storeu_ps(m, mv);
     } else {
-        int off = type == WT_Q6_X8 ? 384 : type == WT_Q8_SPLIT ? 256 : 512;
-        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + off))));
+        const uint8_t *dp = type == WT_Q6_X8 ? super_header(type, wg, kb) : b + (type == WT_Q8_SPLIT ? 256 : 512);
+        _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dp)));
     }
     if (type == WT_Q6_X8)
         for (int h = 0; h < 2; h++)
-            _mm512_storeu_ps(s[h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 416 + 16 * h)))));
+            _mm512_storeu_ps(s[h], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 384 + 16 * h)))));
     __m512i zero = _mm512_set1_epi32(type == WT_Q6_X8 ? 32 : five ? 0 : 128);
     for (int j = j0; j < j0 + rows; j++) {
         uint16_t *o = out + (int64_t)(j - j0) * ldo;
