@@ -47,6 +47,10 @@ def test_without_huge_pages_tensors_stay_as_they_are(monkeypatch):
     t = torch.arange(100, dtype=torch.uint8)
     assert hugepages.Arena(enabled=False).place(t) is t
     assert hugepages.Arena(enabled=True).place(t.float()).dtype is torch.float32  # only packed bytes move
+    full = hugepages.Arena(enabled=True)
+    monkeypatch.setattr(hugepages.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(12, "no memory")))
+    assert full.place(t) is t and not full.enabled  # no room for a chunk: the tensor stays where it is
+    monkeypatch.undo()
     monkeypatch.setenv("EAGLE_CHAT_HUGE_PAGES", "0")
     assert not hugepages.wanted() and not hugepages.Arena().enabled
 

@@ -61,7 +61,11 @@ class Arena:
             return t
         n = t.numel()
         if self._chunk is None or self._used + n > self._chunk.numel():
-            self._grow(n)
+            try:
+                self._grow(n)
+            except (OSError, ValueError):  # no address space for another chunk: ordinary memory from here on
+                self.enabled = False
+                return t
         out = self._chunk[self._used:self._used + n].view(t.shape)
         out.copy_(t)
         self._used += -(-n // ALIGN) * ALIGN
