@@ -123,11 +123,11 @@ def test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same(kind, t
 
 @pytest.mark.skipif(not native.status().amx, reason="no AMX tiles here: a prompt's block layers dequantize for oneDNN")
 @pytest.mark.parametrize("kind,tiled,packed", [("Q4_1", True, False), ("Q4_1", False, True), ("Q4_0", False, True),
-                                               ("Q8_0", True, False)])
+                                               ("Q4_K", False, True), ("Q8_0", True, False)])
 def test_a_prompt_multiplies_block_weights_on_tiles_as_their_bf16_copy(kind, tiled, packed):
-    """linear_tiles dequantizes each 16 x 32 tile into cache (Q4_X8 too: the 8-bit step's packing) and gives the
-    bits of the tile GEMM on the dequantized copy, for one x block, pairs and a leftover; the screened LM head's
-    kind is not among those it reads."""
+    """linear_tiles dequantizes each 16 x 32 tile into cache (the 4-bit X8 layouts too: the 8-bit step's packing of
+    Q4_1, Q4_0 and Q4_K) and gives the bits of the tile GEMM on the dequantized copy, for one x block, pairs and a
+    leftover; the screened LM head's kind is not among those it reads."""
     model, blocks = quantized_llama(kind, tiled)
     gen = torch.Generator().manual_seed(4)
     for name, b in list(blocks.items())[:7]:

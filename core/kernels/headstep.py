@@ -58,13 +58,11 @@ def weight_blocks(weight: torch.Tensor, kind: str) -> quant.Blocks:
 def head_blocks(head: EagleHead, kind: str) -> dict[str, quant.Blocks]:
     """Every linear weight of the head (fc and its layers' projections) as `kind` blocks, by state_dict name, side
     by side in huge-page memory (core.kernels.hugepages: the head re-reads them after every target forward)."""
-    from dataclasses import replace
-
     from core.kernels.hugepages import Arena
 
     arena = Arena()
-    return {f"{name}.weight": replace(b, data=arena.place(b.data)) for name, m in head.named_modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.numel() and (b := weight_blocks(m.weight, kind))}
+    return {f"{name}.weight": arena.place_blocks(weight_blocks(m.weight, kind)) for name, m in head.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.numel()}
 
 
 def unsupported(head) -> str | None:

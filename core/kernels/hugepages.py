@@ -15,6 +15,7 @@ are off (`never`), the platform has no madvise, or EAGLE_CHAT_HUGE_PAGES=0, the 
 
 import mmap
 import os
+from dataclasses import replace
 
 import torch
 
@@ -71,3 +72,7 @@ class Arena:
         self._used += -(-n // ALIGN) * ALIGN
         self.placed += n
         return out
+
+    def place_blocks(self, blocks):
+        """A core.kernels.quant.Blocks with its bytes placed (the same Blocks where the arena is off)."""
+        return replace(blocks, data=self.place(blocks.data))

@@ -926,7 +926,8 @@ def linear_w(x: torch.Tensor, w: WMat, bias: torch.Tensor | None = None) -> torc
     return y
 
 
-TILE_TYPES = (WT_BF16, 2, 3, 8, 100)  # what gemm_tiles reads: bf16, Q4_0, Q4_1, Q8_0, Q4_X8 (csrc/weights.h)
+TILE_TYPES = (WT_BF16, 2, 3, 8, 100, 105, 107)  # what gemm_tiles reads: bf16, Q4_0, Q4_1, Q8_0 and the 4-bit X8
+                                                # layouts Q4_X8, Q4K_X8, Q40_X8 (csrc/weights.h is_nibbles)
 
 
 def tiles_serve(w: WMat) -> bool:

@@ -456,12 +456,9 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
                 # the step measured no faster, 10.5-10.8 against 10.6-11.0 ms); w4a8: the LM head too, below
                 layer = tile_blocks if weights == "q4" else pack_x8  # each layer tensor as it is read, then
                 arena = Arena()  # placed side by side in huge-page memory (core.kernels.hugepages)
-
-                def kept(b):
-                    return replace(b, data=arena.place(b.data))
-
                 found = load_llama_blocks(target.gguf, target.model.config, requantize=weights != "q4",
-                                          prepare=lambda name, b: kept(layer(b)) if ".layers." in name else b)
+                                          prepare=lambda name, b: arena.place_blocks(layer(b)) if ".layers." in name
+                                          else b)
                 if moved := Counter(b.source for b in found.values() if b.source):
                     note = (f" ({sum(moved.values())} tensors of other types: " + ", ".join(
                         f"{k} ({v}) {REPACKED.get(k, 'requantized to Q8_0')}" for k, v in sorted(moved.items())) + ")")
@@ -469,7 +466,7 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
                 if weights != "q4":  # the file's own (or its tied embedding's) Q8_0 blocks
                     lm = found.get("lm_head.weight", found["model.embed_tokens.weight"])
                     screened = screen_wanted() and lm.type == 8 and lm.n % 16 == 0
-                    blocks["lm_head.weight"] = kept(split_q8(lm) if screened else pack_x8(lm))
+                    blocks["lm_head.weight"] = arena.place_blocks(split_q8(lm) if screened else pack_x8(lm))
             except QuantWeightError as e:
                 if weights != "auto" or getattr(target, "lean", False):  # lean: no bf16 layer weights to fall back on
                     raise

@@ -69,7 +69,7 @@ static inline void dequant_block(int type, const uint8_t *b, uint16_t *out) {
 }
 
 void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out) {
-    if (w->type == WT_Q4_X8) {  // n0 % 16 == 0: whole groups of 16 rows
+    if (is_nibbles(w->type)) {  // n0 % 16 == 0: whole groups of 16 rows
         for (int r0 = 0; r0 < rows; r0 += 16)
             q4x8_block(w, (n0 + r0) / 16, kb, 0, rows - r0 < 16 ? rows - r0 : 16, out + 32 * r0, 32);
         return;
@@ -83,10 +83,11 @@ void weight_tiles(const wmat *w, int n0, int rows, int kb, uint16_t *out) {
 }
 
 void weight_prefetch(const wmat *w, int n0, int rows, int kb) {
-    if (w->type == WT_Q4_X8) {
+    if (is_nibbles(w->type)) {  // a block column's codes and scales (Q4K: its super-block's header is in cache)
+        int gb = x8_group_bytes(w->type);
         for (int r0 = 0; r0 < rows; r0 += 16) {
-            const char *b = (const char *)w->data + ((int64_t)(n0 + r0) / 16 * (w->K / 32) + kb) * 320;
-            for (int off = 0; off < 320; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
+            const char *b = (const char *)x8_block_at(w, (n0 + r0) / 16, kb);
+            for (int off = 0; off < gb; off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
         }
         return;
     }

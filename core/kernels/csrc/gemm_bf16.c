@@ -178,14 +178,14 @@ int gemm_w(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, 
     return gemm_run(x, ldx, w, bias, y, ldy, M, nthreads, 0);
 }
 
-// A prompt's y = x @ w.T (+ bias) on AMX tiles whatever the weight's kind: bf16 rows, or GGUF / Q4_X8 blocks
+// A prompt's y = x @ w.T (+ bias) on AMX tiles whatever the weight's kind: bf16 rows, or GGUF / 4-bit X8 blocks
 // dequantized per 16 x 32 tile into the thread's scratch (dequantize_bf16's values), so the bits gemm_w gives
 // on those values' bf16 copy, without the copy. 0; -1 out of memory; -2 where the tiles do not serve (no
 // AMX, the shape, or a kind the tiles do not read: Q8_X8, the screened LM head).
 // ctypes: gemm_tiles(ptr x, i64 ldx, ptr w, ptr bias, ptr y, i64 ldy, i32 M, i32 nthreads) -> i32
 int gemm_tiles(const uint16_t *x, int64_t ldx, const wmat *w, const uint16_t *bias, uint16_t *y, int64_t ldy,
                int M, int nthreads) {
-    if (!(known_type(w->type) || w->type == WT_Q4_X8) || !amx_serves(w->N, w->K))
+    if (!(known_type(w->type) || is_nibbles(w->type)) || !amx_serves(w->N, w->K))
         return -2;
     return gemm_run(x, ldx, w, bias, y, ldy, M, nthreads, 1);
 }

@@ -88,6 +88,11 @@ static inline const uint8_t *x8_block(int type, const uint8_t *wg, int kb) {
     return wg + (int64_t)kb * x8_group_bytes(type);
 }
 
+// The same for group g of w (the prompt's tiles: csrc/dequant.c).
+const uint8_t *x8_block_at(const wmat *w, int64_t g, int kb) {
+    return x8_block(w->type, (const uint8_t *)w->data + g * (w->K / 32) * x8_group_bytes(w->type), kb);
+}
+
 // The 16 rows' D and M of a 4- or 5-bit block column b (w = D u + M, exact in fp32): Q4_X8's and Q5_X8's stored
 // fp16 d and m; Q40's d and -8 d; Q4K's and Q5K's d sc and -dmin mn from its super-block's header (x8_block(type,
 // wg, kb) = b).

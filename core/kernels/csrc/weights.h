@@ -73,6 +73,8 @@ int is_x8(int type);
 int64_t x8_work_bytes(int M, int K);
 void x8_row(const wmat *w, int64_t n, uint16_t *out);
 void x8_rows_bf16(const wmat *w, int64_t g, int j0, int rows, uint16_t *out, int64_t ldo);
+int x8_group_bytes(int type);
+const uint8_t *x8_block_at(const wmat *w, int64_t g, int kb);  // block column kb's codes in group g
 void q4x8_block(const wmat *w, int64_t g, int kb, int j0, int rows, uint16_t *out, int64_t ldo);
 int amx_serves(int N, int K);  // 1 where AMX tiles were granted and the shape suits them (csrc/gemm_amx.c)
 void amx_begin(void);  // per thread, once per parallel region that runs AMX GEMMs (no-op without AMX)
