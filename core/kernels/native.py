@@ -36,7 +36,9 @@ Built once per machine with gcc into `cache_home()/kernels`, loaded with ctypes,
 fails (not x86-64 Linux, neither avx512_bf16 nor AVX2, no gcc) `status()` says why and callers keep
 torch's kernels. `EAGLE_CHAT_KERNELS=torch` turns them off. A CPU without avx512_bf16 builds the same
 sources for AVX2 (csrc/avx2.h: each 512-bit intrinsic on two 256-bit halves, the same lane operations;
-`EAGLE_CHAT_KERNELS=avx2` picks that build on an AVX-512 CPU too).
+`EAGLE_CHAT_KERNELS=avx2` picks that build on an AVX-512 CPU too). `EAGLE_CHAT_KERNELS=amx-emulated` builds the
+AVX-512 kernels with the AMX tile instructions as C functions (csrc/amx_emulate.h), so that the tile paths run, slowly,
+where the CPU has no tiles: for tests (tests/test_amx_emulated.py), never for serving.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import shutil
 import struct
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -81,6 +83,10 @@ BUILD_TIMEOUT_S = 300  # one build takes 4-5 s on two cores (each file on a core
 # 512 nodes + a 32-token lookup chain), so every tree row and every plain step goes through this kernel.
 MAX_ROWS = 576
 OFF_ENV = "EAGLE_CHAT_KERNELS"
+# EAGLE_CHAT_KERNELS=amx-emulated: the AVX-512 build with every tile instruction a C function (csrc/amx_emulate.h,
+# -DEAGLE_AMX_EMULATE), so that the AMX code paths run, slowly, on a CPU without tiles: tests/test_amx_emulated.py
+AMX_EMULATED = "amx-emulated"
+AMX_EMULATE_FLAGS = ("-DEAGLE_AMX_EMULATE",)
 AMX_ENV = "EAGLE_CHAT_AMX"  # "0" keeps the GEMM and attention on AVX-512 where the CPU has AMX tiles
 # "0" keeps attention alone on AVX-512 (for measuring; the GEMM's tiles stay): csrc/attention_amx.c
 AMX_ATTENTION_ENV = "EAGLE_CHAT_AMX_ATTENTION"
@@ -100,10 +106,14 @@ class NativeStatus:
     amx_attention: bool = False  # rows of head_dim 64 with enough keys attend on AMX tiles (csrc/attention_amx.c)
     amx_attention_from: int = 0  # ... from this many keys (a row's context and ancestors)
     isa: str = "avx512"  # the vector instructions the kernels were built for: "avx512", or "avx2" (csrc/avx2.h)
+    amx_emulated: bool = False  # EAGLE_CHAT_KERNELS=amx-emulated: the tiles are C functions (csrc/amx_emulate.h)
 
     def describe(self) -> str:
         if not self.available:
             return f"torch kernels ({self.reason})"
+        if self.amx_emulated:  # never a serving path: named apart so that nothing tuned under it is taken for AMX
+            return ("tiles emulated in C (EAGLE_CHAT_KERNELS=amx-emulated: tests only, slow): "
+                    + replace(self, amx_emulated=False).describe())
         if self.amx and self.amx_attention:
             return (f"AMX bf16 GEMM, attention on AMX tiles from {self.amx_attention_from} keys (head_dim 64), "
                     "AVX-512 below and RMSNorm (core/kernels/csrc)")
@@ -221,7 +231,13 @@ def _build(isa: str = "avx512") -> Path:
     folder = _kernel_dir()
     problem = ""
     profile = ("-DEAGLE_PROFILE",) if os.environ.get(PROFILE_ENV) == "1" else ()
-    for flags in ((AVX2_FLAGS,) if isa == "avx2" else (FLAGS + AMX_FLAGS, FLAGS, COMPAT_FLAGS)):
+    if isa == "avx2":
+        tries = (AVX2_FLAGS,)
+    elif amx_emulated():
+        tries = (FLAGS + AMX_FLAGS + AMX_EMULATE_FLAGS,)
+    else:
+        tries = (FLAGS + AMX_FLAGS, FLAGS, COMPAT_FLAGS)
+    for flags in tries:
         flags = flags + profile
         key = hashlib.sha1(" ".join((source_digest(), *flags, *version)).encode()).hexdigest()[:12]
         lib = folder / f"decode-{key}.so"
@@ -243,6 +259,16 @@ def _load(isa: str = "avx512") -> ctypes.CDLL:
     except OSError:
         lib.unlink(missing_ok=True)
         return ctypes.CDLL(str(_build(isa)))
+
+
+def amx_emulated() -> bool:
+    """EAGLE_CHAT_KERNELS=amx-emulated: tiles emulated in C (tests only; needs an avx512_bf16 CPU)."""
+    return os.environ.get(OFF_ENV, "").lower() == AMX_EMULATED
+
+
+def _has_amx(feature: str = "amx_bf16") -> bool:
+    """The CPU has AMX tiles with `feature` (amx_bf16, amx_int8), or they are emulated."""
+    return amx_emulated() or {"amx_tile", feature} <= _cpu_flags()
 
 
 def kernel_isa() -> str | None:
@@ -337,19 +363,19 @@ def _library() -> tuple[_Kernels | None, NativeStatus]:
     except (OSError, RuntimeError) as e:
         return None, NativeStatus(False, f"kernel build failed: {e}")
     amx = bool(kernels.amx_enable(int(amx_wanted())))
-    kernels.x8_amx_enable(int(amx and "amx_int8" in _cpu_flags()))
+    kernels.x8_amx_enable(int(amx and _has_amx("amx_int8")))
     attention_amx = bool(kernels.attn_amx_enable(int(amx and amx_attention_wanted())))
     problem = _self_test(kernels)
     if problem:
         return None, NativeStatus(False, f"kernel self-test failed: {problem}")
     return kernels, NativeStatus(True, "built and self-tested", amx=amx, amx_attention=attention_amx,
-                                 amx_attention_from=int(kernels.attn_amx_min_keys(-1)), isa=isa)
+                                 amx_attention_from=int(kernels.attn_amx_min_keys(-1)), isa=isa,
+                                 amx_emulated=amx and amx_emulated())
 
 
 def amx_wanted() -> bool:
     """The CPU has AMX bf16 tiles and EAGLE_CHAT_AMX does not turn them off (Linux must still grant them)."""
-    return ({"amx_tile", "amx_bf16"} <= _cpu_flags()
-            and not switched_off(AMX_ENV))
+    return _has_amx() and not switched_off(AMX_ENV)
 
 
 def amx_attention_wanted() -> bool:
@@ -371,7 +397,7 @@ def set_x8_amx(on: bool) -> bool:
     """AMX-INT8 for 8-bit-activation GEMMs of 9+ rows on or off (tests compare it with VNNI);
     on only where the CPU has amx_int8 and the tiles were granted. Returns whether it serves now."""
     k, st = _library()
-    return bool(k and k.x8_amx_enable(int(on and st.amx and "amx_int8" in _cpu_flags())))
+    return bool(k and k.x8_amx_enable(int(on and st.amx and _has_amx("amx_int8"))))
 
 
 def status() -> NativeStatus:

@@ -6,6 +6,9 @@
 #else
 #define AS_BH(v) ((__m512bh)(v))  // 32 bf16 in a vector register, as vdpbf16ps reads them
 #endif
+#ifdef EAGLE_AMX_EMULATE  // tests only: tile instructions as C functions (amx_emulate.h)
+#include "amx_emulate.h"
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -39,11 +39,17 @@ void gemm_amx_team(const uint16_t *pack, int M, int K, const gemm_job *jobs, int
 #define XFEATURE_XTILEDATA 18
 
 static int amx_on = 0;
+#ifdef EAGLE_AMX_EMULATE
+__thread amx_tiles amx_emulated;
+#define TILES_GRANTED 1  // emulated tiles need no state from Linux
+#else
+#define TILES_GRANTED (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+#endif
 
 // Ask Linux for the AMX tile state (once per process); 1 if AMX now runs, 0 if off or refused.
 // ctypes: amx_enable(i32 want) -> i32
 int amx_enable(int want) {
-    amx_on = want && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    amx_on = want && TILES_GRANTED;
     return amx_on;
 }
 
