@@ -44,7 +44,8 @@ def test_emulated_tiles_serve_and_say_so():
     flags, described = done.stdout.splitlines()[-2:]
     assert flags == "True True True"
     assert described.startswith("tiles emulated in C (EAGLE_CHAT_KERNELS=amx-emulated") and "AMX bf16 GEMM" in described
-    assert "emulated" not in native.status().describe()  # this process: the machine's own kernels
+    if not native.amx_emulated():  # this process (unless the whole suite runs emulated): the machine's own kernels
+        assert "emulated" not in native.status().describe()
 
 
 @needs_avx512

@@ -100,6 +100,8 @@ def test_turned_off_by_the_environment(monkeypatch):
 
 needs_avx512 = pytest.mark.skipif(not native.status().available or native.status().isa != "avx512",
                                   reason="the AVX-512 build does not serve here (no avx512_bf16, or EAGLE_CHAT_KERNELS=avx2)")
+# the emulated tiles (EAGLE_CHAT_KERNELS=amx-emulated) build with AMX flags only: no fallback build to test there
+real_builds = pytest.mark.skipif(native.amx_emulated(), reason="EAGLE_CHAT_KERNELS=amx-emulated builds one way only")
 needs_amx = pytest.mark.skipif(not native.status().amx,
                                reason="no AMX tiles here (or EAGLE_CHAT_AMX=0): the AVX-512 GEMM serves every shape")
 
@@ -169,6 +171,7 @@ def test_a_prompt_sized_call_runs_on_tiles_with_each_row_as_in_a_decoding_call(m
 
 
 @needs_avx512
+@real_builds
 def test_a_compiler_without_amx_flags_still_builds_the_avx512_kernels(monkeypatch, tmp_path):
     """gcc < 11 refuses -mamx-tile: the build retries without AMX (gemm_amx.c becomes stubs)."""
     import core.models
@@ -564,6 +567,7 @@ def fresh_cache(monkeypatch, tmp_path):
 
 
 @needs_avx512
+@real_builds
 def test_a_compiler_without_x86_64_v4_builds_the_same_kernels_from_named_instruction_sets(monkeypatch, tmp_path):
     """gcc 10 knows neither -march=x86-64-v4 nor AMX: the third attempt names x86-64-v4's
     instruction sets one by one and computes the same bits (as the vector attention: that build has
