@@ -220,6 +220,7 @@ def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step,
             return
     yield event
     while not event.finished:
+        threads.refit_during()  # no-op unless the governor is on
         threads.apply()  # this step may run in another thread than the last (Gradio)
         with torch.inference_mode():
             event = run.next_step()
