@@ -52,7 +52,7 @@ def main() -> None:
                     page.fill("#message textarea", prompt)
                     page.click("#send")
                     page.wait_for_function(f"old => document.querySelector('#stats').innerText !== old && ({DONE})",
-                                           arg=before, timeout=300_000)
+                                           arg=before, polling=500, timeout=300_000)
                     stats = page.inner_text("#stats")
                     found = re.search(r"engine: ([\d.]+) tok/s \((\d+) tokens", stats)
                     speeds.append(f"{found.group(1)} tok/s ({found.group(2)} tokens)" if found else "?")
