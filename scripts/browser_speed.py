@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from screenshot import CHROMIUM, DONE, free_port, wait_for  # noqa: E402
+from screenshot import DONE, launched_page  # noqa: E402
 
 PROMPTS = ["Write a Python function that checks whether a number is prime, then explain how it works.",
            "Explain the difference between a list and a tuple in Python, with examples.",
@@ -30,41 +29,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("launcher_args", nargs="*")
     args = ap.parse_args()
-    from playwright.sync_api import sync_playwright
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    proc = subprocess.Popen([sys.executable, "launcher.py", "--no-browser", "--port", str(port), *args.launcher_args],
-                            cwd=args.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(url, proc)
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1624})
-            for r in range(args.rounds):
-                speeds = []
-                for prompt in PROMPTS:
-                    page.goto(url)  # a fresh page: a new chat
-                    page.wait_for_selector("#message textarea", timeout=120_000)
-                    time.sleep(1.0)
-                    before = page.inner_text("#stats")
-                    page.fill("#message textarea", prompt)
-                    page.click("#send")
-                    page.wait_for_function(f"old => document.querySelector('#stats').innerText !== old && ({DONE})",
-                                           arg=before, polling=500, timeout=300_000)
-                    stats = page.inner_text("#stats")
-                    found = re.search(r"engine: ([\d.]+) tok/s \((\d+) tokens", stats)
-                    speeds.append(f"{found.group(1)} tok/s ({found.group(2)} tokens)" if found else "?")
-                print(f"{args.cwd} {' '.join(args.launcher_args) or '(default)'} round {r + 1}: " + ", ".join(speeds),
-                      flush=True)
-            browser.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with launched_page(args.cwd, args.launcher_args) as (page, url):
+        for r in range(args.rounds):
+            speeds = []
+            for prompt in PROMPTS:
+                page.goto(url)  # a fresh page: a new chat
+                page.wait_for_selector("#message textarea", timeout=120_000)
+                time.sleep(1.0)
+                before = page.inner_text("#stats")
+                page.fill("#message textarea", prompt)
+                page.click("#send")
+                # every 0.5 s: a check at every animation frame would itself load the page (layout for innerText)
+                page.wait_for_function(f"old => document.querySelector('#stats').innerText !== old && ({DONE})",
+                                       arg=before, polling=500, timeout=300_000)
+                found = re.search(r"engine: ([\d.]+) tok/s \((\d+) tokens", page.inner_text("#stats"))
+                speeds.append(f"{found.group(1)} tok/s ({found.group(2)} tokens)" if found else "?")
+            print(f"{args.cwd} {' '.join(args.launcher_args) or '(default)'} round {r + 1}: " + ", ".join(speeds),
+                  flush=True)
 
 
 if __name__ == "__main__":
