@@ -156,8 +156,8 @@ class Governor:
       threads that meets at barriers every few microseconds stalls whenever one of its cores is taken. That load
       comes back with every answer, so the next answer starts from it too (`streaming`), whatever the idle time
       between answers averaged it down to. Measured on a 2-core VM, 2026-12-07: the app's first answers in headless
-      Chromium ran at 80-100 tok/s on two threads, later ones at 170-205 on the one thread the governor had moved to,
-      and 280-360 without a browser."""
+      Chromium ran at 54-100 tok/s on two threads, later ones at 130-260 on the one thread the governor had moved to
+      (docs/threads.md), and 270-360 without a page rendered."""
 
     MIN_WINDOW_S = 1.0   # between answers: shorter windows say too little about the others' load
     STEP_WINDOW_S = 0.5  # within an answer: a page streams a few updates in this time
