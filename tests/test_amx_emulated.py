@@ -16,16 +16,10 @@ from core.kernels import native
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# every test that skips without AMX tiles, or runs its AMX half only where they serve
-TILE_TESTS = [
-    "tests/test_native.py::test_amx_and_avx512_gemms_are_each_row_invariant_and_agree",
-    "tests/test_native.py::test_a_prompt_sized_call_runs_on_tiles_with_each_row_as_in_a_decoding_call",
-    "tests/test_native.py::test_the_amx_attention_serves_only_head_dim_64_and_stays_close_to_the_vector_kernel",
-    "tests/test_screen.py::test_the_split_head_computes_the_unsplit_heads_bits_on_vnni_and_amx",
-    "tests/test_step.py::test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same",
-    "tests/test_step.py::test_a_prompt_multiplies_block_weights_on_tiles_as_their_bf16_copy",
-    "tests/test_w4a8.py::test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni",
-]
+# the files holding the tests marked `tiles` (skipped without AMX, or running their AMX half only where tiles serve;
+# tests/conftest.py refuses a test that skips without AMX and lacks the mark)
+TILE_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                    if "pytest.mark.tiles" in p.read_text(encoding="utf-8"))
 
 needs_avx512 = pytest.mark.skipif(not native.status().available or native.status().isa != "avx512",
                                   reason="the emulated tiles sit in the AVX-512 build, which does not serve here")
@@ -50,8 +44,31 @@ def test_emulated_tiles_serve_and_say_so():
 
 @needs_avx512
 def test_the_tile_tests_pass_on_emulated_tiles():
-    done = emulated("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TILE_TESTS)
+    assert len(TILE_FILES) >= 4, TILE_FILES
+    done = emulated("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", "tiles", *TILE_FILES)
     summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", summary).group(1))
-    assert passed >= 14 and "skipped" not in summary, summary  # every case ran on the tiles
+    assert passed >= 60 and "skipped" not in summary, summary  # every case ran on the tiles
+
+
+def test_a_test_skipping_without_amx_must_be_marked_tiles():
+    """tests/conftest.py refuses to collect a test that skips without AMX unless it is marked `tiles` (else it would
+    skip on every AMD machine and never run on the emulated tiles)."""
+    from tests.conftest import pytest_collection_modifyitems
+
+    class Item:
+        def __init__(self, nodeid, reason, marked):
+            self.nodeid, self.marks = nodeid, [pytest.mark.skipif(True, reason=reason).mark]
+            self.marks += [pytest.mark.tiles.mark] if marked else []
+
+        def iter_markers(self, name):
+            return (m for m in self.marks if m.name == name)
+
+        def get_closest_marker(self, name):
+            return next(self.iter_markers(name), None)
+
+    fine = [Item("t.py::marked", "no AMX tiles here", True), Item("t.py::other", "no GPU here", False)]
+    pytest_collection_modifyitems(None, fine)
+    with pytest.raises(pytest.UsageError, match=r"t\.py::unmarked skips without AMX tiles .* @pytest\.mark\.tiles"):
+        pytest_collection_modifyitems(None, fine + [Item("t.py::unmarked", "no AMX attention on this machine", False)])

@@ -102,8 +102,12 @@ needs_avx512 = pytest.mark.skipif(not native.status().available or native.status
                                   reason="the AVX-512 build does not serve here (no avx512_bf16, or EAGLE_CHAT_KERNELS=avx2)")
 # the emulated tiles (EAGLE_CHAT_KERNELS=amx-emulated) build with AMX flags only: no fallback build to test there
 real_builds = pytest.mark.skipif(native.amx_emulated(), reason="EAGLE_CHAT_KERNELS=amx-emulated builds one way only")
-needs_amx = pytest.mark.skipif(not native.status().amx,
-                               reason="no AMX tiles here (or EAGLE_CHAT_AMX=0): the AVX-512 GEMM serves every shape")
+
+
+def needs_amx(test):
+    """Skipped without AMX tiles, and marked to run on emulated ones (tests/test_amx_emulated.py)."""
+    return pytest.mark.tiles(pytest.mark.skipif(
+        not native.status().amx, reason="no AMX tiles here (or EAGLE_CHAT_AMX=0): the AVX-512 GEMM serves every shape")(test))
 
 
 @needs_amx
@@ -280,6 +284,7 @@ def attention_kernel(request):
 @pytest.mark.parametrize("n_ctx,nh,kvh", [(0, 9, 3), (5, 9, 3), (31, 9, 3), (32, 9, 3), (33, 9, 3), (63, 9, 3),
                                          (64, 9, 3), (100, 9, 3), (161, 9, 3), (505, 9, 3), (512, 9, 3),
                                          (1100, 9, 3), (40, 14, 2), (40, 4, 4), (40, 16, 1)])
+@pytest.mark.tiles  # the "amx" and "mixed" kernels
 def test_a_tree_rows_attention_is_plain_decodings_bit_for_bit(attention_kernel, n_ctx, nh, kvh):
     """Row i of a tree (its ancestors scattered over the tree's slots, beside other rows) computes the
     bits plain decoding computes for the same token: the context and its ancestors laid out one after

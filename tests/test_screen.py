@@ -51,6 +51,7 @@ def hidden_rows(seed: int, n: int, k: int, w: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x.astype(np.float32)).bfloat16()
 
 
+@pytest.mark.tiles
 def test_the_split_head_computes_the_unsplit_heads_bits_on_vnni_and_amx():
     w = np.random.default_rng(0).standard_normal((16 * 12, 192)).astype(np.float32) * 0.05
     b = q8_blocks(w)

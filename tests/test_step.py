@@ -107,6 +107,7 @@ def quantized_llama(kind: str, tiled: bool) -> tuple[torch.nn.Module, dict]:
     return model, blocks
 
 
+@pytest.mark.tiles  # the bf16 reference (native.linear) runs on tiles where they serve
 @pytest.mark.parametrize("kind,tiled", [("Q4_1", True), ("Q4_1", False), ("Q4_0", True), ("Q8_0", True)])
 def test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same(kind, tiled):
     model, blocks = quantized_llama(kind, tiled)
@@ -121,6 +122,7 @@ def test_block_weights_dequantize_to_the_bf16_copy_and_multiply_the_same(kind, t
             assert torch.equal(native.linear_w(rows[:m], w), native.linear(rows[:m], params[name])), (name, m)
 
 
+@pytest.mark.tiles
 @pytest.mark.skipif(not native.status().amx, reason="no AMX tiles here: a prompt's block layers dequantize for oneDNN")
 @pytest.mark.parametrize("kind,tiled,packed", [("Q4_1", True, False), ("Q4_1", False, True), ("Q4_0", False, True),
                                                ("Q4_K", False, True), ("Q8_0", True, False)])
@@ -398,6 +400,7 @@ def smollm2():
 
 
 @pytest.mark.slow
+@pytest.mark.tiles  # its prompt-sized call on tiles where they serve
 def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
     from safetensors import safe_open
 
@@ -435,6 +438,7 @@ def test_embedded_gguf_blocks_equal_the_bf16_weights_bit_for_bit(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.tiles  # turns the tiles off where they serve
 def test_without_tiles_a_prompts_block_layers_dequantize_for_onednn(smollm2, monkeypatch):
     """Where AMX tiles do not serve (the AMD machines; EAGLE_CHAT_AMX=0 here) a prompt-sized call dequantizes the
     blocks (on every thread) for oneDNN, and a prefill's smaller calls keep the 8-bit kernel. On AVX2 (no bf16

@@ -108,6 +108,7 @@ def test_packing_refuses_what_the_kernel_cannot_read():
         quant.pack_x8(odd)
 
 
+@pytest.mark.tiles
 def test_rows_compute_the_same_bits_alone_in_any_batch_and_on_amx_or_vnni():
     model, blocks, packed = x8_model("Q4_1")
     packed["five"] = x8_model("Q5_1")[2]["model.layers.0.mlp.up_proj.weight"]  # Q5, Q6: VNNI at every row count
@@ -184,6 +185,7 @@ def test_w4a8_stays_close_to_the_bf16_numerics_on_a_fixed_text(smollm2_w4a8):
 
 
 @pytest.mark.slow
+@pytest.mark.tiles
 @pytest.mark.skipif(not native.status().amx_attention, reason="no AMX attention on this machine")
 def test_attention_on_tiles_stays_close_to_the_vector_kernel_on_a_long_text(smollm2_w4a8):
     """Past 256 keys a row attends on AMX tiles (csrc/attention_amx.c), in other numerics: teacher-forced
@@ -216,6 +218,7 @@ def test_attention_on_tiles_stays_close_to_the_vector_kernel_on_a_long_text(smol
 
 
 @pytest.mark.slow
+@pytest.mark.tiles
 def test_w4a8_logits_and_probe_do_not_depend_on_threads_or_amx(smollm2_w4a8):
     """A process's thread count follows how busy the machine is at start (core.threads), so a
     plain run and a speculative run started a minute apart can get 1 and 2 threads: their texts
