@@ -240,7 +240,8 @@ class Pace:
     chat's markdown (and, with the panel, redraw the chart and the token view); one per engine
     step (up to hundreds a second) kept the page busy, so clicks (Stop) and scripts waited seconds.
     The first step shows at once (the time to first token is the visitor's); later text at most
-    every TEXT_S, the panel at most every PANEL_S; the end of an answer always shows in full."""
+    every TEXT_S, the panel at most every PANEL_S; the end of an answer always shows in full.
+    Side by side's race updates both columns at the text's pace."""
 
     TEXT_S = 0.1
     PANEL_S = 0.5

@@ -408,12 +408,14 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         stop = ticket.stop.is_set  # asked before each chunk of the prompt, too
         gens = (threads.engine_stream(engine.generate(msgs, replace(spec_cfg, speculative=False), should_stop=stop)),
                 threads.engine_stream(engine.generate(msgs, spec_cfg, should_stop=stop)))
+        pace = Pace()  # as the chat's: an update per step of either column (hundreds a second) loaded the page
         try:
             for _ in race(plain, gens[0], spec, gens[1]):
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline):
                     plain.stopped = spec.stopped = True
                     break
-                yield compare_outputs(plain, spec, greedy, notices, final=False, seed=seed)
+                if pace.due() is not None:
+                    yield compare_outputs(plain, spec, greedy, notices, final=False, seed=seed)
         finally:
             for g in gens:
                 g.close()

@@ -14,7 +14,8 @@ import gradio as gr
 import pytest
 import torch
 
-from app.chat import PLAIN
+import app.session as app_session
+from app.chat import PLAIN, Pace
 from app.manager import ModelManager, Request
 from app.session import NO_HEAD, STOPPED_READING, Handlers
 from app.state import Access, ChatSettings, ModelChoice
@@ -344,7 +345,22 @@ def test_the_panel_says_where_the_default_tree_came_from(bigram):
                                          "(now 36% and up) · shipped with the head")
 
 
-def test_side_by_side_is_a_race_with_both_columns_streaming(bigram):
+def test_side_by_side_updates_the_page_at_the_chats_pace(bigram, monkeypatch):
+    """The race shows its first step at once, then at most one update per Pace.TEXT_S, and always its end: an update
+    for each step of either column (hundreds a second) kept the page, and with it the cores, busy."""
+    h = handlers_for(Engine(*bigram))
+    with monkeypatch.context() as m:
+        m.setattr(Pace, "TEXT_S", 0.0)
+        steps = len(list(h.compare("w5 w9", SYSTEM, 0.0, 1.0, 24, 3, 2, 6, request=None)))
+    assert steps > 10  # unpaced: an update per step of either column
+    monkeypatch.setattr(app_session, "Pace", lambda: Pace(clock=lambda: 0.0))  # the clock stands still
+    outs = list(h.compare("w5 w9", SYSTEM, 0.0, 1.0, 24, 3, 2, 6, request=None))
+    assert [o[3]["final"] for o in outs] == [False, True], (len(outs), steps)
+    assert outs[-1][3]["plain"]["tokens"] == outs[-1][3]["speculative"]["tokens"] == 24 and outs[-1][3]["identical"]
+
+
+def test_side_by_side_is_a_race_with_both_columns_streaming(bigram, monkeypatch):
+    monkeypatch.setattr(Pace, "TEXT_S", 0.0)  # every step of either column shows: tiny models race in milliseconds
     h = handlers_for(Engine(*bigram))
     outs = list(h.compare("w5 w9", SYSTEM, 0.0, 1.0, 24, 3, 2, 6, request=None))
     live = [o for o in outs if not o[3]["final"]]
