@@ -202,3 +202,46 @@ def test_a_screen_that_cannot_be_fitted_leaves_the_full_head_and_says_so(tmp_pat
         logits = plain_forward(step, 4, cache, 3, only_max=True)[1]
     assert torch.isfinite(logits.float()).all()  # the whole head, computed
 
+
+
+def test_calibration_reads_each_answers_rows_as_the_model_writes_them_alone(monkeypatch):
+    """The screen's fit reads the final hidden states of the model's greedy answers to its calibration prompts,
+    written side by side (core.decoding.batched): prompt by prompt, the rows a one-at-a-time answer feeds, bit for
+    bit, up to TOKENS rows each or until the answer's stop token."""
+    from core.decoding import cache as kv
+    from core.decoding.forward import prefill
+
+    from tests.test_batched import native_engine
+
+    engine = native_engine()
+    step, tok = engine.step, engine.target.tokenizer
+    monkeypatch.setattr(screen, "CALIBRATION", ["w5 w9", "w7", "w11 w12 w13 w14", "w300"])
+    monkeypatch.setattr(screen, "TOKENS", 9)
+
+    @torch.inference_mode()
+    def alone(prompt: str) -> tuple[list[np.ndarray], list[int]]:  # (rows, the tokens fed)
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt")
+        ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
+        cache, eos = kv.new_cache(step), set(engine.target.eos_ids)
+        _, logits = prefill(step, ids, cache)
+        token, rows, fed = int(native.argmax(logits[None])[0]), [], []
+        for i in range(screen.TOKENS):
+            if token in eos:
+                break
+            one = torch.ones(1, dtype=torch.long)
+            hidden, logits = step.forward(torch.tensor([token]), torch.tensor([len(ids) + i]), len(ids) + i,
+                                          one[:, None] - 1, one, cache)
+            rows.append(hidden[0].float().numpy().copy())
+            fed.append(token)
+            token = int(native.argmax(logits)[0])
+        return rows, fed
+
+    rows, fed = alone("w5 w9")
+    assert len(rows) == screen.TOKENS
+    engine.target.model.generation_config.eos_token_id = fed[3]  # the first answer now stops after 3 rows
+    expected = [alone(p)[0] for p in screen.CALIBRATION]
+    assert len(expected[0]) == 3 and max(map(len, expected)) == screen.TOKENS
+    got = screen.calibration_hidden(step, tok)
+    assert got.shape == (sum(map(len, expected)), step.hf.config.hidden_size)
+    assert np.array_equal(got, np.concatenate([np.stack(e) for e in expected if e]))

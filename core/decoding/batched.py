@@ -17,7 +17,7 @@ branches' rows move to its front (cache.keep), so memory stays bounded however m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -64,10 +64,13 @@ class _Branch:  # a live answer: where its rows are in the cache and what it wro
         return len(self.request.ids) + len(self.tokens) - 1
 
 
-def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int = 16384) -> Iterator[Answer]:
+def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int = 16384,
+            on_step: Callable[[list[int], torch.Tensor], None] | None = None) -> Iterator[Answer]:
     """Answer `requests` (read as room frees up, so a generator may stop supplying them, e.g. at a
-    deadline), up to `rows` at a time; yields each Answer as it finishes, not in order. ValueError
-    where the engine has no native step or a request cannot fit in max_slots."""
+    deadline), up to `rows` at a time; yields each Answer as it finishes, not in order. on_step: called
+    after every forward with the requests' indices and their rows' final hidden states (n, H), the LM
+    head's inputs (core.kernels.screen fits on them). ValueError where the engine has no native step or
+    a request cannot fit in max_slots."""
     step = engine.step
     if step is None:
         raise ValueError("batched answers need the native decode step (a Llama-family target on a CPU with "
@@ -98,7 +101,9 @@ def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int 
         if live:
             if kv.cache_length(cache) + len(live) > max_slots:
                 compact(cache, live)
-            step_branches(step, cache, live)
+            hidden = step_branches(step, cache, live)
+            if on_step is not None:
+                on_step([b.index for b in live], hidden)
 
 
 def admit(engine, cache, index: int, request: Request):
@@ -118,9 +123,9 @@ def admit(engine, cache, index: int, request: Request):
     return cache, _Branch(index, request, list(range(at, at + n)), [first], budget, cut)
 
 
-def step_branches(step, cache, live: list[_Branch]) -> None:
+def step_branches(step, cache, live: list[_Branch]) -> torch.Tensor:
     """One native forward: the last token of every live branch, each row seeing its own branch;
-    appends each branch's next token and its new slot."""
+    appends each branch's next token and its new slot. Returns the rows' final hidden states (n, H)."""
     at, n = kv.cache_length(cache), len(live)
     width = max(len(b.slots) for b in live) + 1
     anc = torch.zeros(n, width, dtype=torch.int64)  # (n, width): row i's keys, its branch's slots then itself
@@ -132,12 +137,13 @@ def step_branches(step, cache, live: list[_Branch]) -> None:
     positions = torch.tensor([b.position for b in live])  # (n,)
     greedy = all(b.request.sampling.greedy for b in live)
     choices = torch.empty(n, dtype=torch.int64)
-    _, logits = step.forward(tokens, positions, 0, anc, counts, cache, only_max=greedy, choices=choices, at=at)
+    hidden, logits = step.forward(tokens, positions, 0, anc, counts, cache, only_max=greedy, choices=choices, at=at)
     picked = choices.tolist() if greedy else None
     for i, b in enumerate(live):
         b.slots.append(at + i)
         b.tokens.append(picked[i] if greedy else plain_choice(logits[i], b.position + 1, b.request.sampling,
                                                                b.request.seed))
+    return hidden
 
 
 def compact(cache, live: list[_Branch]) -> None:

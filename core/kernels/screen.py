@@ -132,30 +132,37 @@ def build(q8: Blocks, basis: np.ndarray, chunk: int = 4096) -> Screen:
 
 @torch.inference_mode()
 def calibration_hidden(step, tokenizer) -> np.ndarray:
-    """The final hidden states (the LM head's input) of the model's own greedy answers to
-    CALIBRATION, through the native step (core.kernels.step.NativeStep): (rows, K)."""
-    from core.decoding import cache as kv
-
+    """The final hidden states (the LM head's input) of the model's own greedy answers to CALIBRATION
+    (up to TOKENS rows each), through the native step (core.kernels.step.NativeStep): (rows, K), prompt
+    by prompt. The answers are written side by side (core.decoding.batched: one forward a step for all
+    of them, each row the bits it has alone), so a large model's weights stream TOKENS times, not once a
+    token of every answer: an 8B-shaped file's first load spent 3.7 minutes here."""
     from tqdm import tqdm
 
-    rows = []
-    for prompt in tqdm(CALIBRATION, desc="Fitting the LM-head screen (once per model file)", unit="answer",
-                       leave=False):
+    from core.decoding import batched
+    from core.decoding.engine import Engine
+    from core.models import LoadedModel
+
+    config = step.hf.config
+    target = LoadedModel(model=step.hf, tokenizer=tokenizer, name="the LM-head screen's calibration",
+                         device=torch.device("cpu"), dtype=torch.bfloat16, quantized=False,
+                         max_context=int(getattr(config, "max_position_embeddings", 4096)))
+    requests = []
+    for prompt in CALIBRATION:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             return_tensors="pt")
         ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
-        cache = kv.new_cache(step.hf)
-        out = step.hf.model(input_ids=ids[None], cache=cache, use_cache=True)
-        token = int(step.hf.lm_head(out.last_hidden_state[0, -1:]).float().argmax())
-        for i in range(TOKENS):
-            one = torch.ones(1, dtype=torch.long)
-            hidden, logits = step.forward(torch.tensor([token]), torch.tensor([len(ids) + i]), len(ids) + i,
-                                          one[:, None] - 1, one, cache)
-            rows.append(hidden[0].float().numpy())
-            token = int(logits[0].float().argmax())
-            if token == tokenizer.eos_token_id:
-                break
-    return np.stack(rows)
+        requests.append(batched.Request(tuple(ids.tolist()), TOKENS + 1))  # its first token, then TOKENS rows
+    rows: list[list[np.ndarray]] = [[] for _ in requests]
+    with tqdm(total=TOKENS, desc="Fitting the LM-head screen (once per model file)", unit="step", leave=False) as bar:
+        def keep(indices: list[int], hidden: torch.Tensor) -> None:  # hidden: valid until the next forward
+            for i, h in zip(indices, hidden.float().numpy()):
+                rows[i].append(h.copy())
+            bar.update(1)
+
+        for _ in batched.answers(Engine(target, step=step), requests, rows=len(requests), on_step=keep):
+            pass
+    return np.stack([h for answer in rows for h in answer])
 
 
 def load_or_build(step, tokenizer, q8: Blocks, source: Path) -> Screen:
