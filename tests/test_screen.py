@@ -130,17 +130,17 @@ def test_the_screen_is_built_once_per_file_and_rebuilt_when_damaged(tmp_path, mo
     w, b = crowded_head(0, groups=4, k=64)
     rows = hidden_rows(2, 40, 64, w).float().numpy()
     calls = []
-    monkeypatch.setattr(screen, "calibration_hidden", lambda step, tok: calls.append(1) or rows)
+    calibrate = lambda step, tok: calls.append(1) or rows  # noqa: E731
     monkeypatch.setattr(screen, "RANK", 8)
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF stand-in")
-    first = screen.load_or_build(None, None, b, source)
+    first = screen.load_or_build(None, None, b, source, calibrate)
     [cached] = list((tmp_path / "screen").glob("model-*.safetensors"))
-    again = screen.load_or_build(None, None, b, source)
+    again = screen.load_or_build(None, None, b, source, calibrate)
     assert len(calls) == 1  # the second load read the file
     assert all(torch.equal(getattr(first, f), getattr(again, f)) for f in ("basis", "proj", "coef"))
     cached.write_bytes(b"not a safetensors file")
-    rebuilt = screen.load_or_build(None, None, b, source)
+    rebuilt = screen.load_or_build(None, None, b, source, calibrate)
     assert len(calls) == 2 and torch.equal(rebuilt.coef, first.coef)
 
 
@@ -164,11 +164,10 @@ def test_an_unwritable_cache_still_gives_the_screen(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_CHAT_HOME", str(home))
     w, b = crowded_head(0, groups=4, k=64)
     rows = hidden_rows(2, 40, 64, w).float().numpy()
-    monkeypatch.setattr(screen, "calibration_hidden", lambda step, tok: rows)
     monkeypatch.setattr(screen, "RANK", 8)
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF stand-in")
-    assert screen.load_or_build(None, None, b, source).basis.shape == (8, 64)
+    assert screen.load_or_build(None, None, b, source, lambda step, tok: rows).basis.shape == (8, 64)
 
 
 @pytest.mark.slow
@@ -189,10 +188,9 @@ def test_a_screen_that_cannot_be_fitted_leaves_the_full_head_and_says_so(tmp_pat
     def no_template(step, tokenizer):
         raise ValueError("this tokenizer has no chat template")
 
-    monkeypatch.setattr(screen, "calibration_hidden", no_template)
     target = load_target(EMBEDDED, dtype="bfloat16")
     set_numerics(target, "exact")  # what the step serves (core.decoding.numerics.load_numerics does the same)
-    step, text = load_step(target, "w4a8")
+    step, text = load_step(target, "w4a8", calibrate=no_template)
     assert step.screen is None
     assert text.endswith("(greedy steps read the whole LM head: its screen could not be fitted: "
                          "this tokenizer has no chat template)")
@@ -210,6 +208,8 @@ def test_calibration_reads_each_answers_rows_as_the_model_writes_them_alone(monk
     bit, up to TOKENS rows each or until the answer's stop token."""
     from core.decoding import cache as kv
     from core.decoding.forward import prefill
+
+    from core.decoding import batched
 
     from tests.test_batched import native_engine
 
@@ -242,6 +242,6 @@ def test_calibration_reads_each_answers_rows_as_the_model_writes_them_alone(monk
     engine.target.model.generation_config.eos_token_id = fed[3]  # the first answer now stops after 3 rows
     expected = [alone(p)[0] for p in screen.CALIBRATION]
     assert len(expected[0]) == 3 and max(map(len, expected)) == screen.TOKENS
-    got = screen.calibration_hidden(step, tok)
+    got = batched.calibration_hidden(step, tok)
     assert got.shape == (sum(map(len, expected)), step.hf.config.hidden_size)
     assert np.array_equal(got, np.concatenate([np.stack(e) for e in expected if e]))

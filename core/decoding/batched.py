@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from core.config import SamplingConfig
 from core.decoding import cache as kv
-from core.decoding.engine import answer_budget
 from core.decoding.forward import prefill
 from core.decoding.verify import plain_choice
 
@@ -64,6 +64,12 @@ class _Branch:  # a live answer: where its rows are in the cache and what it wro
         return len(self.request.ids) + len(self.tokens) - 1
 
 
+def answer_budget(max_new_tokens: int, room: int) -> tuple[int, str]:
+    """(the tokens an answer may write, the finish reason when it writes them all): max_new_tokens, or the
+    `room` the context leaves after the prompt where that is less (the engine's rule too)."""
+    return min(max_new_tokens, room), "length" if max_new_tokens <= room else "context"
+
+
 def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int = 16384,
             on_step: Callable[[list[int], torch.Tensor], None] | None = None) -> Iterator[Answer]:
     """Answer `requests` (read as room frees up, so a generator may stop supplying them, e.g. at a
@@ -71,27 +77,32 @@ def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int 
     after every forward with the requests' indices and their rows' final hidden states (n, H), the LM
     head's inputs (core.kernels.screen fits on them). ValueError where the engine has no native step or
     a request cannot fit in max_slots."""
-    step = engine.step
-    if step is None:
+    if engine.step is None:
         raise ValueError("batched answers need the native decode step (a Llama-family target on a CPU with "
                          "AVX-512); use the engine one answer at a time instead")
+    return branches(engine.step, set(engine.target.eos_ids), engine.max_context, requests, rows, max_slots, on_step)
+
+
+def branches(step, eos: set[int], max_context: int, requests: Iterable[Request], rows: int = 32,
+             max_slots: int = 16384, on_step: Callable[[list[int], torch.Tensor], None] | None = None
+             ) -> Iterator[Answer]:
+    """answers() on a native step (core.kernels.step.NativeStep) alone: its stop tokens and context."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
-    eos = set(engine.target.eos_ids)
     cache, live, waiting = None, [], enumerate(requests)
     while True:
         while len(live) < rows and (item := next(waiting, None)) is not None:
             index, request = item
             n = len(request.ids)
-            if n >= engine.max_context:
+            if n >= max_context:
                 raise ValueError(f"request {index}: its {n} prompt tokens leave no room in the model's context of "
-                                 f"{engine.max_context} tokens; shorten the prompt")
-            if n + answer_budget(request.max_new_tokens, engine.max_context - n)[0] > max_slots:
+                                 f"{max_context} tokens; shorten the prompt")
+            if n + answer_budget(request.max_new_tokens, max_context - n)[0] > max_slots:
                 raise ValueError(f"request {index}: {n} prompt tokens plus its answer do not fit in "
                                  f"max_slots={max_slots}; raise max_slots")
             if cache is not None and kv.cache_length(cache) + n > max_slots:
                 compact(cache, live)
-            cache, branch = admit(engine, cache, index, request)
+            cache, branch = admit(step, max_context, cache, index, request)
             live.append(branch)
         if not live:
             return
@@ -106,19 +117,19 @@ def answers(engine, requests: Iterable[Request], rows: int = 32, max_slots: int 
                 on_step([b.index for b in live], hidden)
 
 
-def admit(engine, cache, index: int, request: Request):
+def admit(step, max_context: int, cache, index: int, request: Request):
     """A request's prompt read by the engine's prefill alone (the engine's bits), its rows appended to
     `cache` (None: its own cache becomes the batch's) -> (the cache, the request's branch, holding its
     first token, chosen from the prefill's logits as the engine's first step chooses it)."""
-    own = kv.new_cache(engine.forwarder)
+    own = kv.new_cache(step)
     n = len(request.ids)
-    _, logits = prefill(engine.forwarder, torch.tensor(request.ids), own)  # (V,) after the prompt's last token
+    _, logits = prefill(step, torch.tensor(request.ids), own)  # (V,) after the prompt's last token
     at = 0 if cache is None else kv.cache_length(cache)
     if cache is None:
         cache = own
     else:
         kv.append_rows(cache, own, n)
-    budget, cut = answer_budget(request.max_new_tokens, engine.max_context - n)
+    budget, cut = answer_budget(request.max_new_tokens, max_context - n)
     first = plain_choice(logits, n, request.sampling, request.seed)
     return cache, _Branch(index, request, list(range(at, at + n)), [first], budget, cut)
 
@@ -158,3 +169,38 @@ def compact(cache, live: list[_Branch]) -> None:
 
 def _finish(b: _Branch, eos: set[int]) -> bool:
     return b.tokens[-1] in eos or len(b.tokens) >= b.budget
+
+
+@torch.inference_mode()
+def calibration_hidden(step, tokenizer) -> np.ndarray:
+    """The final hidden states (the LM head's input) of the model's own greedy answers to the LM-head screen's
+    CALIBRATION prompts (up to TOKENS rows each; core.kernels.screen), through the native step: (rows, K), prompt
+    by prompt. The answers are written side by side, so a large model's weights stream TOKENS times, not once a
+    token of every answer (an 8B-shaped file's first load spent 3.7 minutes on them one at a time)."""
+    from tqdm import tqdm
+
+    from core.kernels import screen
+    from core.models import LoadedModel
+
+    config = step.hf.config
+    eos = set(LoadedModel(model=step.hf, tokenizer=tokenizer, name="", device=torch.device("cpu"),
+                          dtype=torch.bfloat16, quantized=False, max_context=0).eos_ids)
+    requests = []
+    for prompt in screen.CALIBRATION:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt")
+        ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
+        requests.append(Request(tuple(ids.tolist()), screen.TOKENS + 1))  # its first token, then TOKENS rows
+    rows: list[list[np.ndarray]] = [[] for _ in requests]
+    with tqdm(total=screen.TOKENS, desc="Fitting the LM-head screen (once per model file)", unit="step",
+              leave=False) as bar:
+        def keep(indices: list[int], hidden: torch.Tensor) -> None:  # hidden: valid until the next forward
+            for i, h in zip(indices, hidden.float().numpy()):
+                rows[i].append(h.copy())
+            bar.update(1)
+
+        for _ in branches(step, eos, int(getattr(config, "max_position_embeddings", 4096)), requests,
+                          rows=len(requests), on_step=keep):
+            pass
+    return np.stack([h for answer in rows for h in answer])
+

@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import torch
 
 from core.decoding import adaptive, cache as kv, prefix, rowcost
+from core.decoding.batched import answer_budget
 from core import threads
 from core.clock import now
 from core.config import EngineError, GenerationConfig, TreeConfig, new_seed
@@ -200,12 +201,6 @@ POLICY = adaptive.Policy()  # GenerationConfig.adaptive's probing schedule
 # context lookup copies from the whole chat), not on all of it
 HEAD_WINDOW = 256
 COPY_PROBE = 6  # a lookup chain this long (a repeat of 4+ tokens, core.decoding.lookup.chain_length) probes speculation
-
-
-def answer_budget(max_new_tokens: int, room: int) -> tuple[int, str]:
-    """(the tokens an answer may write, the finish reason when it writes them all): max_new_tokens, or the
-    `room` the context leaves after the prompt where that is less."""
-    return min(max_new_tokens, room), "length" if max_new_tokens <= room else "context"
 
 
 def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step,

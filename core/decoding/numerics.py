@@ -16,6 +16,7 @@ import torch
 from core.kernels import invariant, native
 from core.config import ATTENTIONS, EngineError
 from core.models import LoadedModel, load_target, with_layer_weights
+from core.decoding.batched import calibration_hidden
 from core.decoding.probe import ProbeResult, probe
 from core.kernels.quant import QuantWeightError
 from core.kernels.step import WEIGHTS, NativeStep, StepError, load_step, unsupported, warm_math
@@ -85,7 +86,7 @@ def load_numerics(model: str, *, dtype: str, attention: str, device: str, load_i
     if target.lean and (weights == "bf16" or unsupported(target.model)):  # the step will not read the file's blocks
         target = with_layer_weights(target)
     try:
-        step, step_text = load_step(target, weights)
+        step, step_text = load_step(target, weights, calibrate=calibration_hidden)
     except (StepError, QuantWeightError) as e:  # only where q4 was asked for by name (or a lean target's file)
         raise EngineError(str(e)) from e
     result = probe(step or target.model, target.dtype, attention, device) if check else None

@@ -16,7 +16,7 @@ so |W x - (A x + C' z)| <= e1 |y| + e2 |z| + e3 |U y| with e1 = |D_n (I - U^T U)
 U only decides how tight the bound is. The final hidden states concentrate in a few directions
 (rank 32 leaves |y| ~ 0.6 |x| on natural prompts), so most groups fall many logits below the
 best one. U comes from the model's own answers to a few prompts (CALIBRATION), once per GGUF file
-(cached in cache_home()/screen).
+(cached in cache_home()/screen; the answers come from core.decoding.batched).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,45 +131,11 @@ def build(q8: Blocks, basis: np.ndarray, chunk: int = 4096) -> Screen:
                   torch.from_numpy(coef).view(g, 16, 4).transpose(1, 2).contiguous())
 
 
-@torch.inference_mode()
-def calibration_hidden(step, tokenizer) -> np.ndarray:
-    """The final hidden states (the LM head's input) of the model's own greedy answers to CALIBRATION
-    (up to TOKENS rows each), through the native step (core.kernels.step.NativeStep): (rows, K), prompt
-    by prompt. The answers are written side by side (core.decoding.batched: one forward a step for all
-    of them, each row the bits it has alone), so a large model's weights stream TOKENS times, not once a
-    token of every answer: an 8B-shaped file's first load spent 3.7 minutes here."""
-    from tqdm import tqdm
-
-    from core.decoding import batched
-    from core.decoding.engine import Engine
-    from core.models import LoadedModel
-
-    config = step.hf.config
-    target = LoadedModel(model=step.hf, tokenizer=tokenizer, name="the LM-head screen's calibration",
-                         device=torch.device("cpu"), dtype=torch.bfloat16, quantized=False,
-                         max_context=int(getattr(config, "max_position_embeddings", 4096)))
-    requests = []
-    for prompt in CALIBRATION:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt")
-        ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
-        requests.append(batched.Request(tuple(ids.tolist()), TOKENS + 1))  # its first token, then TOKENS rows
-    rows: list[list[np.ndarray]] = [[] for _ in requests]
-    with tqdm(total=TOKENS, desc="Fitting the LM-head screen (once per model file)", unit="step", leave=False) as bar:
-        def keep(indices: list[int], hidden: torch.Tensor) -> None:  # hidden: valid until the next forward
-            for i, h in zip(indices, hidden.float().numpy()):
-                rows[i].append(h.copy())
-            bar.update(1)
-
-        for _ in batched.answers(Engine(target, step=step), requests, rows=len(requests), on_step=keep):
-            pass
-    return np.stack([h for answer in rows for h in answer])
-
-
-def load_or_build(step, tokenizer, q8: Blocks, source: Path) -> Screen:
+def load_or_build(step, tokenizer, q8: Blocks, source: Path, calibrate: Callable[[object, object], np.ndarray]) -> Screen:
     """The screen for this model's Q8_0 LM head: from cache_home()/screen when this GGUF's was built
-    before (name, size and time of the file key it), else built (the model writes up to 1,600 tokens,
-    then ~1.5 s of float64 norms) and kept there."""
+    before (name, size and time of the file key it), else built and kept there: `calibrate(step,
+    tokenizer)` gives the final hidden states of the model's answers to CALIBRATION (up to TOKENS
+    rows each: core.decoding.batched.calibration_hidden, up to 1,600 rows), then ~1.5 s of float64 norms."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
@@ -187,7 +154,7 @@ def load_or_build(step, tokenizer, q8: Blocks, source: Path) -> Screen:
                 return Screen(t["basis"], t["proj"], t["coef"])
         except (OSError, ValueError, RuntimeError, SafetensorError):
             pass  # a damaged file: built again below
-    screen = build(q8, directions(calibration_hidden(step, tokenizer), RANK))
+    screen = build(q8, directions(calibrate(step, tokenizer), RANK))
     try:  # kept for the next load; where the cache cannot be written, built again then
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -428,13 +428,15 @@ def screen_wanted() -> bool:
     return not switched_off(SCREEN_ENV)
 
 
-def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
+def load_step(target, weights: str = "auto", calibrate=None) -> tuple[NativeStep | None, str]:
     """The native step for a loaded target (core.models.LoadedModel), or None, and one line
     saying what serves decoding steps and why. weights (core.config.WEIGHTS): "w4a8" the GGUF's
     own blocks times 8-bit activations (csrc/gemm_x8.c; its LM head the file's Q8_0 embedding),
     "q4" the same blocks rebuilt to bf16 (bit-identical to "bf16"), "bf16" the model's bf16
     tensors; "auto" is w4a8 where the target came from a GGUF it can read, else bf16 (with the
-    reason). "w4a8" and "q4" are errors where they cannot serve."""
+    reason). "w4a8" and "q4" are errors where they cannot serve. calibrate(step, tokenizer): the
+    hidden states a w4a8 LM head's screen is fitted on where no fitted screen is cached
+    (core.decoding.batched.calibration_hidden; core.kernels.screen.load_or_build); None: no screen."""
     assert weights in WEIGHTS, weights
     reason = unsupported(target.model)
     if reason:
@@ -465,7 +467,7 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
                 blocks = {k: v for k, v in found.items() if ".layers." in k}
                 if weights != "q4":  # the file's own (or its tied embedding's) Q8_0 blocks
                     lm = found.get("lm_head.weight", found["model.embed_tokens.weight"])
-                    screened = screen_wanted() and lm.type == 8 and lm.n % 16 == 0
+                    screened = calibrate is not None and screen_wanted() and lm.type == 8 and lm.n % 16 == 0
                     blocks["lm_head.weight"] = arena.place_blocks(split_q8(lm) if screened else pack_x8(lm))
             except QuantWeightError as e:
                 if weights != "auto" or getattr(target, "lean", False):  # lean: no bf16 layer weights to fall back on
@@ -479,7 +481,7 @@ def load_step(target, weights: str = "auto") -> tuple[NativeStep | None, str]:
         from core.kernels import screen
 
         try:  # fitting needs the model to answer a few prompts through its chat template
-            step.set_screen(screen.load_or_build(step, target.tokenizer, lm, target.gguf))
+            step.set_screen(screen.load_or_build(step, target.tokenizer, lm, target.gguf, calibrate))
         except (ValueError, RuntimeError, TypeError, KeyError, OSError) as e:
             note += f" (greedy steps read the whole LM head: its screen could not be fitted: {e})"
     return step, f"native decode step, {step.info.weights}{note}"
