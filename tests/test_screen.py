@@ -130,17 +130,17 @@ def test_the_screen_is_built_once_per_file_and_rebuilt_when_damaged(tmp_path, mo
     w, b = crowded_head(0, groups=4, k=64)
     rows = hidden_rows(2, 40, 64, w).float().numpy()
     calls = []
-    calibrate = lambda step, tok: calls.append(1) or rows  # noqa: E731
+    calibrate = lambda: calls.append(1) or rows  # noqa: E731
     monkeypatch.setattr(screen, "RANK", 8)
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF stand-in")
-    first = screen.load_or_build(None, None, b, source, calibrate)
+    first = screen.load_or_build(b, source, calibrate)
     [cached] = list((tmp_path / "screen").glob("model-*.safetensors"))
-    again = screen.load_or_build(None, None, b, source, calibrate)
+    again = screen.load_or_build(b, source, calibrate)
     assert len(calls) == 1  # the second load read the file
     assert all(torch.equal(getattr(first, f), getattr(again, f)) for f in ("basis", "proj", "coef"))
     cached.write_bytes(b"not a safetensors file")
-    rebuilt = screen.load_or_build(None, None, b, source, calibrate)
+    rebuilt = screen.load_or_build(b, source, calibrate)
     assert len(calls) == 2 and torch.equal(rebuilt.coef, first.coef)
 
 
@@ -167,7 +167,7 @@ def test_an_unwritable_cache_still_gives_the_screen(tmp_path, monkeypatch):
     monkeypatch.setattr(screen, "RANK", 8)
     source = tmp_path / "model.gguf"
     source.write_bytes(b"GGUF stand-in")
-    assert screen.load_or_build(None, None, b, source, lambda step, tok: rows).basis.shape == (8, 64)
+    assert screen.load_or_build(b, source, lambda: rows).basis.shape == (8, 64)
 
 
 @pytest.mark.slow
@@ -185,7 +185,7 @@ def test_a_screen_that_cannot_be_fitted_leaves_the_full_head_and_says_so(tmp_pat
     # a fresh screen cache (the fit must run and fail); the conversion and the kernels are the run's own
     monkeypatch.setenv("EAGLE_CHAT_HOME", str(shared_home(tmp_path / "home", ("models", "kernels", "probe"))))
 
-    def no_template(step, tokenizer):
+    def no_template(step, target):
         raise ValueError("this tokenizer has no chat template")
 
     target = load_target(EMBEDDED, dtype="bfloat16")
@@ -242,6 +242,6 @@ def test_calibration_reads_each_answers_rows_as_the_model_writes_them_alone(monk
     engine.target.model.generation_config.eos_token_id = fed[3]  # the first answer now stops after 3 rows
     expected = [alone(p)[0] for p in screen.CALIBRATION]
     assert len(expected[0]) == 3 and max(map(len, expected)) == screen.TOKENS
-    got = batched.calibration_hidden(step, tok)
+    got = batched.calibration_hidden(step, engine.target)
     assert got.shape == (sum(map(len, expected)), step.hf.config.hidden_size)
     assert np.array_equal(got, np.concatenate([np.stack(e) for e in expected if e]))

@@ -172,23 +172,20 @@ def _finish(b: _Branch, eos: set[int]) -> bool:
 
 
 @torch.inference_mode()
-def calibration_hidden(step, tokenizer) -> np.ndarray:
+def calibration_hidden(step, target) -> np.ndarray:
     """The final hidden states (the LM head's input) of the model's own greedy answers to the LM-head screen's
     CALIBRATION prompts (up to TOKENS rows each; core.kernels.screen), through the native step: (rows, K), prompt
-    by prompt. The answers are written side by side, so a large model's weights stream TOKENS times, not once a
-    token of every answer (an 8B-shaped file's first load spent 3.7 minutes on them one at a time)."""
+    by prompt. target: the loaded model (core.models.LoadedModel: its chat template, stop tokens and context). The
+    answers are written side by side, so a large model's weights stream TOKENS times, not once a token of every
+    answer (an 8B-shaped file's first load spent 3.7 minutes on them one at a time)."""
     from tqdm import tqdm
 
     from core.kernels import screen
-    from core.models import LoadedModel
 
-    config = step.hf.config
-    eos = set(LoadedModel(model=step.hf, tokenizer=tokenizer, name="", device=torch.device("cpu"),
-                          dtype=torch.bfloat16, quantized=False, max_context=0).eos_ids)
     requests = []
     for prompt in screen.CALIBRATION:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt")
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                   return_tensors="pt")
         ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
         requests.append(Request(tuple(ids.tolist()), screen.TOKENS + 1))  # its first token, then TOKENS rows
     rows: list[list[np.ndarray]] = [[] for _ in requests]
@@ -199,8 +196,6 @@ def calibration_hidden(step, tokenizer) -> np.ndarray:
                 rows[i].append(h.copy())
             bar.update(1)
 
-        for _ in branches(step, eos, int(getattr(config, "max_position_embeddings", 4096)), requests,
-                          rows=len(requests), on_step=keep):
+        for _ in branches(step, set(target.eos_ids), target.max_context, requests, rows=len(requests), on_step=keep):
             pass
     return np.stack([h for answer in rows for h in answer])
-

@@ -131,11 +131,11 @@ def build(q8: Blocks, basis: np.ndarray, chunk: int = 4096) -> Screen:
                   torch.from_numpy(coef).view(g, 16, 4).transpose(1, 2).contiguous())
 
 
-def load_or_build(step, tokenizer, q8: Blocks, source: Path, calibrate: Callable[[object, object], np.ndarray]) -> Screen:
+def load_or_build(q8: Blocks, source: Path, calibrate: Callable[[], np.ndarray]) -> Screen:
     """The screen for this model's Q8_0 LM head: from cache_home()/screen when this GGUF's was built
-    before (name, size and time of the file key it), else built and kept there: `calibrate(step,
-    tokenizer)` gives the final hidden states of the model's answers to CALIBRATION (up to TOKENS
-    rows each: core.decoding.batched.calibration_hidden, up to 1,600 rows), then ~1.5 s of float64 norms."""
+    before (name, size and time of the file key it), else built and kept there: `calibrate()` gives the
+    final hidden states of the model's answers to CALIBRATION (up to TOKENS rows each:
+    core.decoding.batched.calibration_hidden, up to 1,600 rows), then ~1.5 s of float64 norms."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
@@ -154,7 +154,7 @@ def load_or_build(step, tokenizer, q8: Blocks, source: Path, calibrate: Callable
                 return Screen(t["basis"], t["proj"], t["coef"])
         except (OSError, ValueError, RuntimeError, SafetensorError):
             pass  # a damaged file: built again below
-    screen = build(q8, directions(calibrate(step, tokenizer), RANK))
+    screen = build(q8, directions(calibrate(), RANK))
     try:  # kept for the next load; where the cache cannot be written, built again then
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

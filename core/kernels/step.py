@@ -434,7 +434,7 @@ def load_step(target, weights: str = "auto", calibrate=None) -> tuple[NativeStep
     own blocks times 8-bit activations (csrc/gemm_x8.c; its LM head the file's Q8_0 embedding),
     "q4" the same blocks rebuilt to bf16 (bit-identical to "bf16"), "bf16" the model's bf16
     tensors; "auto" is w4a8 where the target came from a GGUF it can read, else bf16 (with the
-    reason). "w4a8" and "q4" are errors where they cannot serve. calibrate(step, tokenizer): the
+    reason). "w4a8" and "q4" are errors where they cannot serve. calibrate(step, target): the
     hidden states a w4a8 LM head's screen is fitted on where no fitted screen is cached
     (core.decoding.batched.calibration_hidden; core.kernels.screen.load_or_build); None: no screen."""
     assert weights in WEIGHTS, weights
@@ -481,7 +481,7 @@ def load_step(target, weights: str = "auto", calibrate=None) -> tuple[NativeStep
         from core.kernels import screen
 
         try:  # fitting needs the model to answer a few prompts through its chat template
-            step.set_screen(screen.load_or_build(step, target.tokenizer, lm, target.gguf, calibrate))
+            step.set_screen(screen.load_or_build(lm, target.gguf, lambda: calibrate(step, target)))
         except (ValueError, RuntimeError, TypeError, KeyError, OSError) as e:
             note += f" (greedy steps read the whole LM head: its screen could not be fitted: {e})"
     return step, f"native decode step, {step.info.weights}{note}"
