@@ -18,7 +18,7 @@ from dataclasses import replace
 import gradio as gr
 
 from app.backend import BackendHandlers
-from app.chat import AnswerView, Pace, empty_frame, engine_messages, trim_to_context
+from app.chat import AnswerView, Pace, empty_frame, engine_messages, flatten, trim_to_context
 from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
@@ -39,6 +39,10 @@ from core.models import ModelLoadError
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
 NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
+NOT_EDITABLE = "Only your own messages of this chat can be edited; that message is no longer in it."
+EDIT_CHANGED = ("The chat changed before the edit was answered (another answer or chat came first), so nothing "
+                "was changed: edit the message again.")
+TEXT_IN_BOX = " Your edited text is in the message box."
 # Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
 CLEAR_WAIT_S = 10.0
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
@@ -76,6 +80,11 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                          highlight, seed=-1, request: gr.Request = None):
         return self._join(self._too_long(request, system=system) or self._busy(request), 11, request)
 
+    def check_edit(self, pending, box, history, system, temperature, top_p, max_new, spec, depth, top_k,
+                   tree_size, highlight, seed=-1, request: gr.Request = None):
+        text = (pending or {}).get("text")
+        return self._join(self._text_problem(text, system, request, EMPTY_MESSAGE), 13, request)
+
     def check_compare(self, prompt, system, temperature, top_p, max_new, depth, top_k, tree_size, seed=-1,
                       request: gr.Request = None):
         return self._join(self._text_problem(prompt, system, request, EMPTY_PROMPT), 9, request)
@@ -106,6 +115,22 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
 
     def gate_compare(self, prompt, system, request: gr.Request = None):
         return self._gate(self._text_problem(prompt, system, request, EMPTY_PROMPT))
+
+    def gate_edit(self, box, history, system, edit: gr.EditData, request: gr.Request = None):
+        """A user message edited in the chat: (notice, pending edit, counter, box). The edit waits in
+        `pending` (its index, new text and the text it replaces) for the queued answer (`edit`);
+        a refused edit leaves the chat as it is and its text goes to the message box if that is empty."""
+        history = list(history or [])
+        index, text = edit.index, flatten(edit.value).strip()
+        if not (isinstance(index, int) and 0 <= index < len(history) and history[index].get("role") == "user"):
+            problem = NOT_EDITABLE
+        else:
+            problem = self._text_problem(text, system, request, EMPTY_MESSAGE)
+        notice, go = self._gate(problem)
+        if problem:
+            back = text and not (box or "").strip()
+            return (f"{notice}{TEXT_IN_BOX}" if back else notice), gr.skip(), go, text if back else gr.skip()
+        return notice, {"index": index, "text": text, "replaces": flatten(history[index]["content"])}, go, gr.skip()
 
     def _gate(self, problem: str) -> tuple:
         """(notice, counter): the problem and no request, or no new notice and the request."""
@@ -171,6 +196,36 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
                              empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
+
+    def edit(self, pending, box, history, system, temperature, top_p, max_new, spec, depth, top_k,
+             tree_size, highlight, seed=-1, request: gr.Request = None):
+        """Answer an edited user message (gate_edit): the chat goes back to that message, its
+        later turns are dropped and the edited text is answered. Until the answer's first token
+        the chat stays as it was; a refusal puts the edited text in the message box if that is empty."""
+        history = list(history or [])
+        pending = pending or {}
+        index, text = pending.get("index"), (pending.get("text") or "").strip()
+        same = (isinstance(index, int) and 0 <= index < len(history) and history[index].get("role") == "user"
+                and flatten(history[index]["content"]) == pending.get("replaces"))
+        turns = history[:index] + [{"role": "user", "content": text}] if same else []
+        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
+        back = text if text and not (box or "").strip() else None
+        work = self._chat(history, turns, system, settings, request, restore=back)
+        outs = self._run(work, request, CHAT_OUTPUTS, NOTICE, empty_first=not (same and text),
+                         empty_message=EDIT_CHANGED if text else EMPTY_MESSAGE)
+        yield from self._text_back(outs, back)
+
+    @staticmethod
+    def _text_back(outs, text: str | None):
+        """An edit refused before its answer showed anything: its text goes to the message box."""
+        shown = False  # the answer has begun: the chat shows the edit
+        for out in outs:
+            refused = not shown and out[0] == gr.skip() and isinstance(out[NOTICE], str)
+            put_back = out[2] == text and isinstance(out[NOTICE], str)  # _answer's way back, before its first token
+            if text is not None and (refused or put_back):
+                out = (*out[:2], text, *out[3:NOTICE], f"{out[NOTICE]}{TEXT_IN_BOX}", *out[NOTICE + 1:])
+            shown = shown or (out[0] != gr.skip() and out[2] != text)
+            yield out
 
     def _run(self, work, request, n_outputs: int, notice_at: int, *, empty_first=False,
              empty_message=EMPTY_MESSAGE):

@@ -148,7 +148,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                     with gr.Column(scale=3):
                         listing = chat_list()
                         chatbot = gr.Chatbot(label="Conversation", show_label=False, height=430, elem_id="chatbot",
-                                             buttons=["copy"], feedback_options=None,
+                                             buttons=["copy"], feedback_options=None, editable="user",
                                              placeholder="Ask anything. Speculation settings are on the right.")
                         notice = gr.Markdown(elem_id="notice")
                         with gr.Row():
@@ -226,18 +226,23 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         # the buttons ask a gate first (app.session): a problem is shown in place and nothing is sent,
         # else the gate moves a hidden counter and its change sends the request ("once": not again
         # while one is pending, as a button's click)
-        chat_go, regen_go, compare_go = (gr.Number(0, visible="hidden", elem_id=f"{name}-go", precision=0)
-                                         for name in ("chat", "regenerate", "compare"))
+        chat_go, regen_go, edit_go, compare_go = (gr.Number(0, visible="hidden", elem_id=f"{name}-go", precision=0)
+                                                  for name in ("chat", "regenerate", "edit", "compare"))
+        pending_edit = gr.State(None)  # an edited message waiting for its answer (Handlers.gate_edit)
         gate = dict(queue=False, api_visibility="private", show_progress="hidden")
         gr.on([send.click, box.submit], h.gate_chat, [box, system], [notice, chat_go], **gate)
         regen.click(h.gate_regenerate, [history, system], [notice, regen_go], **gate)
         run.click(h.gate_compare, [prompt, system], [summary, compare_go], **gate)
+        chatbot.edit(h.gate_edit, [box, history, system], [notice, pending_edit, edit_go, box], **gate)
         headline = dict(fn=manager.status_markdown, inputs=None, outputs=status, api_visibility="private",
                         queue=False, show_progress="hidden")  # the header's speed follows the last answer
         for answered in (chat_go.change(h.respond, [box, history, system] + settings, outs, api_name="chat",
                                         validator=h.check_chat, trigger_mode="once", **lane),
                          regen_go.change(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
-                                         validator=h.check_regenerate, trigger_mode="once", **lane)):
+                                         validator=h.check_regenerate, trigger_mode="once", **lane),
+                         edit_go.change(h.edit, [pending_edit, box, history, system] + settings, outs,
+                                        api_visibility="private", validator=h.check_edit, trigger_mode="once",
+                                        **lane)):
             answered.success(**save)
             answered.success(**headline)
         stop.click(h.stop, None, None, queue=False, api_name="stop")

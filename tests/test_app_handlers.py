@@ -693,3 +693,67 @@ def test_every_step_and_the_load_run_on_one_thread_whichever_thread_asks(bigram)
     list(h.compare("w5 w9", SYSTEM, *GREEDY[:3], 3, 2, 6, request=None))
     assert len(seen) == 1 and loads == list(seen), "one thread loads the model and runs every step"
     assert threading.get_ident() not in seen
+
+
+def edited(index, text: str) -> gr.EditData:
+    """What the chatbot sends when a message is edited (the page's own previous_value is not read)."""
+    return gr.EditData(None, {"index": index, "value": text, "previous_value": "?"})
+
+
+def test_an_edited_message_is_answered_in_place_of_the_turns_after_it(bigram):
+    h = handlers_for(Engine(*bigram))
+    _, first, _, _, _ = answer(h, "w5 w9", [])
+    _, chat, _, _, _ = answer(h, "w3", first)
+    assert len(chat) == 4
+    notice, pending, go, box = h.gate_edit("", chat, SYSTEM, edited(0, " w6 w2 "), request=LOCAL)
+    assert notice == SKIP and box == SKIP and isinstance(go, int), "a good edit is sent, the notice left to its answer"
+    assert pending == {"index": 0, "text": "w6 w2", "replaces": "w5 w9"}
+    outs = list(h.edit(pending, "", chat, SYSTEM, *GREEDY, request=LOCAL))
+    _, fresh, stats, _, _ = answer(h, "w6 w2", [])
+    assert outs[-1][0] == outs[-1][1] == fresh, "the edited chat answers as the edited text would in a new chat"
+    assert stats["tokens"] >= 2 and h.tickets.sessions() == set()
+    # the second user message, edited: the first exchange stays as it was
+    pending = h.gate_edit("", chat, SYSTEM, edited(2, "w4"), request=LOCAL)[1]
+    last = list(h.edit(pending, "", chat, SYSTEM, *GREEDY, request=LOCAL))[-1]
+    assert last[1][:2] == chat[:2] and last[1][2] == {"role": "user", "content": "w4"} and len(last[1]) == 4
+
+
+def test_a_refused_edit_keeps_the_chat_and_puts_its_text_in_an_empty_box(bigram, monkeypatch):
+    engine = Engine(*bigram)
+    h = handlers_for(engine)
+    _, chat, _, _, _ = answer(h, "w5 w9", [])
+    # the gate: not a user message, empty, too long; the text goes to the box only if the box is empty
+    notice, pending, go, box = h.gate_edit("", chat, SYSTEM, edited(1, "w6"), request=LOCAL)
+    assert notice.startswith("Only your own messages") and notice.endswith(app_session.TEXT_IN_BOX)
+    assert (pending, go, box) == (SKIP, SKIP, "w6"), "nothing sent; the edited text kept"
+    notice, _, go, box = h.gate_edit("draft w1", chat, SYSTEM, edited(1, "w6"), request=LOCAL)
+    assert go == box == SKIP and app_session.TEXT_IN_BOX not in notice, "a draft in the box is not overwritten"
+    assert h.gate_edit("", chat, SYSTEM, edited(5, "w6"), request=LOCAL)[0].startswith("Only your own messages")
+    assert h.gate_edit("", chat, SYSTEM, edited(0, "  "), request=LOCAL)[:3] == ("Type a message first.", SKIP, SKIP)
+    capped = limited_handlers(bigram, max_message_chars=10)
+    notice, _, go, box = capped.gate_edit("", chat, SYSTEM, edited(0, "w5 w5 w5 w5"), request=LOCAL)
+    assert "11 characters long; the limit is 10 characters" in notice and go == SKIP and box == "w5 w5 w5 w5"
+    check = capped.check_edit({"index": 0, "text": "w5 w5 w5 w5", "replaces": "w5 w9"}, "", chat, SYSTEM, *GREEDY,
+                              request=LOCAL)
+    assert check[0]["is_valid"] is False and len(check) == 13, "the queue's validator refuses it too"
+    # the chat changed between the edit and its answer (another chat was picked): nothing changes
+    pending = h.gate_edit("", chat, SYSTEM, edited(0, "w6"), request=LOCAL)[1]
+    other = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]
+    with pytest.warns(UserWarning, match="The chat changed before the edit was answered"):
+        outs = list(h.edit(pending, "", other, SYSTEM, *GREEDY, request=LOCAL))
+    assert outs == [(SKIP, SKIP, "w6", *[SKIP] * 4, app_session.EDIT_CHANGED + app_session.TEXT_IN_BOX)]
+    with pytest.warns(UserWarning, match="The chat changed"):
+        outs = list(h.edit(pending, "draft w1", other, SYSTEM, *GREEDY, request=LOCAL))
+    assert outs == [(*[SKIP] * 7, app_session.EDIT_CHANGED)], "a draft in the box stays"
+
+    # a fault before the first token: the whole chat as it was, the edited text in the box
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+        yield
+
+    monkeypatch.setattr(engine, "generate", broken)
+    with pytest.warns(UserWarning, match=r"Internal error \(RuntimeError: boom\)"):
+        outs = list(h.edit(pending, "", chat, SYSTEM, *GREEDY, request=LOCAL))
+    chat_out, history, box, *_, notice = outs[-1]
+    assert chat_out == history == chat and box == "w6"
+    assert "Internal error" in notice and notice.endswith(app_session.TEXT_IN_BOX)

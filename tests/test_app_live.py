@@ -231,6 +231,18 @@ def test_browser_chat_chart_and_toggle(app_url):
                                    timeout=90_000)
             view = page.locator("#tokens .tok-view")
             assert view.locator(".tok-plain").count() > 1 and view.locator(".tok-bonus").count() == 0
+            # the second message edited in place: its answer is replaced, the first exchange kept
+            chat = page.locator("#chatbot")
+            chat.get_by_text("And of Italy?").hover()
+            chat.get_by_role("button", name="Edit").last.click()
+            editor = chat.locator("textarea").last
+            editor.fill("And of Spain?")
+            chat.get_by_role("button", name="Submit").click()
+            page.wait_for_function("document.querySelector('#chatbot').innerText.includes('And of Spain?')"
+                                   " && /end of answer|max new tokens/.test(document.querySelector('#stats').innerText)",
+                                   timeout=90_000)
+            text = chat.inner_text()
+            assert "And of Italy?" not in text and "What is the capital of France?" in text and "Paris" in text
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
