@@ -17,7 +17,8 @@ import pandas as pd
 
 MAX_CHART_STEPS = 60  # the chart shows the latest steps; the JSON keeps them all
 DRAFT, BONUS, PLAIN = "accepted draft", "bonus (target)", "plain (target)"
-FINISH_TEXT = {"eos": "end of answer", "stop": "stop string", "length": "max new tokens reached",
+FINISH_TEXT = {"eos": "end of answer", "stop": "stop string",
+               "length": "max new tokens reached (Continue writes more)",
                "context": "context window full"}
 
 
@@ -41,15 +42,17 @@ def engine_messages(history: list[dict], system: str) -> list[dict]:
 def trim_to_context(messages: list[dict], count_tokens, max_context: int, max_new_tokens: int):
     """Drop the oldest user/assistant turns until the prompt and the answer fit the context.
 
-    Returns (messages, dropped_turns). The system prompt and the last user message always
-    stay; if even they do not fit the caller reports it (the engine would stop at once).
+    Returns (messages, dropped_turns). The system prompt and the last user message (with the
+    answer after it, if one is being continued) always stay; if even they do not fit the caller
+    reports it (the engine would stop at once).
     """
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = messages[len(system):]
     dropped = 0
-    while len(turns) > 1 and count_tokens(system + turns) + max_new_tokens > max_context:
+    while (any(m["role"] == "user" for m in turns[1:])
+           and count_tokens(system + turns) + max_new_tokens > max_context):
         cut = 1
-        while cut < len(turns) - 1 and turns[cut]["role"] != "user":
+        while turns[cut]["role"] != "user":
             cut += 1  # drop a whole exchange so the history still alternates user/assistant
         turns = turns[cut:]
         dropped += 1

@@ -9,6 +9,7 @@ line; only a real fault (a bug) logs its traceback.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,10 @@ from core.models import ModelLoadError
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
 NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
+NOTHING_TO_CONTINUE = "Nothing to continue: the chat does not end with an answer."
+CONTINUE_REMOTE = ("Continue needs the local engine: the chat goes to a remote server now, which starts a new answer "
+                   "instead. Press “Use local engine” in the Models tab, or Regenerate.")
+NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
 NOT_EDITABLE = "Only your own messages of this chat can be edited; that message is no longer in it."
 EDIT_CHANGED = ("The chat changed before the edit was answered (another answer or chat came first), so nothing "
                 "was changed: edit the message again.")
@@ -80,6 +85,10 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                          highlight, seed=-1, request: gr.Request = None):
         return self._join(self._too_long(request, system=system) or self._busy(request), 11, request)
 
+    def check_continue(self, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
+                       highlight, seed=-1, request: gr.Request = None):
+        return self._join(self._too_long(request, system=system) or self._busy(request), 11, request)
+
     def check_edit(self, pending, box, history, system, temperature, top_p, max_new, spec, depth, top_k,
                    tree_size, highlight, seed=-1, request: gr.Request = None):
         text = (pending or {}).get("text")
@@ -115,6 +124,10 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
 
     def gate_compare(self, prompt, system, request: gr.Request = None):
         return self._gate(self._text_problem(prompt, system, request, EMPTY_PROMPT))
+
+    def gate_continue(self, history, system, request: gr.Request = None):
+        nothing = "" if continuable(history) else NOTHING_TO_CONTINUE
+        return self._gate(nothing or self._too_long(request, system=system) or self._busy(request))
 
     def gate_edit(self, box, history, system, edit: gr.EditData, request: gr.Request = None):
         """A user message edited in the chat: (notice, pending edit, counter, box). The edit waits in
@@ -197,6 +210,17 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
                              empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
 
+    def continue_answer(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
+                        tree_size, highlight, seed=-1, request: gr.Request = None):
+        """Write more of the chat's last answer (cut by its token limit, or stopped): the model reads
+        the chat with that answer as it stands and goes on from its last token; the new text is
+        appended to it. Up to the first new token the chat stays as it was."""
+        history = list(history or [])
+        settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
+        work = self._chat(history, history, system, settings, request, restore=None, continues=True)
+        yield from self._run(work, request, CHAT_OUTPUTS, NOTICE, empty_first=not continuable(history),
+                             empty_message=NOTHING_TO_CONTINUE)
+
     def edit(self, pending, box, history, system, temperature, top_p, max_new, spec, depth, top_k,
              tree_size, highlight, seed=-1, request: gr.Request = None):
         """Answer an edited user message (gate_edit): the chat goes back to that message, its
@@ -278,15 +302,17 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             cfg = replace(cfg, max_new_tokens=cap)
         return cfg, self.access.remote_max_seconds
 
-    def _prompt(self, engine, turns, system, cfg, notices: list[str], budget: int | None) -> tuple[list[dict], int]:
+    def _prompt(self, engine, turns, system, cfg, notices: list[str], budget: int | None,
+                continues: bool = False) -> tuple[list[dict], int]:
         """The chat-template messages for this answer, oldest turns trimmed to fit the context
-        and, for a limited visitor, their prompt budget (`budget` tokens); and their length in tokens."""
+        and, for a limited visitor, their prompt budget (`budget` tokens); and their length in tokens.
+        `continues`: the turns end with the answer to continue."""
+        count = functools.partial(engine.count_tokens, continue_final=continues)
         try:
-            msgs, dropped = trim_to_context(engine_messages(turns, system), engine.count_tokens,
-                                            engine.max_context, cfg.max_new_tokens)
-            msgs, over_budget = (trim_to_context(msgs, engine.count_tokens, budget, 0) if budget is not None
-                                 else (msgs, 0))
-            n_tokens = engine.count_tokens(msgs)
+            msgs, dropped = trim_to_context(engine_messages(turns, system), count, engine.max_context,
+                                            cfg.max_new_tokens)
+            msgs, over_budget = trim_to_context(msgs, count, budget, 0) if budget is not None else (msgs, 0)
+            n_tokens = count(msgs)
             too_long = n_tokens >= engine.max_context
         except ValueError as e:  # e.g. a tokenizer without a chat template
             raise UserError(f"Cannot build the prompt: {e}") from e
@@ -297,6 +323,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                            f"the oldest {over_budget} exchange(s) were left out of the prompt. Clear the chat to "
                            "start afresh.")
             gr.Warning(notices[-1], duration=TOAST_S)
+        if too_long and continues:
+            raise UserError(f"This answer already fills the model's whole context ({engine.max_context} tokens): "
+                            "nothing more fits. Start a new chat (this one is kept in the list).")
         if too_long:
             raise UserError(f"This message is longer than the model's whole context ({engine.max_context} "
                             "tokens); shorten it.")
@@ -313,9 +342,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 f"answer starts well within its {self.access.remote_max_seconds:g} s; this one is {n_tokens:,} "
                 "tokens (your message with the system prompt). Shorten it (your chat is kept).")
 
-    def _chat(self, before, turns, system, settings: ChatSettings, request, restore):
-        """The work of one answer to `turns`; on a failure before the first token, `before` is
-        shown again and the message goes back into the box."""
+    def _chat(self, before, turns, system, settings: ChatSettings, request, restore, continues: bool = False):
+        """The work of one answer to `turns` (`continues`: more of the answer `turns` end with); on a
+        failure before the first token, `before` is shown again and the message goes back into the box."""
         def work(ticket: Ticket):
             if problem := self._too_long(request, restore, system):
                 raise UserError(problem)
@@ -325,6 +354,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             if not cfg.sampling.greedy and cfg.seed is None:  # shown with the answer, to be typed in again
                 cfg = replace(cfg, seed=new_seed())
             backend = self.manager.backend
+            if backend is not None and continues:
+                raise UserError(CONTINUE_REMOTE)
             if backend is not None:  # the server queues its own requests: no local lane to hold
                 yield from self._remote_answer(backend, engine_messages(turns, system), cfg, seconds, before,
                                                turns, ticket, notices, restore)
@@ -336,23 +367,28 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                     notices.append(NO_HEAD)
                 if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
-                msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request))
+                msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request),
+                                              continues)
                 long_chat = plan(cfg.tree, n_tokens, cfg.speculative, cfg.sampling.temperature, cfg.adaptive)
                 notices.extend(long_chat.notes)
                 yield from self._answer(engine, msgs, cfg, seconds, before, turns, settings.highlight, ticket,
-                                        notices, restore, long_chat)
+                                        notices, restore, long_chat, continues)
         return work
 
     def _answer(self, engine, msgs, cfg, seconds, before, turns, highlight, ticket, notices, restore,
-                long_chat: LongChat):
+                long_chat: LongChat, continues: bool = False):
+        """Stream the answer to `msgs` (`continues`: more of the answer `msgs` and `turns` end with;
+        the new text is appended to it)."""
         view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined,
                           prompt_tokens=long_chat.prompt_tokens, long_chat=long_chat,
                           seed=None if cfg.sampling.greedy else cfg.seed)
-        shown = turns + [{"role": "assistant", "content": ""}]
+        prefix = flatten(turns[-1]["content"]) if continues else ""
+        shown = (turns[:-1] if continues else turns) + [{"role": "assistant", "content": prefix}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         yield self._render(shown, view, highlight, notices, y_max, box="")
         deadline = time.monotonic() + seconds if seconds else None
-        gen = threads.engine_stream(engine.generate(msgs, cfg, on_step=view.on_step, should_stop=ticket.stop.is_set))
+        gen = threads.engine_stream(engine.generate(msgs, cfg, on_step=view.on_step, should_stop=ticket.stop.is_set,
+                                                    continue_final=continues))
         pace = Pace()
         try:
             first = yield from self._prefill(gen, long_chat.prompt_tokens, ticket)
@@ -361,7 +397,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 return
             for ev in itertools.chain([first] if first else [], gen):
                 view.add(ev)
-                shown[-1] = {"role": "assistant", "content": view.text}
+                shown[-1] = {"role": "assistant", "content": prefix + view.text}
                 if ticket.stop.is_set() or (deadline and time.monotonic() > deadline and not ev.finished):
                     view.stopped = ticket.stop.is_set()
                     break
@@ -379,6 +415,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             yield self.cleared()
             return
         notices.extend(self._endings(view, deadline, seconds))
+        if continues and not view.text and view.finish_reason == "eos":
+            notices.append(NOTHING_ADDED)
         view.clock_in()
         if view.total_tokens >= 8:  # a few tokens say little about speed
             self.manager.last_speed = view.tokens_per_s
@@ -485,3 +523,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         """(status, banner, tree origin, the backend-dependent controls, the Models tab's access)."""
         return (self.manager.status_markdown(), banner, self.manager.tree_markdown(),
                 *control_updates(self.manager), *self.models_access(request))
+
+
+def continuable(history) -> bool:
+    """Does the chat end with an answer that can be written on?"""
+    return bool(history) and history[-1].get("role") == "assistant" and bool(flatten(history[-1]["content"]).strip())

@@ -158,6 +158,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                         with gr.Row():
                             stop = gr.Button("Stop (Esc)", elem_id="stop")
                             regen = gr.Button("Regenerate", elem_id="regenerate")
+                            more = gr.Button("Continue", elem_id="continue")
                             clear = gr.Button("Clear", elem_id="clear")
                         system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2)
                     with gr.Column(scale=2):
@@ -226,12 +227,14 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         # the buttons ask a gate first (app.session): a problem is shown in place and nothing is sent,
         # else the gate moves a hidden counter and its change sends the request ("once": not again
         # while one is pending, as a button's click)
-        chat_go, regen_go, edit_go, compare_go = (gr.Number(0, visible="hidden", elem_id=f"{name}-go", precision=0)
-                                                  for name in ("chat", "regenerate", "edit", "compare"))
+        chat_go, regen_go, more_go, edit_go, compare_go = (
+            gr.Number(0, visible="hidden", elem_id=f"{name}-go", precision=0)
+            for name in ("chat", "regenerate", "continue", "edit", "compare"))
         pending_edit = gr.State(None)  # an edited message waiting for its answer (Handlers.gate_edit)
         gate = dict(queue=False, api_visibility="private", show_progress="hidden")
         gr.on([send.click, box.submit], h.gate_chat, [box, system], [notice, chat_go], **gate)
         regen.click(h.gate_regenerate, [history, system], [notice, regen_go], **gate)
+        more.click(h.gate_continue, [history, system], [notice, more_go], **gate)
         run.click(h.gate_compare, [prompt, system], [summary, compare_go], **gate)
         chatbot.edit(h.gate_edit, [box, history, system], [notice, pending_edit, edit_go, box], **gate)
         headline = dict(fn=manager.status_markdown, inputs=None, outputs=status, api_visibility="private",
@@ -240,6 +243,8 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                         validator=h.check_chat, trigger_mode="once", **lane),
                          regen_go.change(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
                                          validator=h.check_regenerate, trigger_mode="once", **lane),
+                         more_go.change(h.continue_answer, [history, system] + settings, outs, api_name="continue",
+                                        validator=h.check_continue, trigger_mode="once", **lane),
                          edit_go.change(h.edit, [pending_edit, box, history, system] + settings, outs,
                                         api_visibility="private", validator=h.check_edit, trigger_mode="once",
                                         **lane)):

@@ -757,3 +757,35 @@ def test_a_refused_edit_keeps_the_chat_and_puts_its_text_in_an_empty_box(bigram,
     chat_out, history, box, *_, notice = outs[-1]
     assert chat_out == history == chat and box == "w6"
     assert "Internal error" in notice and notice.endswith(app_session.TEXT_IN_BOX)
+
+
+def test_continue_writes_on_where_the_token_limit_cut_the_answer(bigram):
+    h = handlers_for(Engine(*bigram))
+    _, whole, stats, _, _ = answer(h, "w5 w9", [], GREEDY._replace(max_new=12))
+    assert stats["finish_reason"] == "length"
+    outs, cut, stats, _, notice = answer(h, "w5 w9", [], GREEDY._replace(max_new=5))
+    assert stats["finish_reason"] == "length" and "max new tokens reached (Continue writes more)" in outs[-1][4]
+    assert h.gate_continue(cut, SYSTEM, request=LOCAL)[0] == SKIP
+    for settings in (GREEDY._replace(max_new=7), GREEDY._replace(max_new=7, spec=False)):
+        outs = list(h.continue_answer(cut, SYSTEM, *settings, request=LOCAL))
+        assert outs[-1][0] == outs[-1][1] == whole, "5 tokens, then 7 more: the 12-token answer, word for word"
+        assert outs[-1][5]["tokens"] == 7 and outs[-1][5]["mode"] == ("plain" if not settings.spec else "speculative")
+    assert h.tickets.sessions() == set()
+
+
+def test_continue_needs_an_answer_to_write_on_and_says_when_it_adds_nothing(bigram):
+    engine = Engine(*bigram)
+    h = handlers_for(engine)
+    asked = [{"role": "user", "content": "w5"}]
+    for history in ([], asked, asked + [{"role": "assistant", "content": " "}]):
+        assert h.gate_continue(history, SYSTEM, request=LOCAL) == (app_session.NOTHING_TO_CONTINUE, SKIP)
+        with pytest.warns(UserWarning, match="Nothing to continue"):
+            assert list(h.continue_answer(history, SYSTEM, *GREEDY, request=LOCAL)) == [
+                (*[SKIP] * 7, app_session.NOTHING_TO_CONTINUE)]
+    # an answer whose last word the bigram model follows with its end of turn: said, the chat unchanged
+    model = engine.target.model
+    after = model(torch.arange(model.config.vocab_size)[:, None]).logits[:, -1].argmax(-1)
+    ending = next(f"w{i}" for i in range(4, len(after)) if after[i] == engine.target.eos_ids[0])
+    done = asked + [{"role": "assistant", "content": f"w9 {ending}"}]
+    last = list(h.continue_answer(done, SYSTEM, *GREEDY, request=LOCAL))[-1]
+    assert last[1] == done and last[5]["finish_reason"] == "eos" and app_session.NOTHING_ADDED in last[7]

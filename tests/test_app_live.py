@@ -3,6 +3,7 @@ gradio_client like any API user, and through Debian's chromium with pip's playwr
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -174,6 +175,27 @@ def test_stop_regenerate_clear_and_bad_input(client):
     assert len(fresh[0]) == 2, "after Clear the conversation starts over"
 
 
+def test_continue_writes_on_the_cut_answer_losslessly(app_url):
+    """An answer cut at 12 tokens, then Continue with 20 more, speculative and plain in two chats: one text, the cut
+    answer's words first. (Not one 32-token answer's text: the model reads the cut answer as a prompt, whose
+    numerics are the prefill's, as it reads every earlier turn of a chat; the join's spacing is
+    test_app_handlers.py::test_continue_writes_on_where_the_token_limit_cut_the_answer.)"""
+    from gradio_client import Client
+
+    prompt, texts = "Write a short poem about the sea.", []
+    for spec in (True, False):
+        chat = Client(app_url, verbose=False)
+        _, cut = stream(chat, *chat_args(prompt, spec=spec, max_new=12))
+        assert cut[4]["finish_reason"] == "length" and "Continue writes more" in cut[3]
+        _, more = stream(chat, *chat_args("ignored", spec=spec, max_new=20)[1:], api_name="/continue")
+        assert more[4]["tokens"] == 20 and more[4]["mode"] == ("speculative" if spec else "plain")
+        assert len(more[0]) == 2 and more[0][0] == cut[0][0], "the chat's one answer, written on"
+        before, after = (out[0][-1]["content"][0]["text"] for out in (cut, more))
+        assert after.startswith(before) and len(after) > len(before) + 20
+        texts.append(after)
+    assert texts[0] == texts[1], "greedy speculation stays lossless when it continues an answer"
+
+
 def test_side_by_side_reports_identical_greedy_answers(client):
     s = FAST
     updates, (plain_md, spec_md, summary, data) = stream(
@@ -237,12 +259,22 @@ def test_browser_chat_chart_and_toggle(app_url):
             chat.get_by_role("button", name="Edit").last.click()
             editor = chat.locator("textarea").last
             editor.fill("And of Spain?")
+            answers, stats = chat.get_by_test_id("bot"), page.locator("#stats").inner_text()
+            italy = answers.last.inner_text()
             chat.get_by_role("button", name="Submit").click()
-            page.wait_for_function("document.querySelector('#chatbot').innerText.includes('And of Spain?')"
-                                   " && /end of answer|max new tokens/.test(document.querySelector('#stats').innerText)",
-                                   timeout=90_000)
+            # a new answer's final stats (while it runs, Gradio's timer comes first: "0.1s")
+            done = ("((t) => t !== {} && t.startsWith('First token') && /end of answer|max new tokens/.test(t))"
+                    "(document.querySelector('#stats').innerText)")
+            page.wait_for_function(done.format(json.dumps(stats)), timeout=90_000)
             text = chat.inner_text()
-            assert "And of Italy?" not in text and "What is the capital of France?" in text and "Paris" in text
+            assert "And of Italy?" not in text and "And of Spain?" in text and italy not in text
+            assert "What is the capital of France?" in text and "Paris" in text and answers.count() == 2
+            # Continue writes on the last answer (cut at max new tokens, or complete: then it may say so)
+            last, stats = answers.last.inner_text(), page.locator("#stats").inner_text()
+            page.locator("#continue").click()
+            page.wait_for_function(done.format(json.dumps(stats)), timeout=90_000)
+            assert answers.count() == 2 and answers.last.inner_text().startswith(last)
+            assert (len(answers.last.inner_text()) > len(last)) != ("added nothing" in page.locator("#notice").inner_text())
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000

@@ -78,6 +78,8 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert history[1]["content"] == engine_text(local, msgs, 24), "greedy: the server's text is the model's"
     with pytest.warns(UserWarning, match="Side by side needs the local engine"):
         assert list(h.compare("w5", SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=None))[0][:2] == (SKIP, SKIP)
+    with pytest.warns(UserWarning, match="Continue needs the local engine"):
+        assert list(h.continue_answer(history, SYSTEM, *GREEDY, request=None))[0][:7] == (SKIP,) * 7
 
     stream = h.respond("w7", history, SYSTEM, *LONG, request=None)
     next(stream), next(stream), next(stream)

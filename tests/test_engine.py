@@ -396,3 +396,19 @@ def test_ctrl_c_keeps_the_answer_so_far_and_exits_130(monkeypatch, capsys):
     assert main(["w5 w6", "--threads", "1"]) == INTERRUPTED
     out, err = capsys.readouterr()
     assert out.strip() == "" and "before the first token: nothing generated" in err and "Traceback" not in err
+
+
+def test_an_answer_continued_from_its_text_reads_the_template_without_its_end_of_turn():
+    engine = Engine(tiny_target(mix=0.0, max_pos=96))
+    asked = [{"role": "user", "content": "w5"}]
+    with pytest.raises(EngineError, match="only an assistant message can be continued: the messages end with a 'user'"):
+        engine.encode(asked, continue_final=True)
+    partial = asked + [{"role": "assistant", "content": "w9 w11"}]
+    ids = engine.encode(partial, continue_final=True)
+    assert ids == engine.encode(asked) + engine.encode([9, 11]), "the new turn's opening, then the answer's words"
+    cfg = GenerationConfig(max_new_tokens=3, speculative=False)
+    events = list(engine.generate(partial, cfg, continue_final=True))
+    same = list(engine.generate(ids, cfg))
+    assert [e.token_ids for e in events] == [e.token_ids for e in same]
+    text, alone = "".join(e.text for e in events), "".join(e.text for e in same)
+    assert text == " " + alone, "written on after the answer's last word: its space kept"

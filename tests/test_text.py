@@ -127,3 +127,16 @@ def test_generator_survives_thread_hops():
         p.shutdown()
     assert len(seen_threads) == 2 and hopped == solo
     assert not torch.is_inference_mode_enabled()
+
+
+def test_a_continued_answers_first_word_keeps_its_space():
+    words = tiny_target().tokenizer  # its decoder puts spaces between words, none before the first
+    w5, w6 = words.convert_tokens_to_ids(["w5", "w6"])
+    assert TextStream(words).push(w6) == "w6"
+    continued = TextStream(words, context=(w5,))
+    assert continued.push(w6) == " w6" and continued.push(w5) == " w5" and continued.text == " w6 w5"
+    # a character split over two tokens right after the context is held until it completes
+    tok = byte_tokenizer()
+    ids = tok.encode("aé!", add_special_tokens=False)
+    stream = TextStream(tok, context=tuple(ids[:1]))
+    assert [stream.push(t) for t in ids[1:]] == ["", "é", "!"] and stream.finish() == ""

@@ -155,8 +155,10 @@ class Engine:
     def max_context(self) -> int:
         return self.target.max_context
 
-    def encode(self, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
-        """Chat messages (tokenizer's chat template), a user message string, or token ids."""
+    def encode(self, prompt: str | Sequence[dict] | Sequence[int], *, continue_final: bool = False) -> list[int]:
+        """Chat messages (tokenizer's chat template), a user message string, or token ids.
+        `continue_final`: the messages end with a partial assistant message, which the answer
+        continues (the template's end of that turn left out) instead of starting a new turn."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise EngineError("the prompt is empty: type a message first")
@@ -166,15 +168,20 @@ class Engine:
         if isinstance(prompt[0], dict):
             if not any(str(m.get("content", "")).strip() for m in prompt):
                 raise EngineError("the prompt is empty: type a message first")
-            enc = self.target.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+            if continue_final and prompt[-1].get("role") != "assistant":
+                raise EngineError("only an assistant message can be continued: the messages end with a "
+                                  f"{prompt[-1].get('role')!r} message")
+            enc = self.target.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=not continue_final,
+                                                            continue_final_message=continue_final)
             ids = enc["input_ids"] if hasattr(enc, "keys") else enc
             return list(ids)
         return [int(t) for t in prompt]
 
-    def count_tokens(self, messages: Sequence[dict]) -> int:
-        return len(self.encode(messages))
+    def count_tokens(self, messages: Sequence[dict], *, continue_final: bool = False) -> int:
+        return len(self.encode(messages, continue_final=continue_final))
 
-    def generate(self, prompt, config: GenerationConfig, on_step=None, should_stop=None) -> Iterator[StepEvent]:
+    def generate(self, prompt, config: GenerationConfig, on_step=None, should_stop=None, *,
+                 continue_final: bool = False) -> Iterator[StepEvent]:
         """Stream the answer as StepEvents; closing the generator stops within one step.
 
         Each step runs in its own `torch.inference_mode()` block, so the generator may be
@@ -182,8 +189,10 @@ class Engine:
         verification)`, if given, sees every speculative step (statistics). `should_stop()`, if
         given, is asked before each chunk of the prompt is read (core.decoding.forward.prefill):
         True ends the answer before its first token, and the generator yields nothing.
+        `continue_final`: chat messages that end with a partial answer, which this one continues
+        (its text is what follows that answer's, leading space included).
         """
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, continue_final=continue_final)
         if len(ids) >= self.max_context:
             raise EngineError(f"the prompt is {len(ids)} tokens but the model's context is "
                               f"{self.max_context}; shorten it or start a new chat")
@@ -192,7 +201,7 @@ class Engine:
             raise EngineError(f"token ids must be in 0..{vocab - 1}")
         if config.speculative and not self.has_head:
             raise EngineError("speculation needs a draft head: load one (--head) or turn speculation off")
-        return _stream(self, ids, config, on_step, should_stop)
+        return _stream(self, ids, config, on_step, should_stop, text_context=tuple(ids[-1:]) if continue_final else ())
 
 
 POLICY = adaptive.Policy()  # GenerationConfig.adaptive's probing schedule
@@ -204,11 +213,11 @@ COPY_PROBE = 6  # a lookup chain this long (a repeat of 4+ tokens, core.decoding
 
 
 def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step,
-            should_stop=None) -> Iterator[StepEvent]:
+            should_stop=None, text_context: tuple[int, ...] = ()) -> Iterator[StepEvent]:
     threads.refit()  # no-op unless the launcher turned the thread governor on
     threads.apply()
     with torch.inference_mode():
-        run = _Run(engine, ids, config, on_step)
+        run = _Run(engine, ids, config, on_step, text_context)
         try:
             event = run.first_step(should_stop)
         except StopReading:
@@ -225,7 +234,8 @@ def _stream(engine: Engine, ids: list[int], config: GenerationConfig, on_step,
 class _Run:
     """State of one answer: caches, counters, the text stream and the stop rules."""
 
-    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None):
+    def __init__(self, engine: Engine, ids: list[int], config: GenerationConfig, on_step=None,
+                 text_context: tuple[int, ...] = ()):
         if config.paused_hot and not config.adaptive:
             config = replace(config, speculative=False)  # measured: plain decoding is faster this hot
         self.e, self.cfg, self.on_step = engine, config, on_step
@@ -239,7 +249,7 @@ class _Run:
         # sampled tokens are a function of the seed and their position (core.decoding.gumbel)
         self.seed = config.seed if config.seed is not None else new_seed()
         self.budget, self.budget_reason = answer_budget(config.max_new_tokens, engine.max_context - len(ids))
-        self.text = TextStream(engine.target.tokenizer, config.stop_strings)
+        self.text = TextStream(engine.target.tokenizer, config.stop_strings, text_context)
         self.eos = set(engine.target.eos_ids)
         self.n_out = self.forwards = 0
         self.token, self.root_hidden = None, None

@@ -30,11 +30,14 @@ def backend_decode(tokenizer):
 
 
 class Detokenizer:
-    def __init__(self, tokenizer):
+    """`context`: ids shown before this stream (a continued answer's own): the window starts with
+    its last one, so the first new text keeps the space a tokenizer drops at the start of a decode."""
+
+    def __init__(self, tokenizer, context: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context[-1:])
         self.prefix = 0  # window start: ids[prefix:read] were shown already
-        self.read = 0
+        self.read = len(self.ids)
         self._fast = backend_decode(tokenizer)
 
     def _decode(self, ids) -> str:
@@ -63,8 +66,8 @@ class Detokenizer:
 class TextStream:
     """Detokenized text with stop strings applied; `stopped` once a stop string appears."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
-        self.detok = Detokenizer(tokenizer)
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), context: tuple[int, ...] = ()):
+        self.detok = Detokenizer(tokenizer, context)
         self.stops = tuple(stop_strings)
         self.pending = ""   # decoded but not yet shown (could begin a stop string)
         self.text = ""      # shown so far
