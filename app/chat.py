@@ -80,6 +80,7 @@ class AnswerView:
     first_token_s: float | None = None  # the visitor's wait for the first token, queue included
     wall_s: float = 0.0                 # the visitor's wait for the answer so far
     prompt_tokens: int = 0
+    max_context: int = 0                # the model's context in tokens (0: not shown)
     long_chat: object = None            # app.longchat.LongChat: why plain steps ran (None: not known)
     head_nodes: int = 0                 # the last verified tree's nodes from the head, root included
     copied_steps: int = 0               # steps whose tree held text copied from the context
@@ -202,6 +203,8 @@ class AnswerView:
                 "draft_share": round(d, 3), "verify_share": round(v, 3), "other_share": round(o, 3),
                 "tree_size": self.tree_size, "head_nodes": self.head_nodes, "copied_steps": self.copied_steps,
                 "copied_accepted": self.copied_accepted, "finish_reason": self.finish_reason, "stopped": self.stopped,
+                **({"context_tokens": self.prompt_tokens + self.total_tokens, "max_context": self.max_context}
+                   if self.max_context else {}),
                 **({"seed": self.seed} if self.seed is not None else {}),
                 **({"first_token_s": round(self.first_token_s, 3), "wall_s": round(self.wall_s, 3)}
                    if self.first_token_s is not None else {}),
@@ -220,11 +223,13 @@ class AnswerView:
         if self.first_token_s is not None:  # what the visitor saw, from their Send
             waited = (f"**First token after {self.first_token_s:.1f} s · {self.total_tokens} tokens in "
                       f"{self.wall_s:.1f} s** (your wait, from Send)\n\n")
+        context = (f" · context {self.prompt_tokens + self.total_tokens:,} of {self.max_context:,} tokens"
+                   if self.max_context else "")
         seed = (f" · sampled with seed {self.seed} (type it into Sampling → Seed for this answer again, "
                 "speculative or plain)" if self.seed is not None else "")
         return (f"{waited}engine: **{self.tokens_per_s:.1f} tok/s** ({self.total_tokens} tokens in its "
                 f"{self.elapsed_s:.1f} s of generating) · **τ {self.tau:.2f}** tokens per model pass\n\n"
-                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.ran()} · {end}{seed}")
+                f"time: draft {d:.0%} · verify {v:.0%} · other {o:.0%}{tree} · {self.ran()} · {end}{context}{seed}")
 
     def highlight_html(self) -> str:
         """The answer token by token, coloured by origin. A separate panel, so markdown and

@@ -380,8 +380,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         """Stream the answer to `msgs` (`continues`: more of the answer `msgs` and `turns` end with;
         the new text is appended to it)."""
         view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined,
-                          prompt_tokens=long_chat.prompt_tokens, long_chat=long_chat,
-                          seed=None if cfg.sampling.greedy else cfg.seed)
+                          prompt_tokens=long_chat.prompt_tokens, max_context=engine.max_context,
+                          long_chat=long_chat, seed=None if cfg.sampling.greedy else cfg.seed)
         prefix = flatten(turns[-1]["content"]) if continues else ""
         shown = (turns[:-1] if continues else turns) + [{"role": "assistant", "content": prefix}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2

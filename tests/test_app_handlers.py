@@ -789,3 +789,13 @@ def test_continue_needs_an_answer_to_write_on_and_says_when_it_adds_nothing(bigr
     done = asked + [{"role": "assistant", "content": f"w9 {ending}"}]
     last = list(h.continue_answer(done, SYSTEM, *GREEDY, request=LOCAL))[-1]
     assert last[1] == done and last[5]["finish_reason"] == "eos" and app_session.NOTHING_ADDED in last[7]
+
+
+def test_the_stats_say_how_much_of_the_context_the_chat_fills(bigram):
+    h = handlers_for(Engine(*bigram))
+    outs, chat, stats, _, _ = answer(h, "w5 w9", [])
+    prompt = h.manager.engine.count_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "w5 w9"}])
+    assert stats["context_tokens"] == prompt + stats["tokens"] and stats["max_context"] == 96
+    assert f"context {prompt + stats['tokens']} of 96 tokens" in outs[-1][4]
+    outs, _, more, _, _ = answer(h, "w3", chat)
+    assert more["context_tokens"] > stats["context_tokens"] + 1, "the next turn reads the whole chat"
