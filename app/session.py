@@ -15,9 +15,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
+from pathlib import Path
 
 import gradio as gr
 
+from app.attach import attach
 from app.backend import BackendHandlers
 from app.chat import AnswerView, Pace, empty_frame, engine_messages, flatten, trim_to_context
 from app.chats_ui import ChatsHandlers
@@ -152,10 +154,32 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             return problem, gr.skip()
         return gr.skip(), next(self._sends)
 
+    def attach_file(self, file, box, request: gr.Request = None):
+        """A file attached with the button beside Send: (message box, notice). Its text joins the
+        message in the box (app.attach), to be read over and sent; a file that cannot be attached
+        is refused with its reason, and the box keeps its text."""
+        try:
+            path = Path(file) if file else None
+            if path is None or not path.is_file():
+                raise UserError("No file arrived: choose the file again.")
+            message = attach(box or "", path, self.access.message_chars(request), self._for_visitors(request))
+        except UserError as e:
+            return gr.skip(), user_error(str(e))
+        note = f"Attached “{path.name}” to your message"
+        engine = self.manager.engine
+        if engine is not None and self.manager.backend is None:
+            n = engine.count_tokens([{"role": "user", "content": message}])
+            note += f" ({n:,} tokens of the model's {engine.max_context:,}-token context)"
+            if n >= engine.max_context:
+                return message, f"{note}: more than the model can read at once. Shorten it before sending."
+        return message, f"{note}: read it over, then Send."
+
+    def _for_visitors(self, request) -> str:
+        return " for visitors through the public link" if self.access.limited(request) else ""
+
     def _too_long(self, request, message=None, system=None) -> str:
         """Why this message or system prompt is refused for its length, or ""."""
-        limit = self.access.message_chars(request)
-        who = " for visitors through the public link" if self.access.limited(request) else ""
+        limit, who = self.access.message_chars(request), self._for_visitors(request)
         for text, what in ((message, "This message"), (system, "The system prompt")):
             if text is not None and len(text) > limit:
                 return (f"{what} is {len(text):,} characters long; the limit is {limit:,} characters{who}. "

@@ -155,6 +155,8 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                             box = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False,
                                              scale=6, elem_id="message", autofocus=True)
                             send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                            attach = gr.UploadButton("Attach file", scale=1, elem_id="attach", type="filepath",
+                                                     variant="secondary")
                         with gr.Row():
                             stop = gr.Button("Stop (Esc)", elem_id="stop")
                             regen = gr.Button("Regenerate", elem_id="regenerate")
@@ -235,6 +237,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         gr.on([send.click, box.submit], h.gate_chat, [box, system], [notice, chat_go], **gate)
         regen.click(h.gate_regenerate, [history, system], [notice, regen_go], **gate)
         more.click(h.gate_continue, [history, system], [notice, more_go], **gate)
+        attach.upload(h.attach_file, [attach, box], [box, notice], **gate)
         run.click(h.gate_compare, [prompt, system], [summary, compare_go], **gate)
         chatbot.edit(h.gate_edit, [box, history, system], [notice, pending_edit, edit_go, box], **gate)
         headline = dict(fn=manager.status_markdown, inputs=None, outputs=status, api_visibility="private",

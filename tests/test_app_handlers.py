@@ -799,3 +799,48 @@ def test_the_stats_say_how_much_of_the_context_the_chat_fills(bigram):
     assert f"context {prompt + stats['tokens']} of 96 tokens" in outs[-1][4]
     outs, _, more, _, _ = answer(h, "w3", chat)
     assert more["context_tokens"] > stats["context_tokens"] + 1, "the next turn reads the whole chat"
+
+
+def test_an_attached_text_file_joins_the_message_in_the_box(bigram, tmp_path):
+    h = limited_handlers(bigram, max_message_chars=400, remote_max_message_chars=60)
+    code = tmp_path / "prime.py"
+    code.write_text("def f(n):\r\n    return n > 1\r\n", encoding="utf-8")
+    box, notice = h.attach_file(str(code), "Fix this:", request=LOCAL)
+    assert box == "Fix this:\n\nprime.py:\n```python\ndef f(n):\n    return n > 1\n```"
+    tokens = h.manager.engine.count_tokens([{"role": "user", "content": box}])
+    assert notice == f"Attached “prime.py” to your message ({tokens} tokens of the model's 96-token context): " \
+                     "read it over, then Send."
+    fenced = tmp_path / "notes.md"
+    fenced.write_text("\ufeffsee\n```sh\nls\n```\n", encoding="utf-8")  # a BOM, and a fence of its own
+    box, _ = h.attach_file(str(fenced), "", request=LOCAL)
+    assert box == "notes.md:\n````markdown\nsee\n```sh\nls\n```\n````", "a longer fence holds the file's own"
+    # refused: the box keeps its text (skipped), the notice names the file and the fix
+    blob = tmp_path / "a.bin"
+    blob.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    latin = tmp_path / "old.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    big = tmp_path / "big.txt"
+    big.write_text("w5 " * 200)
+    for path, request, reason in ((blob, LOCAL, "“a.bin” is not a text file"),
+                                  (latin, LOCAL, "“old.txt” is not UTF-8 text (byte 3 cannot be read)"),
+                                  (empty, LOCAL, "“empty.txt” is empty"),
+                                  (big, LOCAL, "“big.txt” holds 600 characters; with your message that makes 628, "
+                                               "more than the limit of 400 characters."),
+                                  (code, SHARE_LINK, "more than the limit of 60 characters for visitors through "
+                                                     "the public link"),
+                                  (tmp_path / "gone.txt", LOCAL, "No file arrived")):
+        with pytest.warns(UserWarning, match="."):
+            box, notice = h.attach_file(str(path), "Fix this:", request=request)
+        assert box == SKIP and reason in notice, notice
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"w5 " * 1000)
+    with pytest.warns(UserWarning, match="3,000 bytes, more than a message may hold"):
+        assert h.attach_file(str(huge), "", request=LOCAL)[0] == SKIP
+    # a message longer than the context is said at once
+    many = tmp_path / "many.txt"
+    many.write_text(" ".join(["w5"] * 100))  # 299 characters, 100 tokens
+    box, notice = h.attach_file(str(many), "", request=LOCAL)
+    assert box.startswith("many.txt:") and notice.endswith("more than the model can read at once. Shorten it before "
+                                                           "sending.")

@@ -275,6 +275,17 @@ def test_browser_chat_chart_and_toggle(app_url):
             page.wait_for_function(done.format(json.dumps(stats)), timeout=90_000)
             assert answers.count() == 2 and answers.last.inner_text().startswith(last)
             assert (len(answers.last.inner_text()) > len(last)) != ("added nothing" in page.locator("#notice").inner_text())
+            # a text file attached with the button joins the message in the box, to be read over and sent
+            notes = shot.parent / "notes.txt"
+            notes.write_text("Paris is the capital of France.\n")
+            page.locator("#message textarea").fill("Summarise:")
+            with page.expect_file_chooser() as chooser:
+                page.locator("#attach").click()
+            chooser.value.set_files(str(notes))
+            page.wait_for_function("document.querySelector('#notice').innerText.includes('Attached “notes.txt”')",
+                                   timeout=30_000)
+            assert page.locator("#message textarea").input_value() == \
+                "Summarise:\n\nnotes.txt:\n```\nParis is the capital of France.\n```"
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
