@@ -101,7 +101,7 @@ class BackendHandlers:
         was and the message back in its box; failing mid-answer: the text so far is kept."""
         view = RemoteView(backend.info, seed=None if cfg.sampling.greedy else cfg.seed)
         shown = turns + [{"role": "assistant", "content": ""}]
-        yield self._remote_render(shown, view, notices, box="", first=True)
+        yield self._remote_render(shown, view, notices, box=None if restore is None else "", first=True)
         deadline = time.monotonic() + seconds if seconds else None
         events = backend.chat(msgs, max_tokens=cfg.max_new_tokens, temperature=cfg.sampling.temperature,
                               top_p=cfg.sampling.top_p, seed=cfg.seed)

@@ -409,7 +409,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         prefix = flatten(turns[-1]["content"]) if continues else ""
         shown = (turns[:-1] if continues else turns) + [{"role": "assistant", "content": prefix}]
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
-        yield self._render(shown, view, highlight, notices, y_max, box="")
+        # the box is emptied where it held this message (`restore`); Regenerate and Continue leave a draft in it
+        yield self._render(shown, view, highlight, notices, y_max, box=None if restore is None else "")
         deadline = time.monotonic() + seconds if seconds else None
         gen = threads.engine_stream(engine.generate(msgs, cfg, on_step=view.on_step, should_stop=ticket.stop.is_set,
                                                     continue_final=continues))

@@ -204,8 +204,10 @@ def test_without_head_speculation_falls_back_to_plain_with_a_notice(bigram):
 def test_regenerate_and_empty_input(bigram):
     h = handlers_for(Engine(*bigram))
     _, state, _, _, _ = answer(h, "w5 w9", [])
-    again = list(h.regenerate(state, SYSTEM, *GREEDY, request=None))[-1]
-    assert again[1] == state
+    outs = list(h.regenerate(state, SYSTEM, *GREEDY, request=None))
+    assert outs[-1][1] == state
+    assert all(out[2] == SKIP for out in outs), "Regenerate leaves the message box (a draft in it) as it is"
+    assert answer(h, "w5", state)[0][0][2] == "", "Send empties the box: its message is in the chat"
     with pytest.warns(UserWarning, match="Type a message"):
         assert answer(h, "  ", state)[0] == [(*[SKIP] * 7, "Type a message first.")]
     with pytest.warns(UserWarning, match="Nothing to regenerate"):
@@ -713,8 +715,10 @@ def test_an_edited_message_is_answered_in_place_of_the_turns_after_it(bigram):
     assert outs[-1][0] == outs[-1][1] == fresh, "the edited chat answers as the edited text would in a new chat"
     assert stats["tokens"] >= 2 and h.tickets.sessions() == set()
     # the second user message, edited: the first exchange stays as it was
-    pending = h.gate_edit("", chat, SYSTEM, edited(2, "w4"), request=LOCAL)[1]
-    last = list(h.edit(pending, "", chat, SYSTEM, *GREEDY, request=LOCAL))[-1]
+    pending = h.gate_edit("draft w1", chat, SYSTEM, edited(2, "w4"), request=LOCAL)[1]
+    outs = list(h.edit(pending, "draft w1", chat, SYSTEM, *GREEDY, request=LOCAL))
+    last = outs[-1]
+    assert all(out[2] == SKIP for out in outs), "a draft in the message box stays"
     assert last[1][:2] == chat[:2] and last[1][2] == {"role": "user", "content": "w4"} and len(last[1]) == 4
 
 
@@ -768,6 +772,7 @@ def test_continue_writes_on_where_the_token_limit_cut_the_answer(bigram):
     assert h.gate_continue(cut, SYSTEM, request=LOCAL)[0] == SKIP
     for settings in (GREEDY._replace(max_new=7), GREEDY._replace(max_new=7, spec=False)):
         outs = list(h.continue_answer(cut, SYSTEM, *settings, request=LOCAL))
+        assert all(out[2] == SKIP for out in outs), "a draft in the message box stays"
         assert outs[-1][0] == outs[-1][1] == whole, "5 tokens, then 7 more: the 12-token answer, word for word"
         assert outs[-1][5]["tokens"] == 7 and outs[-1][5]["mode"] == ("plain" if not settings.spec else "speculative")
     assert h.tickets.sessions() == set()
