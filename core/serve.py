@@ -6,7 +6,9 @@ on CPU where the probe passes), so a greedy answer is the same as `core.generate
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (server-sent
 events with `"stream": true`, one JSON body otherwise), GET /metrics (Prometheus text).
 Request fields: messages | prompt, max_tokens, temperature, top_p, stop, seed, stream,
-stream_options.include_usage, n (1 only); other fields are ignored. A chat request without
+stream_options.include_usage, n (1 only), and vLLM's continue_final_message (chat: the answer
+continues the final assistant message, e.g. a prefilled "```json", instead of starting a new turn;
+add_generation_prompt may then be false or absent); other fields are ignored. A chat request without
 max_tokens gets at most --default-max-tokens (512), a completion OpenAI's 16.
 
 Guards (a web page the user visits can POST to localhost, and a busy server must say so):
@@ -131,6 +133,7 @@ class Job:
     config: GenerationConfig
     stream: bool
     include_usage: bool
+    continues: bool = False  # the ids end with a partial answer that this one continues (its text follows it)
 
 
 # ---- request parsing --------------------------------------------------------------------
@@ -205,8 +208,10 @@ def parse(body, engine: Engine, model_id: str, chat: bool, limits: ServeConfig =
         raise ApiError(400, "only n=1 is supported", "n")
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be true or false", "stream")
+    continues = chat and _continues(body)
     try:
-        ids = engine.encode(_messages(body.get("messages"))) if chat else _prompt_ids(engine, body.get("prompt"))
+        ids = (engine.encode(_messages(body.get("messages")), continue_final=continues) if chat
+               else _prompt_ids(engine, body.get("prompt")))
     except EngineError as e:
         raise ApiError(400, str(e), "messages" if chat else "prompt") from e
     except ValueError as e:  # e.g. a tokenizer without a chat template, or a template that refuses roles
@@ -237,7 +242,19 @@ def parse(body, engine: Engine, model_id: str, chat: bool, limits: ServeConfig =
     except ConfigError as e:
         raise ApiError(400, str(e)) from e
     return Job(chat, tuple(ids), config, body.get("stream", False),
-               isinstance(options, dict) and options.get("include_usage") is True)
+               isinstance(options, dict) and options.get("include_usage") is True, continues)
+
+
+def _continues(body: dict) -> bool:
+    """vLLM's continue_final_message (with add_generation_prompt false or absent)."""
+    for name in ("continue_final_message", "add_generation_prompt"):
+        if not isinstance(body.get(name, False), bool):
+            raise ApiError(400, f"{name} must be true or false", name)
+    continues = body.get("continue_final_message", False)
+    if continues and body.get("add_generation_prompt", False):
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true: the answer either "
+                       "continues the final assistant message or starts a new turn", "continue_final_message")
+    return continues
 
 
 # ---- guards: who may ask, and what the server reads ---------------------------------------
@@ -379,7 +396,8 @@ class Answer:
     async def events(self, job: Job):
         await self.worker.lock.acquire()
         self.locked, self.started = True, time.perf_counter()
-        self.gen = self.worker.engine.generate(list(job.ids), job.config, should_stop=self.stop.is_set)
+        self.gen = self.worker.engine.generate(list(job.ids), job.config, should_stop=self.stop.is_set,
+                                               continue_final=job.continues)
         while (ev := await self.worker.call(_step, self.gen)) is not None:
             yield ev
 

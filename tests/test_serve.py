@@ -96,6 +96,26 @@ def test_streamed_text_equals_engine_text(served, client):
     assert "".join(c.choices[0].text for c in parts) == done.choices[0].text
 
 
+def test_a_final_assistant_message_is_continued_as_vllm_does(served, client):
+    """continue_final_message: the answer writes on from a prefilled assistant message (its text follows it,
+    leading space included), as the engine continues it; without it the same messages start a new turn."""
+    url, engine = served
+    prefilled = user("w5 w6") + [{"role": "assistant", "content": "w9 w11"}]
+    cfg = GenerationConfig(max_new_tokens=12, speculative=True, tree=engine.default_tree)
+    with torch.inference_mode():
+        expected = "".join(ev.text for ev in engine.generate(prefilled, cfg, continue_final=True))
+    assert expected.startswith(" w")
+    for stream in (False, True):
+        out = client.chat.completions.create(model="tiny", messages=prefilled, max_tokens=12, temperature=0,
+                                             stream=stream, extra_body={"continue_final_message": True,
+                                                                        "add_generation_prompt": False})
+        text = "".join(c.choices[0].delta.content or "" for c in out if c.choices) if stream else \
+            out.choices[0].message.content
+        assert text == expected
+    new_turn = client.chat.completions.create(model="tiny", messages=prefilled, max_tokens=12, temperature=0)
+    assert new_turn.choices[0].message.content == engine_text(engine, prefilled, 12) != expected
+
+
 def test_official_client_sees_usage_and_speculation_stats(served, client):
     url, _ = served
     assert [m.id for m in client.models.list()] == ["tiny"]
@@ -147,6 +167,10 @@ BAD = [  # (body, status, param or code in the error)
     ({"messages": []}, 400, "messages"),
     ({"messages": user("w5 " * 4100)}, 400, "context_length_exceeded"),
     ({"messages": user("w5 " * 200), "max_tokens": 4000}, 400, "context_length_exceeded"),
+    ({"messages": user("w5"), "continue_final_message": True}, 400, "messages"),  # no assistant message to continue
+    ({"messages": user("w5") + [{"role": "assistant", "content": "w9"}], "continue_final_message": True,
+      "add_generation_prompt": True}, 400, "continue_final_message"),
+    ({"messages": user("w5"), "continue_final_message": "yes"}, 400, "continue_final_message"),
 ]
 
 

@@ -261,12 +261,12 @@ def test_a_client_that_leaves_while_its_long_prompt_is_read_stops_the_reading(op
     url, engine, _ = open_server
     real, asked = engine.generate, []
 
-    def generate(prompt, config, on_step=None, should_stop=None):
+    def generate(prompt, config, on_step=None, should_stop=None, **kwargs):
         def slow_chunks():
             time.sleep(0.4)  # this chunk's reading
             asked.append(should_stop())
             return asked[-1]
-        return real(prompt, config, on_step, should_stop=slow_chunks if should_stop else None)
+        return real(prompt, config, on_step, should_stop=slow_chunks if should_stop else None, **kwargs)
 
     monkeypatch.setattr(engine, "generate", generate)
     before = (metric(url, "eagle_chat_generated_tokens_total"), metric(url, "eagle_chat_disconnected_total"))

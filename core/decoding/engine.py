@@ -189,8 +189,8 @@ class Engine:
         verification)`, if given, sees every speculative step (statistics). `should_stop()`, if
         given, is asked before each chunk of the prompt is read (core.decoding.forward.prefill):
         True ends the answer before its first token, and the generator yields nothing.
-        `continue_final`: chat messages that end with a partial answer, which this one continues
-        (its text is what follows that answer's, leading space included).
+        `continue_final`: the prompt (chat messages, or token ids) ends with a partial answer, which
+        this one continues (its text is what follows that answer's, leading space included).
         """
         ids = self.encode(prompt, continue_final=continue_final)
         if len(ids) >= self.max_context:
