@@ -85,6 +85,10 @@ def test_messages_are_flattened_and_trimmed_oldest_first():
     kept, dropped = trim_to_context(msgs, count, max_context=20, max_new_tokens=10)
     assert dropped == 2 and kept == [msgs[0], msgs[-1]], "system prompt and last message always stay"
     assert trim_to_context(msgs, count, 10_000, 10) == (msgs, 0)
+    # an answer being continued stays with the user message it answers, whatever else must go
+    continued = msgs + [{"role": "assistant", "content": "partial"}]
+    kept, dropped = trim_to_context(continued, count, max_context=20, max_new_tokens=10)
+    assert dropped == 2 and kept == [msgs[0], msgs[-1], continued[-1]]
     assert flatten(None) == "" and flatten({"text": "x"}) == "x"
 
 
