@@ -46,7 +46,10 @@ NOTHING_TO_CONTINUE = "Nothing to continue: the chat does not end with an answer
 CONTINUE_REMOTE = ("Continue needs the local engine: the chat goes to a remote server now, which starts a new answer "
                    "instead. Press “Use local engine” in the Models tab, or Regenerate.")
 NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
-NOT_EDITABLE = "Only your own messages of this chat can be edited; that message is no longer in it."
+NOT_EDITABLE = "That message is no longer in this chat, so it cannot be edited."
+EMPTY_ANSWER = ("An answer cannot be edited to nothing: to drop it, edit your message above it, or press Regenerate "
+                "for another.")
+EDITED_ANSWER = "Answer edited (the turns after it were dropped): Continue writes on from it, or send a message."
 EDIT_CHANGED = ("The chat changed before the edit was answered (another answer or chat came first), so nothing "
                 "was changed: edit the message again.")
 TEXT_IN_BOX = " Your edited text is in the message box."
@@ -132,20 +135,25 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         return self._gate(nothing or self._too_long(request, system=system) or self._busy(request))
 
     def gate_edit(self, box, history, system, edit: gr.EditData, request: gr.Request = None):
-        """A user message edited in the chat: (notice, pending edit, counter, box). The edit waits in
-        `pending` (its index, new text and the text it replaces) for the queued answer (`edit`);
-        a refused edit leaves the chat as it is and its text goes to the message box if that is empty."""
+        """A message edited in the chat: (notice, pending edit, counter, box). The edit waits in
+        `pending` (its index, role, new text and the text it replaces) for the queued event (`edit`),
+        which answers an edited user message, or keeps an edited answer; a refused edit leaves the
+        chat as it is and its text goes to the message box if that is empty."""
         history = list(history or [])
         index, text = edit.index, flatten(edit.value).strip()
-        if not (isinstance(index, int) and 0 <= index < len(history) and history[index].get("role") == "user"):
+        role = history[index].get("role") if isinstance(index, int) and 0 <= index < len(history) else None
+        if role not in ("user", "assistant"):
             problem = NOT_EDITABLE
+        elif role == "assistant":
+            problem = ("" if text else EMPTY_ANSWER) or self._too_long(request, text) or self._busy(request)
         else:
             problem = self._text_problem(text, system, request, EMPTY_MESSAGE)
         notice, go = self._gate(problem)
         if problem:
             back = text and not (box or "").strip()
             return (f"{notice}{TEXT_IN_BOX}" if back else notice), gr.skip(), go, text if back else gr.skip()
-        return notice, {"index": index, "text": text, "replaces": flatten(history[index]["content"])}, go, gr.skip()
+        pending = {"index": index, "role": role, "text": text, "replaces": flatten(history[index]["content"])}
+        return notice, pending, go, gr.skip()
 
     def _gate(self, problem: str) -> tuple:
         """(notice, counter): the problem and no request, or no new notice and the request."""
@@ -247,14 +255,19 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
 
     def edit(self, pending, box, history, system, temperature, top_p, max_new, spec, depth, top_k,
              tree_size, highlight, seed=-1, request: gr.Request = None):
-        """Answer an edited user message (gate_edit): the chat goes back to that message, its
-        later turns are dropped and the edited text is answered. Until the answer's first token
-        the chat stays as it was; a refusal puts the edited text in the message box if that is empty."""
+        """An edited message (gate_edit): the chat goes back to it and its later turns are dropped.
+        An edited user message is answered; until the answer's first token the chat stays as it
+        was, and a refusal puts the edited text in the message box if that is empty. An edited
+        answer is kept as it is written, for Continue or the next message."""
         history = list(history or [])
         pending = pending or {}
-        index, text = pending.get("index"), (pending.get("text") or "").strip()
-        same = (isinstance(index, int) and 0 <= index < len(history) and history[index].get("role") == "user"
+        index, role, text = pending.get("index"), pending.get("role", "user"), (pending.get("text") or "").strip()
+        same = (isinstance(index, int) and 0 <= index < len(history) and history[index].get("role") == role
                 and flatten(history[index]["content"]) == pending.get("replaces"))
+        if same and text and role == "assistant":
+            kept = history[:index] + [{"role": "assistant", "content": text}]
+            yield (kept, kept, *[gr.skip()] * (NOTICE - 2), EDITED_ANSWER)
+            return
         turns = history[:index] + [{"role": "user", "content": text}] if same else []
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
         back = text if text and not (box or "").strip() else None

@@ -148,7 +148,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                     with gr.Column(scale=3):
                         listing = chat_list()
                         chatbot = gr.Chatbot(label="Conversation", show_label=False, height=430, elem_id="chatbot",
-                                             buttons=["copy"], feedback_options=None, editable="user",
+                                             buttons=["copy"], feedback_options=None, editable="all",
                                              placeholder="Ask anything. Speculation settings are on the right.")
                         notice = gr.Markdown(elem_id="notice")
                         with gr.Row():
@@ -255,6 +255,9 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
             answered.success(**headline)
         stop.click(h.stop, None, None, queue=False, api_name="stop")
         clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save)
+        # the chat's own trash icon is the Clear button too (it emptied the view only: the next message
+        # brought the whole conversation back)
+        chatbot.clear(h.clear, None, outs, api_visibility="private", queue=False).then(**save)
         chat_events(h, listing, store, chats_out)
         # every setting is kept with all the others, as they are when it runs; "always_last": a change
         # made while the last one is still being kept runs after it (Gradio's default for input

@@ -709,7 +709,7 @@ def test_an_edited_message_is_answered_in_place_of_the_turns_after_it(bigram):
     assert len(chat) == 4
     notice, pending, go, box = h.gate_edit("", chat, SYSTEM, edited(0, " w6 w2 "), request=LOCAL)
     assert notice == SKIP and box == SKIP and isinstance(go, int), "a good edit is sent, the notice left to its answer"
-    assert pending == {"index": 0, "text": "w6 w2", "replaces": "w5 w9"}
+    assert pending == {"index": 0, "role": "user", "text": "w6 w2", "replaces": "w5 w9"}
     outs = list(h.edit(pending, "", chat, SYSTEM, *GREEDY, request=LOCAL))
     _, fresh, stats, _, _ = answer(h, "w6 w2", [])
     assert outs[-1][0] == outs[-1][1] == fresh, "the edited chat answers as the edited text would in a new chat"
@@ -726,18 +726,19 @@ def test_a_refused_edit_keeps_the_chat_and_puts_its_text_in_an_empty_box(bigram,
     engine = Engine(*bigram)
     h = handlers_for(engine)
     _, chat, _, _, _ = answer(h, "w5 w9", [])
-    # the gate: not a user message, empty, too long; the text goes to the box only if the box is empty
-    notice, pending, go, box = h.gate_edit("", chat, SYSTEM, edited(1, "w6"), request=LOCAL)
-    assert notice.startswith("Only your own messages") and notice.endswith(app_session.TEXT_IN_BOX)
+    # the gate: no longer in the chat, empty, too long; the text goes to the box only if the box is empty
+    notice, pending, go, box = h.gate_edit("", chat, SYSTEM, edited(5, "w6"), request=LOCAL)
+    assert notice == app_session.NOT_EDITABLE + app_session.TEXT_IN_BOX
     assert (pending, go, box) == (SKIP, SKIP, "w6"), "nothing sent; the edited text kept"
-    notice, _, go, box = h.gate_edit("draft w1", chat, SYSTEM, edited(1, "w6"), request=LOCAL)
-    assert go == box == SKIP and app_session.TEXT_IN_BOX not in notice, "a draft in the box is not overwritten"
-    assert h.gate_edit("", chat, SYSTEM, edited(5, "w6"), request=LOCAL)[0].startswith("Only your own messages")
+    notice, _, go, box = h.gate_edit("draft w1", chat, SYSTEM, edited(5, "w6"), request=LOCAL)
+    assert go == box == SKIP and notice == app_session.NOT_EDITABLE, "a draft in the box is not overwritten"
     assert h.gate_edit("", chat, SYSTEM, edited(0, "  "), request=LOCAL)[:3] == ("Type a message first.", SKIP, SKIP)
+    assert h.gate_edit("", chat, SYSTEM, edited(1, " "), request=LOCAL)[:3] == (app_session.EMPTY_ANSWER, SKIP, SKIP)
     capped = limited_handlers(bigram, max_message_chars=10)
     notice, _, go, box = capped.gate_edit("", chat, SYSTEM, edited(0, "w5 w5 w5 w5"), request=LOCAL)
     assert "11 characters long; the limit is 10 characters" in notice and go == SKIP and box == "w5 w5 w5 w5"
-    check = capped.check_edit({"index": 0, "text": "w5 w5 w5 w5", "replaces": "w5 w9"}, "", chat, SYSTEM, *GREEDY,
+    check = capped.check_edit({"index": 0, "role": "user", "text": "w5 w5 w5 w5", "replaces": "w5 w9"}, "", chat,
+                              SYSTEM, *GREEDY,
                               request=LOCAL)
     assert check[0]["is_valid"] is False and len(check) == 13, "the queue's validator refuses it too"
     # the chat changed between the edit and its answer (another chat was picked): nothing changes
@@ -849,3 +850,21 @@ def test_an_attached_text_file_joins_the_message_in_the_box(bigram, tmp_path):
     box, notice = h.attach_file(str(many), "", request=LOCAL)
     assert box.startswith("many.txt:") and notice.endswith("more than the model can read at once. Shorten it before "
                                                            "sending.")
+
+
+def test_an_edited_answer_is_kept_as_written_and_continue_writes_on_from_it(bigram):
+    h = handlers_for(Engine(*bigram))
+    _, first, _, _, _ = answer(h, "w5 w9", [])
+    _, chat, _, _, _ = answer(h, "w3", first)
+    notice, pending, go, box = h.gate_edit("draft w1", chat, SYSTEM, edited(1, " w37 w12 "), request=LOCAL)
+    assert notice == box == SKIP and isinstance(go, int)
+    assert pending == {"index": 1, "role": "assistant", "text": "w37 w12", "replaces": chat[1]["content"]}
+    outs = list(h.edit(pending, "draft w1", chat, SYSTEM, *GREEDY, request=LOCAL))
+    kept = [chat[0], {"role": "assistant", "content": "w37 w12"}]
+    assert outs == [(kept, kept, *[SKIP] * 5, app_session.EDITED_ANSWER)], "no answer runs; the later turns dropped"
+    more = list(h.continue_answer(kept, SYSTEM, *GREEDY._replace(max_new=4), request=LOCAL))[-1]
+    assert more[1][1]["content"].startswith("w37 w12 w") and more[5]["tokens"] == 4
+    # the answer changed before the edit was kept (another answer ran): nothing changes
+    with pytest.warns(UserWarning, match="The chat changed"):
+        other = [chat[0], {"role": "assistant", "content": "w8"}]
+        assert list(h.edit(pending, "", other, SYSTEM, *GREEDY, request=LOCAL))[-1][:2] == (SKIP, SKIP)

@@ -256,7 +256,7 @@ def test_browser_chat_chart_and_toggle(app_url):
             # the second message edited in place: its answer is replaced, the first exchange kept
             chat = page.locator("#chatbot")
             chat.get_by_text("And of Italy?").hover()
-            chat.get_by_role("button", name="Edit").last.click()
+            chat.locator(".message-buttons-right").last.get_by_role("button", name="Edit").click()  # the user's
             editor = chat.locator("textarea").last
             editor.fill("And of Spain?")
             answers, stats = chat.get_by_test_id("bot"), page.locator("#stats").inner_text()
@@ -275,6 +275,19 @@ def test_browser_chat_chart_and_toggle(app_url):
             page.wait_for_function(done.format(json.dumps(stats)), timeout=90_000)
             assert answers.count() == 2 and answers.last.inner_text().startswith(last)
             assert (len(answers.last.inner_text()) > len(last)) != ("added nothing" in page.locator("#notice").inner_text())
+            # an answer edited in place is kept as written (no answer runs), and Continue writes on from it
+            answers.last.hover()
+            chat.locator(".message-buttons-left").last.get_by_role("button", name="Edit").click()  # the answer's
+            chat.locator("textarea").last.fill("The capital of Spain is")
+            chat.get_by_role("button", name="Submit").click()
+            page.wait_for_function("document.querySelector('#notice').innerText.startsWith('Answer edited')",
+                                   timeout=30_000)
+            assert answers.last.inner_text() == "The capital of Spain is" and answers.count() == 2
+            stats = page.locator("#stats").inner_text()
+            page.locator("#continue").click()
+            page.wait_for_function(done.format(json.dumps(stats)), timeout=90_000)
+            assert answers.last.inner_text().startswith("The capital of Spain is ")
+            assert len(answers.last.inner_text()) > len("The capital of Spain is ")
             # a text file attached with the button joins the message in the box, to be read over and sent
             notes = shot.parent / "notes.txt"
             notes.write_text("Paris is the capital of France.\n")
@@ -286,6 +299,15 @@ def test_browser_chat_chart_and_toggle(app_url):
                                    timeout=30_000)
             assert page.locator("#message textarea").input_value() == \
                 "Summarise:\n\nnotes.txt:\n```\nParis is the capital of France.\n```"
+            # the chat's own trash icon clears the conversation, not just the view: the next message starts anew
+            chat.get_by_role("button", name="Clear").click()
+            page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0",
+                                   timeout=10_000)
+            stats = page.locator("#stats").inner_text()
+            page.locator("#message textarea").fill("Hi")
+            page.locator("#send").click()
+            page.wait_for_function(done.format(json.dumps(stats)), timeout=90_000)
+            assert chat.get_by_test_id("user").count() == 1 and answers.count() == 1
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
