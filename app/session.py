@@ -42,6 +42,8 @@ from core.models import ModelLoadError
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
 NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
+SAME_AGAIN = ("The same answer again: at temperature 0 (greedy) the model writes the one answer it finds likeliest. "
+              "For another, raise Sampling → Temperature (0.7, say), or edit your message.")
 NOTHING_TO_CONTINUE = "Nothing to continue: the chat does not end with an answer."
 CONTINUE_REMOTE = ("Continue needs the local engine: the chat goes to a remote server now, which starts a new answer "
                    "instead. Press “Use local engine” in the Models tab, or Regenerate.")
@@ -239,8 +241,20 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
-        yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
-                             empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
+        outs = self._run(work, request, CHAT_OUTPUTS, NOTICE, empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
+        before = history[users[-1] + 1:] if users else []
+        if settings.temperature > 0 or len(before) != 1:
+            yield from outs
+            return
+        last = None  # a greedy answer written again: said, where it is the answer it replaced
+        for out in outs:
+            if last is not None:
+                yield last
+            last = out
+        if last is not None and isinstance(last[1], list) and last[1][-1:] == before and isinstance(last[NOTICE], str):
+            last = (*last[:NOTICE], "\n\n".join(n for n in (last[NOTICE], SAME_AGAIN) if n), *last[NOTICE + 1:])
+        if last is not None:
+            yield last
 
     def continue_answer(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
                         tree_size, highlight, seed=-1, request: gr.Request = None):

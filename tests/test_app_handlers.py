@@ -207,6 +207,11 @@ def test_regenerate_and_empty_input(bigram):
     outs = list(h.regenerate(state, SYSTEM, *GREEDY, request=None))
     assert outs[-1][1] == state
     assert all(out[2] == SKIP for out in outs), "Regenerate leaves the message box (a draft in it) as it is"
+    assert outs[-1][7] == app_session.SAME_AGAIN, "greedy: the same answer, and why"
+    sampled = list(h.regenerate(state, SYSTEM, *GREEDY._replace(temperature=0.8, seed=7), request=None))[-1]
+    assert sampled[1][-1] != state[-1] and app_session.SAME_AGAIN not in sampled[7]
+    longer = list(h.regenerate(state, SYSTEM, *GREEDY._replace(max_new=20), request=None))[-1]
+    assert longer[1][-1] != state[-1] and app_session.SAME_AGAIN not in longer[7], "a longer answer is another"
     assert answer(h, "w5", state)[0][0][2] == "", "Send empties the box: its message is in the chat"
     with pytest.warns(UserWarning, match="Type a message"):
         assert answer(h, "  ", state)[0] == [(*[SKIP] * 7, "Type a message first.")]
