@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import gradio as gr
 
-from app.chat import Pace, empty_frame
+from app.chat import Pace, empty_frame, flatten
 from app.controls import CONTROLS, control_updates
 from app.errors import UserError, plain_reason, refuse, user_error
 from app.models_tab import LOAD_ERRORS, LOCKED
@@ -96,20 +96,23 @@ class BackendHandlers:
 
         return self._guarded(work, BACKEND_OUTPUTS)
 
-    def _remote_answer(self, backend: RemoteBackend, msgs, cfg, seconds, before, turns, ticket, notices, restore):
-        """Stream one answer from the server. Failing before any text: the conversation as it
-        was and the message back in its box; failing mid-answer: the text so far is kept."""
+    def _remote_answer(self, backend: RemoteBackend, msgs, cfg, seconds, before, turns, ticket, notices, restore,
+                       continues: bool = False):
+        """Stream one answer from the server (`continues`: more of the answer `turns` end with). Failing
+        before any text: the conversation as it was and the message back in its box; failing
+        mid-answer: the text so far is kept."""
         view = RemoteView(backend.info, seed=None if cfg.sampling.greedy else cfg.seed)
-        shown = turns + [{"role": "assistant", "content": ""}]
+        prefix = flatten(turns[-1]["content"]) if continues else ""
+        shown = (turns[:-1] if continues else turns) + [{"role": "assistant", "content": prefix}]
         yield self._remote_render(shown, view, notices, box=None if restore is None else "", first=True)
         deadline = time.monotonic() + seconds if seconds else None
         events = backend.chat(msgs, max_tokens=cfg.max_new_tokens, temperature=cfg.sampling.temperature,
-                              top_p=cfg.sampling.top_p, seed=cfg.seed)
+                              top_p=cfg.sampling.top_p, seed=cfg.seed, continue_final=continues)
         timed_out, pace = False, Pace()
         try:
             for ev in events:
                 view.add(ev)
-                shown[-1] = {"role": "assistant", "content": view.text}
+                shown[-1] = {"role": "assistant", "content": prefix + view.text}
                 timed_out = bool(deadline and time.monotonic() > deadline and not ev.finished)
                 if ticket.stop.is_set() or timed_out:
                     view.stopped = ticket.stop.is_set()

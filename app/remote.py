@@ -33,6 +33,10 @@ VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_POLL_S = 1.0  # how often /metrics is read while an answer streams
 KINDS = {"eagle-chat": "eagle-chat", "vllm": "vllm", "sglang": "sglang", "llamacpp": "llama.cpp"}  # owned_by -> kind
+# how each kind of server is asked to continue a final assistant message (vLLM's field, which SGLang and ours take;
+# llama-server does it unasked); an OpenAI server proper has no way
+CONTINUE_FIELDS = {"continue_final_message": True, "add_generation_prompt": False}
+CONTINUES = {"eagle-chat": CONTINUE_FIELDS, "vllm": CONTINUE_FIELDS, "sglang": CONTINUE_FIELDS, "llama.cpp": {}}
 METRIC_NAME = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
@@ -173,14 +177,21 @@ class RemoteBackend:
             return None  # statistics are a bonus; the answer goes on without them
 
     def chat(self, messages: list[dict], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = None, stop: tuple[str, ...] = ()) -> Iterator[RemoteEvent]:
-        """Stream one answer. Raises RemoteError; text already yielded stays valid."""
+             seed: int | None = None, stop: tuple[str, ...] = (), continue_final: bool = False) -> Iterator[RemoteEvent]:
+        """Stream one answer (`continue_final`: more of the final assistant message, its text only).
+        Raises RemoteError; text already yielded stays valid."""
         info = self.info or self.connect()
+        if continue_final and info.kind not in CONTINUES:
+            raise RemoteError(f"the server at {self.url} ({info.kind}) has no known way to continue an answer; "
+                              "eagle-chat, vLLM, SGLang and llama.cpp servers do. Press Regenerate for a new one.")
         body = {"model": info.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "stream": True, "stream_options": {"include_usage": True},
                 **({"seed": seed} if seed is not None else {}), **({"stop": list(stop)} if stop else {}),
                 **({"return_spec_tokens_details": True} if info.kind == "sglang" else {}),
-                **({"timings_per_token": True} if info.kind == "llama.cpp" else {})}
+                **({"timings_per_token": True} if info.kind == "llama.cpp" else {}),
+                **(CONTINUES[info.kind] if continue_final else {})}
+        # llama-server continues a final assistant message by itself, and streams that message first
+        echo, held = (str(messages[-1]["content"]) if continue_final and info.kind == "llama.cpp" else ""), ""
         before = self._metrics() if info.kind == "vllm" else None
         start = polled = time.perf_counter()
         stats, finish, tokens = None, None, None
@@ -198,6 +209,11 @@ class RemoteBackend:
                     for choice in chunk.get("choices") or []:
                         finish = choice.get("finish_reason") or finish
                         text = (choice.get("delta") or {}).get("content") or ""
+                        if echo:  # held until it is known whether the stream repeats the message
+                            held += text
+                            if len(held) < len(echo) and echo.startswith(held):
+                                continue
+                            text, echo = (held[len(echo):] if held.startswith(echo) else held), ""
                         yield RemoteEvent(text, stats, False, None, time.perf_counter() - start)
         except httpx.ConnectError as e:
             raise RemoteError(f"cannot reach the server at {self.url}: {plain_reason(e)}. Is it still running?") from e

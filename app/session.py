@@ -45,8 +45,6 @@ NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
 SAME_AGAIN = ("The same answer again: at temperature 0 (greedy) the model writes the one answer it finds likeliest. "
               "For another, raise Sampling → Temperature (0.7, say), or edit your message.")
 NOTHING_TO_CONTINUE = "Nothing to continue: the chat does not end with an answer."
-CONTINUE_REMOTE = ("Continue needs the local engine: the chat goes to a remote server now, which starts a new answer "
-                   "instead. Press “Use local engine” in the Models tab, or Regenerate.")
 NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
 NOT_EDITABLE = "That message is no longer in this chat, so it cannot be edited."
 EMPTY_ANSWER = ("An answer cannot be edited to nothing: to drop it, edit your message above it, or press Regenerate "
@@ -405,11 +403,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             if not cfg.sampling.greedy and cfg.seed is None:  # shown with the answer, to be typed in again
                 cfg = replace(cfg, seed=new_seed())
             backend = self.manager.backend
-            if backend is not None and continues:
-                raise UserError(CONTINUE_REMOTE)
             if backend is not None:  # the server queues its own requests: no local lane to hold
                 yield from self._remote_answer(backend, engine_messages(turns, system), cfg, seconds, before,
-                                               turns, ticket, notices, restore)
+                                               turns, ticket, notices, restore, continues)
                 return
             with self.manager.lane:  # a model switch waits for this answer, and this for a switch
                 engine = self._engine()

@@ -12,12 +12,14 @@ import time
 import gradio as gr
 import httpx
 import pytest
+import torch
 
 from app.chat import engine_messages
 from app.controls import LOCAL_INFO, REMOTE_COMPARE, REMOTE_HIGHLIGHT, REMOTE_SPEC, REMOTE_TREE, SPEC_INFO
 from app.manager import ModelManager
 from app.session import Handlers
 from app.state import Access, ModelChoice
+from core.config import GenerationConfig
 from core.decoding.engine import Engine
 from tests.app_server import CHROMIUM, ROOT, Launched, Served, free_port, isolated_home
 from tests.test_serve import ServeProcess, engine_text, saved_tiny
@@ -78,8 +80,13 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert history[1]["content"] == engine_text(local, msgs, 24), "greedy: the server's text is the model's"
     with pytest.warns(UserWarning, match="Side by side needs the local engine"):
         assert list(h.compare("w5", SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=None))[0][:2] == (SKIP, SKIP)
-    with pytest.warns(UserWarning, match="Continue needs the local engine"):
-        assert list(h.continue_answer(history, SYSTEM, *GREEDY, request=None))[0][:7] == (SKIP,) * 7
+    # Continue through the server: its continuation of the answer, appended (the server's text is the model's)
+    cut = [history[0], {"role": "assistant", "content": " ".join(history[1]["content"].split()[:3])}]
+    more = list(h.continue_answer(cut, SYSTEM, *GREEDY, request=None))[-1]
+    with torch.inference_mode():
+        cfg = GenerationConfig(max_new_tokens=24, speculative=True, tree=local.default_tree)
+        rest = "".join(ev.text for ev in local.generate(engine_messages(cut, SYSTEM), cfg, continue_final=True))
+    assert rest.startswith(" w") and more[1] == [cut[0], {"role": "assistant", "content": cut[1]["content"] + rest}]
 
     stream = h.respond("w7", history, SYSTEM, *LONG, request=None)
     next(stream), next(stream), next(stream)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import openai
@@ -385,6 +386,32 @@ def test_remote_backend_shows_llamacpp_speculation_stats():
     panel = stats_markdown(info, last.stats, last)
     assert "no speculation statistics" not in panel and "**τ 2.50**" in panel
     assert "60 of 96 drafted tokens accepted" in panel and "40 target forwards" in panel
+
+
+def test_remote_continue_asks_each_kind_of_server_its_way_and_drops_llama_servers_echo():
+    seen = []
+    server = ServerThread(fake_llama_server(seen))  # it streams "Paris is" + " the capital."
+    try:
+        backend = RemoteBackend(server.url)
+        backend.connect()
+        prefilled = user("capital of France?") + [{"role": "assistant", "content": "Paris is"}]
+        events = list(backend.chat(prefilled, max_tokens=100, continue_final=True))
+        assert "".join(ev.text for ev in events) == " the capital.", "the message it repeats is not shown twice"
+        assert "continue_final_message" not in seen[-1] and seen[-1]["messages"][-1]["role"] == "assistant"
+        other = user("capital of France?") + [{"role": "assistant", "content": "Lyon"}]  # a server that does not repeat
+        assert "".join(ev.text for ev in backend.chat(other, max_tokens=100, continue_final=True)) == \
+            "Paris is the capital."
+        for kind, asked in (("vllm", True), ("openai", None)):
+            backend.info = replace(backend.info, kind=kind)
+            if asked is None:
+                with pytest.raises(RemoteError, match=r"\(openai\) has no known way to continue an answer"):
+                    list(backend.chat(prefilled, max_tokens=100, continue_final=True))
+                continue
+            "".join(ev.text for ev in backend.chat(prefilled, max_tokens=100, continue_final=True))
+            assert seen[-1]["continue_final_message"] is True and seen[-1]["add_generation_prompt"] is False
+        assert len(seen) == 3, "an OpenAI server is not asked at all"
+    finally:
+        server.stop()
 
 
 # ---- the real embedded model -----------------------------------------------------------------
