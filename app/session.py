@@ -34,7 +34,7 @@ from app.remote import RemoteError
 from app.state import Access, ChatSettings, tree_limit
 from core import threads
 from core.config import ConfigError, new_seed
-from core.decoding.forward import PREFILL_CHUNK
+from core.decoding.forward import prefill_chunk
 from core.decoding.engine import EngineError
 from core.decoding.head import HeadLoadError
 from core.models import ModelLoadError
@@ -486,7 +486,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 except FutureTimeout:
                     note = reading(prompt_tokens, time.monotonic() - started)
                     if ticket.stop.is_set():
-                        note += f" Stopping after the part being read (up to {PREFILL_CHUNK:,} tokens)."
+                        note += f" Stopping after the part being read (up to {prefill_chunk():,} tokens)."
                     yield refuse(note, CHAT_OUTPUTS, STATS)
 
     @staticmethod

@@ -29,7 +29,7 @@ Extension field `eagle` (every chunk, and the final `usage`), running totals of 
 Answers queue on the one engine (a lock held for a whole answer) and every step runs on one
 worker thread inside `torch.inference_mode()`; tokenising runs on another thread, so the event
 loop stays free. A client that disconnects, streaming or not, stops its answer within one step, or,
-while its prompt is still being read, before the prompt's next chunk of 1,024 tokens.
+while its prompt is still being read, before the prompt's next chunk (core.decoding.forward.prefill_chunk).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import core.decoding.forward as forward_mod
 from core.config import GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding import cache as kv, prefix
 from core.decoding.engine import Engine
-from core.decoding.forward import PREFILL_CHUNK, StopReading, prefill
+from core.decoding.forward import StopReading, prefill, prefill_chunk
 from core.kernels.invariant import make_invariant
 from tests.tiny import oracle_head, tiny_target
 
@@ -31,13 +31,13 @@ def ids_of(n: int, seed: int) -> list[int]:
 
 def test_a_prefill_in_two_parts_at_a_chunk_boundary_is_the_same_bits(target):
     """Chunks start at fixed positions, so rows read after kept ones are a fresh read's, bit for bit."""
-    ids = torch.tensor(ids_of(2 * PREFILL_CHUNK + 77, 0))
+    ids = torch.tensor(ids_of(2 * prefill_chunk() + 77, 0))
     with torch.inference_mode():
         whole = kv.new_cache(target.model)
         f1, l1 = prefill(target.model, ids, whole)
         parts = kv.new_cache(target.model)
-        fa, _ = prefill(target.model, ids[:PREFILL_CHUNK], parts)
-        fb, lb = prefill(target.model, ids[PREFILL_CHUNK:], parts)
+        fa, _ = prefill(target.model, ids[:prefill_chunk()], parts)
+        fb, lb = prefill(target.model, ids[prefill_chunk():], parts)
     assert torch.equal(l1, lb) and torch.equal(f1, torch.cat([fa, fb]))
     for a, b in zip(whole.layers, parts.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
@@ -57,13 +57,13 @@ def test_a_next_turn_reads_only_what_follows_the_kept_rows_and_answers_the_same(
     monkeypatch.setattr("core.decoding.engine.prefill", lambda m, ids, *a, **k: read.append(len(ids)) or real(m, ids, *a, **k))
     config = GenerationConfig(max_new_tokens=20, speculative=speculative, sampling=SamplingConfig(temperature=temperature),
                               seed=7)
-    turn1 = ids_of(PREFILL_CHUNK + 100, 1)
+    turn1 = ids_of(prefill_chunk() + 100, 1)
     first = answer(engine, turn1, config)
-    assert read == [len(turn1)] and engine.prefix is not None and len(engine.prefix.ids) == PREFILL_CHUNK
+    assert read == [len(turn1)] and engine.prefix is not None and len(engine.prefix.ids) == prefill_chunk()
     turn2 = turn1 + first + ids_of(40, 2)
     read.clear()
     kept = answer(engine, turn2, config)
-    assert read == [len(turn2) - PREFILL_CHUNK], "the kept chunk is not read again"
+    assert read == [len(turn2) - prefill_chunk()], "the kept chunk is not read again"
     engine.prefix = None  # the same turn read from its start
     read.clear()
     assert answer(engine, turn2, config) == kept and read == [len(turn2)]
@@ -73,7 +73,7 @@ def test_a_stop_between_chunks_ends_the_answer_before_its_first_token(target):
     """should_stop is asked before each chunk of the prompt: True ends the answer (nothing yielded, nothing
     kept); False throughout gives the answer reading without it gives."""
     engine = Engine(target, oracle_head(target))
-    prompt = ids_of(2 * PREFILL_CHUNK + 5, 9)
+    prompt = ids_of(2 * prefill_chunk() + 5, 9)
     config = GenerationConfig(max_new_tokens=6, speculative=True, tree=TreeConfig(depth=2, top_k=2, total_tokens=4))
     asked = []
 
@@ -93,19 +93,19 @@ def test_a_stop_between_chunks_ends_the_answer_before_its_first_token(target):
 def test_what_is_kept_and_when_it_serves(target, monkeypatch):
     engine = Engine(target, oracle_head(target))
     config = GenerationConfig(max_new_tokens=4, speculative=False)
-    answer(engine, ids_of(PREFILL_CHUNK - 1, 3), config)
+    answer(engine, ids_of(prefill_chunk() - 1, 3), config)
     assert engine.prefix is None, "a prompt shorter than a chunk keeps nothing"
-    long = ids_of(3 * PREFILL_CHUNK + 5, 4)
+    long = ids_of(3 * prefill_chunk() + 5, 4)
     answer(engine, long, config)
     kept = engine.prefix
-    assert kept.ids == tuple(long[:3 * PREFILL_CHUNK]) and kept.features.shape[0] == 3 * PREFILL_CHUNK
-    assert prefix.reusable(kept, long, None) == 3 * PREFILL_CHUNK
-    assert prefix.reusable(kept, long[:3 * PREFILL_CHUNK], None) == 2 * PREFILL_CHUNK, "one token is left to read"
-    changed = long[:PREFILL_CHUNK + 9] + [(long[PREFILL_CHUNK + 9] + 1) % 96] + long[PREFILL_CHUNK + 10:]
-    assert prefix.reusable(kept, changed, None) == PREFILL_CHUNK, "whole chunks before the first change"
+    assert kept.ids == tuple(long[:3 * prefill_chunk()]) and kept.features.shape[0] == 3 * prefill_chunk()
+    assert prefix.reusable(kept, long, None) == 3 * prefill_chunk()
+    assert prefix.reusable(kept, long[:3 * prefill_chunk()], None) == 2 * prefill_chunk(), "one token is left to read"
+    changed = long[:prefill_chunk() + 9] + [(long[prefill_chunk() + 9] + 1) % 96] + long[prefill_chunk() + 10:]
+    assert prefix.reusable(kept, changed, None) == prefill_chunk(), "whole chunks before the first change"
     assert prefix.reusable(kept, long, (0, 1)) == 0, "features of other layers"
     fused = dataclasses.replace(kept, feature_layers=(0, 1))  # as an EAGLE-3 drafter's run keeps them
-    assert prefix.reusable(fused, long, [0, 1]) == 3 * PREFILL_CHUNK, "the same layers, as a list"
+    assert prefix.reusable(fused, long, [0, 1]) == 3 * prefill_chunk(), "the same layers, as a list"
     monkeypatch.setenv(prefix.ENV, "0")
     assert prefix.reusable(kept, long, None) == 0
     assert prefix.keep(long, kv.new_cache(target.model), kept.features, None, kept) is None
@@ -113,15 +113,15 @@ def test_what_is_kept_and_when_it_serves(target, monkeypatch):
     # the kept rows are bounded in bytes: the whole chunks that fit
     per_row = sum(2 * k.shape[1] * k.shape[-1] * k.element_size() for k in kept.keys)
     limit = prefix.MAX_BYTES
-    monkeypatch.setattr(prefix, "MAX_BYTES", per_row * (PREFILL_CHUNK + 10))
+    monkeypatch.setattr(prefix, "MAX_BYTES", per_row * (prefill_chunk() + 10))
     cache = kv.new_cache(target.model)
     with torch.inference_mode():
         features, _ = prefill(target.model, torch.tensor(long), cache)
     small = prefix.keep(long, cache, features, None)
-    assert len(small.ids) == PREFILL_CHUNK and small.keys[0].shape[-2] == PREFILL_CHUNK
+    assert len(small.ids) == prefill_chunk() and small.keys[0].shape[-2] == prefill_chunk()
     monkeypatch.setattr(prefix, "MAX_BYTES", limit)
     # another chat's prompt replaces the kept one; the same prompt again keeps it
-    other = ids_of(2 * PREFILL_CHUNK, 5)
+    other = ids_of(2 * prefill_chunk(), 5)
     answer(engine, other, config)
     assert engine.prefix.ids == tuple(other)
     again = engine.prefix
@@ -138,13 +138,13 @@ def test_a_race_or_a_benchmark_reads_the_prompt_from_its_start(target, monkeypat
     read = []
     real = forward_mod.prefill
     monkeypatch.setattr("core.decoding.engine.prefill", lambda m, ids, *a, **k: read.append(len(ids)) or real(m, ids, *a, **k))
-    prompt = ids_of(2 * PREFILL_CHUNK + 3, 8)
+    prompt = ids_of(2 * prefill_chunk() + 3, 8)
     for speculative in (False, True):
         answer(engine, prompt, GenerationConfig(max_new_tokens=4, speculative=speculative, reuse_prompt=False))
     assert read == [len(prompt)] * 2 and engine.prefix is not None  # read twice in full; still kept for a chat
     read.clear()
     answer(engine, prompt, GenerationConfig(max_new_tokens=4))
-    assert read == [len(prompt) - 2 * PREFILL_CHUNK]
+    assert read == [len(prompt) - 2 * prefill_chunk()]
     with pytest.raises(Exception, match="reuse_prompt must be True or False"):
         GenerationConfig(reuse_prompt="yes")
 

@@ -12,7 +12,7 @@ from core.decoding import cache as kv
 from core.kernels import native, quant
 from core.config import GenerationConfig, TreeConfig
 from core.decoding.engine import Engine, EngineError
-from core.decoding.forward import PREFILL_CHUNK, forward_tree, plain_forward, prefill
+from core.decoding.forward import forward_tree, plain_forward, prefill, prefill_chunk
 from core.kernels.invariant import (PROMPT_TILE_ROWS, BlockLinear, chunked_linear, make_invariant, reading_prompt,
                                     tree_ancestors)
 from core.kernels.step import NativeStep, StepError, load_step, unsupported
@@ -473,13 +473,13 @@ def test_the_embedded_models_prefill_in_two_parts_is_the_same_bits(smollm2, tail
     """A kept prompt's next chunk (core.decoding.prefix) reads as a fresh prefill does, whichever kernel its
     size takes (a tail of 40 rows: the 8-bit kernel; 200: the prompt GEMM on tiles where they serve)."""
     model = smollm2.forwarder.hf
-    ids = torch.randint(100, 20000, (PREFILL_CHUNK + tail,), generator=torch.Generator().manual_seed(tail))
+    ids = torch.randint(100, 20000, (prefill_chunk() + tail,), generator=torch.Generator().manual_seed(tail))
     with torch.inference_mode():
         whole = kv.new_cache(model)
         f1, l1 = prefill(model, ids, whole)
         parts = kv.new_cache(model)
-        fa, _ = prefill(model, ids[:PREFILL_CHUNK], parts)
-        fb, lb = prefill(model, ids[PREFILL_CHUNK:], parts)
+        fa, _ = prefill(model, ids[:prefill_chunk()], parts)
+        fb, lb = prefill(model, ids[prefill_chunk():], parts)
     assert torch.equal(l1, lb) and torch.equal(f1, torch.cat([fa, fb]))
     for a, b in zip(whole.layers, parts.layers):
         assert torch.equal(a.keys[..., :len(ids), :], b.keys[..., :len(ids), :])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from core.kernels import invariant
+from core.kernels import invariant, native
 from core.decoding.head import additive
 from core.decoding.head3 import target_features
 from core.kernels.step import NativeStep, SpecStep
@@ -137,15 +137,28 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
     return plain_forward(model, token, cache, position)[1]
 
 
-# Prompt tokens per forward of a prefill. Chunks start at multiples of PREFILL_CHUNK positions (the
-# cache's rows counted), so a chunk's bits depend on its tokens and the cache's rows alone: a prompt
-# that continues rows read before (core.decoding.prefix) gets exactly a fresh prefill's bits. 1,024:
-# above native.MAX_ROWS, so a whole chunk multiplies as a long prompt does (invariant.prompt_linear: AMX
-# tiles, or oneDNN, on the weights dequantized once per prefill, invariant.reading_prompt), and few
-# chunks attend through the cache (invariant.cached_then_causal). Measured on the Intel AMX VM
-# (2026-12-05, docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.74 / 1.70 / 3.57 s, against
-# 1.11 / 1.88 / 4.14 s before the prompt took the tiles (oneDNN and a one-thread dequantization; processes alternating).
-PREFILL_CHUNK = 1024
+# Prompt tokens per forward of a prefill (prefill_chunk). Chunks start at multiples of the chunk's size in
+# positions (the cache's rows counted), so a chunk's bits depend on its tokens and the cache's rows alone: a
+# prompt that continues rows read before (core.decoding.prefix, which keeps whole chunks) gets exactly a fresh
+# prefill's bits.
+# - PREFILL_CHUNK_TILES (1,024) where the prompt's GEMMs run on AMX tiles (a call of PROMPT_TILE_ROWS rows or more,
+#   invariant.reading_prompt), and on GPUs: each tile call dequantizes its tiles again (~18 ms for SmolLM2's
+#   layers, ~0.6 ms a row after it), so few calls pay. Measured on the Intel AMX VM (2026-12-05,
+#   docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.74 / 1.70 / 3.57 s.
+# - PREFILL_CHUNK (256) elsewhere: a chunk of at most native.MAX_ROWS rows multiplies the 4-bit blocks in place
+#   (BlockLinear: no bf16 copy of the weights, whose oneDNN GEMM ran slower), and a chat's next turn keeps every
+#   whole 256 tokens of the last prompt instead of every 1,024. Measured on the AMD Zen 4 VM (2026-12-07,
+#   scripts/prefill_ab.py, processes alternating): 700 / 1,000 / 2,000 / 4,000 tokens 0.70 / 1.02 / 2.62 / 7.55 s
+#   against 0.92 / 1.21 / 3.06 / 8.00 s in chunks of 1,024; the peak during a 4,000-token prefill 786 MB
+#   against 1,043 MB (no dequantized copy); 128 and 512 measured within noise of 256.
+PREFILL_CHUNK_TILES, PREFILL_CHUNK = 1024, 256
+
+
+def prefill_chunk(device: torch.device | str = "cpu") -> int:
+    """Prompt tokens per forward of a prefill on `device` here (the comment above)."""
+    if torch.device(device).type != "cpu":
+        return PREFILL_CHUNK_TILES
+    return PREFILL_CHUNK_TILES if native.gemm_kind() == "amx" else PREFILL_CHUNK
 
 
 class StopReading(Exception):
@@ -155,7 +168,7 @@ class StopReading(Exception):
 def prefill(model, ids: torch.Tensor, cache, feature_layers=None,
             should_stop=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt ids (T,) after the cache's rows -> (features (T, F), logits of the last position (V,)),
-    in PREFILL_CHUNK-aligned chunks. Through transformers also where the native step serves the
+    in chunks aligned to prefill_chunk(). Through transformers also where the native step serves the
     decoding steps (compute-bound GEMMs for a long prompt; both decoding modes share it).
     `should_stop()`, if given, is asked before each chunk: True raises StopReading (a Stop pressed while a
     long prompt is read takes effect within one chunk, ~1 s on a 2-core CPU)."""
@@ -163,12 +176,13 @@ def prefill(model, ids: torch.Tensor, cache, feature_layers=None,
         model = model.hf
     exact = uses_exact_kernels(model)
     at, done, features, last = cache.get_seq_length(), 0, [], None
-    several = at % PREFILL_CHUNK + ids.shape[0] > PREFILL_CHUNK  # one chunk: nothing to keep between chunks
+    chunk = prefill_chunk(ids.device)
+    several = at % chunk + ids.shape[0] > chunk  # one chunk: nothing to keep between chunks
     with invariant.reading_prompt(keep_weights=several):
         while done < ids.shape[0]:
             if should_stop is not None and should_stop():
                 raise StopReading(f"stopped after {done} of {ids.shape[0]} prompt tokens")
-            n = min(PREFILL_CHUNK - at % PREFILL_CHUNK, ids.shape[0] - done)
+            n = min(chunk - at % chunk, ids.shape[0] - done)
             out = model.model(input_ids=ids[None, done:done + n], cache=cache, use_cache=True,
                               output_hidden_states=feature_layers is not None,
                               **({"prefill_past": at} if exact and at else {}))

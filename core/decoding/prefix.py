@@ -3,7 +3,7 @@
 A chat sends its whole conversation with each message (the app, and every OpenAI-style client of
 core.serve), so without this each turn reads every earlier turn again: ~1 s per 1,000 tokens on a
 2-core CPU before the first new token. The engine keeps the cache rows and the target features of
-the last prompt it read, in whole prefill chunks (core.decoding.forward.PREFILL_CHUNK), and a prompt
+the last prompt it read, in whole prefill chunks (core.decoding.forward.prefill_chunk), and a prompt
 that begins with the same tokens starts from a copy of them. Prefill chunks start at fixed positions,
 so the rows a prompt continues from are the bits a fresh read of it computes: the answer is the same
 whether the turn before was kept or not (tests/test_prefix.py), the first token only comes sooner.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import switched_off
-from core.decoding.forward import PREFILL_CHUNK
+from core.decoding.forward import prefill_chunk
 
 ENV = "EAGLE_CHAT_PREFIX_CACHE"  # "0": every prompt is read from its start
 MAX_BYTES = 128 << 20  # the kept keys and values, in whole chunks: SmolLM2 5,120 tokens (a 7B model: none)
@@ -31,7 +31,7 @@ MAX_BYTES = 128 << 20  # the kept keys and values, in whole chunks: SmolLM2 5,12
 class Prefix:
     """The first rows of a prompt's prefill: its tokens, every layer's keys and values, its features."""
 
-    ids: tuple[int, ...]                  # (B,), B a multiple of PREFILL_CHUNK
+    ids: tuple[int, ...]                  # (B,), B a multiple of prefill_chunk()
     keys: tuple[torch.Tensor, ...]        # per layer (1, kv heads, B, head_dim)
     values: tuple[torch.Tensor, ...]
     features: torch.Tensor                # (B, F): what prefill returned for those tokens
@@ -55,7 +55,8 @@ def reusable(kept: Prefix | None, ids: list[int], feature_layers) -> int:
     limit, same = min(len(kept.ids), len(ids) - 1), 0
     while same < limit and kept.ids[same] == ids[same]:
         same += 1
-    return same // PREFILL_CHUNK * PREFILL_CHUNK
+    chunk = prefill_chunk(kept.keys[0].device) if kept.keys else 1
+    return same // chunk * chunk
 
 
 def restore(kept: Prefix, rows: int, cache) -> torch.Tensor:
@@ -74,7 +75,8 @@ def keep(ids: list[int], cache, features: torch.Tensor, feature_layers, kept: Pr
     if not enabled() or not layers:
         return None
     per_row = sum(2 * l.keys.shape[1] * l.keys.shape[-1] * l.keys.element_size() for l in layers)
-    rows = min(len(ids), MAX_BYTES // max(1, per_row)) // PREFILL_CHUNK * PREFILL_CHUNK
+    chunk = prefill_chunk(layers[0].keys.device)
+    rows = min(len(ids), MAX_BYTES // max(1, per_row)) // chunk * chunk
     layers_key = _layers(feature_layers)
     if rows == 0 or (kept is not None and kept.feature_layers == layers_key and rows <= len(kept.ids)
                      and tuple(ids[:len(kept.ids)]) == kept.ids):
