@@ -142,7 +142,7 @@ def plain_logits(model, token: int, cache, position: int) -> torch.Tensor:
 # prompt that continues rows read before (core.decoding.prefix, which keeps whole chunks) gets exactly a fresh
 # prefill's bits.
 # - PREFILL_CHUNK_TILES (1,024) where the prompt's GEMMs run on AMX tiles (a call of PROMPT_TILE_ROWS rows or more,
-#   invariant.reading_prompt), and on GPUs: each tile call dequantizes its tiles again (~18 ms for SmolLM2's
+#   invariant.reading_prompt), and on GPUs: each tile call dequantizes its tiles again (~20 ms for SmolLM2's
 #   layers, ~0.6 ms a row after it), so few calls pay. Measured on the Intel AMX VM (2026-12-05,
 #   docs/long-context.md): a cold prefill of 1,000 / 2,000 / 4,000 tokens 0.74 / 1.70 / 3.57 s.
 # - PREFILL_CHUNK (256) elsewhere: a chunk of at most native.MAX_ROWS rows multiplies the 4-bit blocks in place
