@@ -20,6 +20,7 @@ DRAFT, BONUS, PLAIN = "accepted draft", "bonus (target)", "plain (target)"
 FINISH_TEXT = {"eos": "end of answer", "stop": "stop string",
                "length": "max new tokens reached (Continue writes more)",
                "context": "context window full"}
+NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
 
 
 def flatten(content) -> str:

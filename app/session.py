@@ -21,7 +21,7 @@ import gradio as gr
 
 from app.attach import attach
 from app.backend import BackendHandlers
-from app.chat import AnswerView, Pace, empty_frame, engine_messages, flatten, trim_to_context
+from app.chat import NOTHING_ADDED, AnswerView, Pace, empty_frame, engine_messages, flatten, trim_to_context
 from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
@@ -45,7 +45,6 @@ NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
 SAME_AGAIN = ("The same answer again: at temperature 0 (greedy) the model writes the one answer it finds likeliest. "
               "For another, raise Sampling → Temperature (0.7, say), or edit your message.")
 NOTHING_TO_CONTINUE = "Nothing to continue: the chat does not end with an answer."
-NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
 NOT_EDITABLE = "That message is no longer in this chat, so it cannot be edited."
 EMPTY_ANSWER = ("An answer cannot be edited to nothing: to drop it, edit your message above it, or press Regenerate "
                 "for another.")

@@ -149,7 +149,8 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                         listing = chat_list()
                         chatbot = gr.Chatbot(label="Conversation", show_label=False, height=430, elem_id="chatbot",
                                              buttons=["copy"], feedback_options=None, editable="all",
-                                             placeholder="Ask anything. Speculation settings are on the right.")
+                                             placeholder="Ask anything. Speculation settings are on the right. Hover over a "
+                                                         "message to copy or edit it.")
                         notice = gr.Markdown(elem_id="notice")
                         with gr.Row():
                             box = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False,
