@@ -47,6 +47,10 @@ input[type=number]:invalid { outline: 2px solid #dc2626; }
 # the page load sets (the kept settings) are built open, so their controls mount with the page
 # before any event, and PAGE_JS closes them at once (CSS hides their content until then).
 MOUNTED_CLOSED = ("advanced", "sampling")  # elem_ids
+# uploads (an attached text file, an imported chat) are refused past this by Gradio, before they are stored: a
+# visitor through the share link cannot fill the disk (an attached file is read up to 4 bytes a character of the
+# message limit, an exported chat of thousands of turns is a few MB)
+MAX_UPLOAD = "20mb"
 MAX_DEPTH = 16  # the depth slider's range is 1..MAX_DEPTH; the tree size slider reaches 96 > MAX_DEPTH + 1
 
 # Runs once when the page loads.
@@ -355,5 +359,5 @@ def launch(app: App, *, port: int | None, share: bool, auth: tuple[str, str] | N
     app.demo.queue(default_concurrency_limit=1)
     app.demo.launch(server_name="127.0.0.1", server_port=port, share=share, auth=auth, inbrowser=inbrowser,
                     prevent_thread_lock=True, css=CSS, js=PAGE_JS, theme=gr.themes.Soft(), quiet=True,
-                    footer_links=["api", "settings"])
+                    footer_links=["api", "settings"], max_file_size=MAX_UPLOAD)
     return app.demo.local_url, app.demo.share_url

@@ -299,6 +299,19 @@ def test_browser_chat_chart_and_toggle(app_url):
                                    timeout=30_000)
             assert page.locator("#message textarea").input_value() == \
                 "Summarise:\n\nnotes.txt:\n```\nParis is the capital of France.\n```"
+            # a file over the upload limit is refused before it is stored, naming it; the box keeps its text
+            huge = shot.parent / "huge.txt"
+            huge.write_bytes(b"a" * (21 << 20))
+            try:
+                with page.expect_file_chooser() as chooser:
+                    page.locator("#attach").click()
+                chooser.value.set_files(str(huge))
+                toast = page.locator("[data-testid='toast-body']").filter(has_text="huge.txt")
+                toast.wait_for(timeout=30_000)
+                assert "exceed the maximum allowed size of 20.0 Mb" in toast.inner_text()
+                assert page.locator("#message textarea").input_value().startswith("Summarise:\n\nnotes.txt:")
+            finally:
+                huge.unlink()
             # the chat's own trash icon clears the conversation, not just the view: the next message starts anew
             chat.get_by_role("button", name="Clear").click()
             page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0",
