@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import gradio as gr
 
-from app.chat import Pace, empty_frame, flatten
+from app.chat import SAME_AGAIN, Pace, empty_frame, opening, same_again
 from app.controls import CONTROLS, control_updates
 from app.errors import UserError, plain_reason, refuse, user_error
 from app.models_tab import LOAD_ERRORS, LOCKED
@@ -102,8 +102,7 @@ class BackendHandlers:
         before any text: the conversation as it was and the message back in its box; failing
         mid-answer: the text so far is kept."""
         view = RemoteView(backend.info, seed=None if cfg.sampling.greedy else cfg.seed)
-        prefix = flatten(turns[-1]["content"]) if continues else ""
-        shown = (turns[:-1] if continues else turns) + [{"role": "assistant", "content": prefix}]
+        shown, prefix = opening(turns, continues)
         yield self._remote_render(shown, view, notices, box=None if restore is None else "", first=True)
         deadline = time.monotonic() + seconds if seconds else None
         events = backend.chat(msgs, max_tokens=cfg.max_new_tokens, temperature=cfg.sampling.temperature,
@@ -134,6 +133,8 @@ class BackendHandlers:
             notices.append("Stopped.")
         elif timed_out:
             notices.append(f"Limit for visitors through the public link: the answer was cut after {seconds:g} s.")
+        elif cfg.sampling.greedy and not continues and same_again(before, turns, shown):
+            notices.append(SAME_AGAIN)
         yield self._remote_render(shown, view, notices)
 
     @staticmethod

@@ -20,7 +20,6 @@ DRAFT, BONUS, PLAIN = "accepted draft", "bonus (target)", "plain (target)"
 FINISH_TEXT = {"eos": "end of answer", "stop": "stop string",
                "length": "max new tokens reached (Continue writes more)",
                "context": "context window full"}
-NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
 
 
 def flatten(content) -> str:
@@ -38,6 +37,25 @@ def engine_messages(history: list[dict], system: str) -> list[dict]:
     """UI history -> chat-template messages (plain strings, optional system prompt first)."""
     msgs = [{"role": "system", "content": system.strip()}] if system and system.strip() else []
     return msgs + [{"role": m["role"], "content": flatten(m["content"])} for m in history]
+
+
+SAME_AGAIN = ("The same answer again: at temperature 0 (greedy) the model writes the one answer it finds likeliest. "
+              "For another, raise Sampling → Temperature (0.7, say), or edit your message.")
+
+
+def same_again(before: list[dict], turns: list[dict], shown: list[dict]) -> bool:
+    """Did the same prompt (a Regenerate) give the answer it replaces? `before`: the chat before this
+    answer, `turns`: what was answered, `shown`: the chat with the new answer."""
+    return before[:len(turns)] == turns and before[len(turns):] == shown[len(turns):]
+
+
+def opening(turns: list[dict], continues: bool) -> tuple[list[dict], str]:
+    """(the chat an answer streams into, the text it is appended to): `turns` and a new, empty answer, or
+    (`continues`) `turns` ending with the answer being written on, and that answer's text."""
+    if not continues:
+        return turns + [{"role": "assistant", "content": ""}], ""
+    prefix = flatten(turns[-1]["content"])
+    return turns[:-1] + [{"role": "assistant", "content": prefix}], prefix
 
 
 def trim_to_context(messages: list[dict], count_tokens, max_context: int, max_new_tokens: int):

@@ -21,7 +21,8 @@ import gradio as gr
 
 from app.attach import attach
 from app.backend import BackendHandlers
-from app.chat import NOTHING_ADDED, AnswerView, Pace, empty_frame, engine_messages, flatten, trim_to_context
+from app.chat import (SAME_AGAIN, AnswerView, Pace, empty_frame, engine_messages, flatten, opening, same_again,
+                      trim_to_context)
 from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
@@ -42,9 +43,8 @@ from core.models import ModelLoadError
 USER_ERRORS = (UserError, ConfigError, EngineError, ModelLoadError, HeadLoadError, RemoteError)
 EMPTY_MESSAGE, EMPTY_PROMPT = "Type a message first.", "Type a prompt to compare."
 NOTHING_TO_REGENERATE = "Nothing to regenerate yet: send a message first."
-SAME_AGAIN = ("The same answer again: at temperature 0 (greedy) the model writes the one answer it finds likeliest. "
-              "For another, raise Sampling → Temperature (0.7, say), or edit your message.")
 NOTHING_TO_CONTINUE = "Nothing to continue: the chat does not end with an answer."
+NOTHING_ADDED = "The answer was already complete: the model ended it at once and added nothing."
 NOT_EDITABLE = "That message is no longer in this chat, so it cannot be edited."
 EMPTY_ANSWER = ("An answer cannot be edited to nothing: to drop it, edit your message above it, or press Regenerate "
                 "for another.")
@@ -89,9 +89,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                          highlight, seed=-1, request: gr.Request = None):
         return self._join(self._too_long(request, system=system) or self._busy(request), 11, request)
 
-    def check_continue(self, history, system, temperature, top_p, max_new, spec, depth, top_k, tree_size,
-                       highlight, seed=-1, request: gr.Request = None):
-        return self._join(self._too_long(request, system=system) or self._busy(request), 11, request)
+    check_continue = check_regenerate  # the same inputs and checks
 
     def check_edit(self, pending, box, history, system, temperature, top_p, max_new, spec, depth, top_k,
                    tree_size, highlight, seed=-1, request: gr.Request = None):
@@ -238,20 +236,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
-        outs = self._run(work, request, CHAT_OUTPUTS, NOTICE, empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
-        before = history[users[-1] + 1:] if users else []
-        if settings.temperature > 0 or len(before) != 1:
-            yield from outs
-            return
-        last = None  # a greedy answer written again: said, where it is the answer it replaced
-        for out in outs:
-            if last is not None:
-                yield last
-            last = out
-        if last is not None and isinstance(last[1], list) and last[1][-1:] == before and isinstance(last[NOTICE], str):
-            last = (*last[:NOTICE], "\n\n".join(n for n in (last[NOTICE], SAME_AGAIN) if n), *last[NOTICE + 1:])
-        if last is not None:
-            yield last
+        yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
+                             empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
 
     def continue_answer(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
                         tree_size, highlight, seed=-1, request: gr.Request = None):
@@ -428,8 +414,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         view = AnswerView("speculative" if cfg.speculative else "plain", since=ticket.joined,
                           prompt_tokens=long_chat.prompt_tokens, max_context=engine.max_context,
                           long_chat=long_chat, seed=None if cfg.sampling.greedy else cfg.seed)
-        prefix = flatten(turns[-1]["content"]) if continues else ""
-        shown = (turns[:-1] if continues else turns) + [{"role": "assistant", "content": prefix}]
+        shown, prefix = opening(turns, continues)
         y_max = cfg.tree.depth + 1 if cfg.speculative else 2
         # the box is emptied where it held this message (`restore`); Regenerate and Continue leave a draft in it
         yield self._render(shown, view, highlight, notices, y_max, box=None if restore is None else "")
@@ -469,6 +454,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             self.manager.last_speed = view.tokens_per_s
         if hint := new_chat_hint(long_chat.prompt_tokens + view.total_tokens, view.first_token_s):
             notices.append(hint)
+        if cfg.sampling.greedy and not continues and same_again(before, turns, shown):
+            notices.append(SAME_AGAIN)
         yield self._render(shown, view, highlight, notices, y_max)
 
     @staticmethod

@@ -55,7 +55,7 @@ def reusable(kept: Prefix | None, ids: list[int], feature_layers) -> int:
     limit, same = min(len(kept.ids), len(ids) - 1), 0
     while same < limit and kept.ids[same] == ids[same]:
         same += 1
-    chunk = prefill_chunk(kept.keys[0].device) if kept.keys else 1
+    chunk = prefill_chunk(kept.keys[0].device)
     return same // chunk * chunk
 
 
