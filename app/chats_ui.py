@@ -13,7 +13,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chats
+from app import chats, versions
 from app.errors import UserError, user_error
 from app.lane import session_of
 from app.state import ChatSettings, browser_secret
@@ -21,6 +21,9 @@ from app.state import ChatSettings, browser_secret
 STORE_KEY, SETTINGS_KEY = "eagle-chat-chats", "eagle-chat-settings"
 KEPT_HERE = "Chats and settings are kept in this browser only; nothing is sent anywhere."
 BUSY = "An answer is being written: press Stop (or wait for it), then switch chats."
+BUSY_FLIP = "An answer is being written: press Stop (or wait for it), then flip between answers."
+FLIPPED = ("Showing answer {shown} of {count}: Continue, Regenerate and your next message go on from it (the panel "
+           "on the right describes the answer written last).")
 
 
 def skip():
@@ -110,6 +113,42 @@ class ChatsHandlers:
         except UserError as e:
             return ChatsView(note=user_error(str(e))).outputs()
 
+    # ---- versions of the last answer (app.versions) ------------------------------------------
+    @staticmethod
+    def versions_replacing(kept, history, store):
+        """Regenerate pressed: the answer it replaces is kept as a version of the chat's last answer."""
+        return versions.replacing(kept, chats.normal(store)["current"], history or [])
+
+    @staticmethod
+    def versions_written(kept, history, store):
+        """After a Regenerate: its answer is the newest version. -> (versions, *the flip controls)"""
+        kept = versions.written(kept, chats.normal(store)["current"], history or [])
+        return (kept, *versions_nav(kept, history, store))
+
+    @staticmethod
+    def versions_view(kept, history, store):
+        """After anything that changes the chat shown: the flip controls, where its last answer has versions."""
+        return versions_nav(kept, history, store)
+
+    def versions_back(self, kept, history, store, request: gr.Request = None):
+        return self._flip(-1, kept, history, store, request)
+
+    def versions_forward(self, kept, history, store, request: gr.Request = None):
+        return self._flip(1, kept, history, store, request)
+
+    def _flip(self, step, kept, history, store, request) -> tuple:
+        """-> (versions, notice, *the flip controls, *CHATS_VIEW): the version shown, and kept in the browser's
+        chat store, in one update."""
+        if session_of(request) in self.tickets.sessions():  # its last update would undo the flip
+            return (gr.skip(), user_error(BUSY_FLIP), *(gr.skip(),) * 4, *ChatsView().outputs())
+        flipped = versions.flip(kept, chats.normal(store)["current"], history or [], step)
+        if flipped is None:  # the chat changed since the controls were shown
+            return (gr.skip(), "", *versions_nav(kept, history, store), *ChatsView().outputs())
+        chat, kept = flipped
+        now = versions.current(kept, chats.normal(store)["current"], chat)
+        notice = FLIPPED.format(shown=now.shown + 1, count=len(now.answers))
+        return (kept, notice, *versions_nav(kept, chat, store), *shown(chats.save(store, chat)).outputs())
+
     # ---- settings ---------------------------------------------------------------------------
     @staticmethod
     def settings_save(system, *values):
@@ -134,6 +173,27 @@ class ChatsHandlers:
         updates = [kept_system] + [getattr(kept, name) for name in ChatSettings.names()]
         updates[spec_at] = kept.spec and spec_ok
         return tuple(updates)
+
+
+def versions_nav(kept, history, store) -> tuple:
+    """(the flip controls' row, their label, back, forward) for the chat shown: hidden unless its last answer
+    has other versions; back and forward greyed out at the first and the last."""
+    chat_id, history = chats.normal(store)["current"], history or []
+    now = versions.current(kept, chat_id, history)
+    text = versions.label(kept, chat_id, history)
+    if not text:
+        return gr.update(visible=False), "", gr.update(interactive=False), gr.update(interactive=False)
+    return (gr.update(visible=True), text, gr.update(interactive=now.shown > 0),
+            gr.update(interactive=now.shown < len(now.answers) - 1))
+
+
+def versions_row() -> list:
+    """The flip controls under the chat: back, "Answer 2 of 3", forward; hidden until a Regenerate keeps a version."""
+    with gr.Row(visible=False, elem_id="versions", equal_height=True) as row:
+        back = gr.Button("◀ Previous answer", size="sm", scale=1, elem_id="versions-back", interactive=False)
+        label = gr.Markdown(elem_id="versions-label")
+        forward = gr.Button("Next answer ▶", size="sm", scale=1, elem_id="versions-forward", interactive=False)
+    return [row, label, back, forward]
 
 
 def stores() -> tuple[gr.BrowserState, gr.BrowserState]:

@@ -7,7 +7,7 @@ import json
 import gradio as gr
 
 from app.chat import BONUS, DRAFT, PLAIN, empty_frame
-from app.chats_ui import CHATS_VIEW, chat_list, stores
+from app.chats_ui import CHATS_VIEW, chat_list, stores, versions_row
 from app.controls import control_props, tree_updates
 from app.manager import CUSTOM, ModelManager, catalogue_frame
 from app.models_tab import LOCKED
@@ -26,6 +26,7 @@ CSS = """
 .tok-plain { background: #e5e7eb; color: #111827; border-radius: 3px; }
 .tok-legend span { padding: 1px 6px; margin-right: 6px; font-size: 0.85em; }
 #notice p, #tree-limit p { color: #b45309; }
+#versions-label { text-align: center; }
 /* toasts repeat a message shown in place; at the bottom they do not cover the catalogue's columns */
 .toast-wrap { top: auto !important; bottom: var(--size-4) !important; }
 [data-testid="toast-body"] { max-height: 30vh; overflow-y: auto; }  /* Gradio groups warnings into one */
@@ -155,6 +156,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                              buttons=["copy"], feedback_options=None, editable="all",
                                              placeholder="Ask anything. Speculation settings are on the right. Hover over a "
                                                          "message to copy or edit it.")
+                        nav = versions_row()  # the answers a Regenerate replaced (app.versions)
                         notice = gr.Markdown(elem_id="notice")
                         with gr.Row():
                             box = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False,
@@ -247,23 +249,37 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         chatbot.edit(h.gate_edit, [box, history, system], [notice, pending_edit, edit_go, box], **gate)
         headline = dict(fn=manager.status_markdown, inputs=None, outputs=status, api_visibility="private",
                         queue=False, show_progress="hidden")  # the header's speed follows the last answer
-        for answered in (chat_go.change(h.respond, [box, history, system] + settings, outs, api_name="chat",
-                                        validator=h.check_chat, trigger_mode="once", **lane),
-                         regen_go.change(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
-                                         validator=h.check_regenerate, trigger_mode="once", **lane),
-                         more_go.change(h.continue_answer, [history, system] + settings, outs, api_name="continue",
-                                        validator=h.check_continue, trigger_mode="once", **lane),
-                         edit_go.change(h.edit, [pending_edit, box, history, system] + settings, outs,
-                                        api_visibility="private", validator=h.check_edit, trigger_mode="once",
-                                        **lane)):
+        answers = (chat_go.change(h.respond, [box, history, system] + settings, outs, api_name="chat",
+                                  validator=h.check_chat, trigger_mode="once", **lane),
+                   regen_go.change(h.regenerate, [history, system] + settings, outs, api_name="regenerate",
+                                   validator=h.check_regenerate, trigger_mode="once", **lane),
+                   more_go.change(h.continue_answer, [history, system] + settings, outs, api_name="continue",
+                                  validator=h.check_continue, trigger_mode="once", **lane),
+                   edit_go.change(h.edit, [pending_edit, box, history, system] + settings, outs,
+                                  api_visibility="private", validator=h.check_edit, trigger_mode="once", **lane))
+        for answered in answers:
             answered.success(**save)
             answered.success(**headline)
+        # versions of the last answer: the one a Regenerate replaces is kept as it is pressed; the flip controls
+        # hide while any answer is written and come back after it, where the chat's last answer has versions
+        versions = gr.State({})
+        versioned = dict(inputs=[versions, history, store], api_visibility="private", show_progress="hidden",
+                         queue=False)
+        regen.click(h.versions_replacing, outputs=versions, **versioned)
+        gr.on([go.change for go in (chat_go, regen_go, more_go, edit_go)], lambda: gr.update(visible=False), None,
+              nav[0], **gate)
+        answers[1].then(h.versions_written, outputs=[versions, *nav], **versioned)
+        for answered in answers[:1] + answers[2:]:
+            answered.then(h.versions_view, outputs=nav, **versioned)
+        for flip, fn in ((nav[2], h.versions_back), (nav[3], h.versions_forward)):
+            flip.click(fn, outputs=[versions, notice, *nav, *chats_out], **versioned)  # shown and kept at once
         stop.click(h.stop, None, None, queue=False, api_name="stop")
-        clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save)
+        view_versions = dict(fn=h.versions_view, outputs=nav, **versioned)
+        clear.click(h.clear, None, outs, api_name="clear", queue=False).then(**save).then(**view_versions)
         # the chat's own trash icon is the Clear button too (it emptied the view only: the next message
         # brought the whole conversation back)
-        chatbot.clear(h.clear, None, outs, api_visibility="private", queue=False).then(**save)
-        chat_events(h, listing, store, chats_out)
+        chatbot.clear(h.clear, None, outs, api_visibility="private", queue=False).then(**save).then(**view_versions)
+        chat_events(h, listing, store, chats_out, view_versions)
         # every setting is kept with all the others, as they are when it runs; "always_last": a change
         # made while the last one is still being kept runs after it (Gradio's default for input
         # events, "once", drops it: a second setting typed quickly, a slider's last position)
@@ -293,17 +309,19 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
     return app
 
 
-def chat_events(h: Handlers, listing: dict, store, chats_out: list) -> None:
-    """The chat list's buttons; each shows its result through the same outputs (CHATS_VIEW)."""
+def chat_events(h: Handlers, listing: dict, store, chats_out: list, then: dict) -> None:
+    """The chat list's buttons; each shows its result through the same outputs (CHATS_VIEW), `then` after
+    those that change the chat shown (the flip controls of its last answer's versions)."""
     private = dict(outputs=chats_out, api_visibility="private", queue=False, show_progress="hidden")
-    listing["new"].click(h.chats_new, store, **private)
+    listing["new"].click(h.chats_new, store, **private).then(**then)
     # a chat picked while the last pick is still loading loads after it ("once" would drop it and
     # leave the picker naming one chat over another's messages)
-    listing["picker"].input(h.chats_select, [listing["picker"], store], trigger_mode="always_last", **private)
+    listing["picker"].input(h.chats_select, [listing["picker"], store], trigger_mode="always_last",
+                            **private).then(**then)
     listing["rename"].click(h.chats_rename, [listing["title"], store], **private)
     listing["title"].submit(h.chats_rename, [listing["title"], store], **private)
-    listing["delete"].click(h.chats_delete, store, **private)
-    listing["upload"].upload(h.chats_import, [listing["upload"], store], **private)
+    listing["delete"].click(h.chats_delete, store, **private).then(**then)
+    listing["upload"].upload(h.chats_import, [listing["upload"], store], **private).then(**then)
 
 
 def models_tab(h: Handlers, manager: ModelManager, status, tree_origin, controls: list) -> list:

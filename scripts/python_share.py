@@ -23,7 +23,7 @@ from core.config import GenerationConfig
 from core.decoding.engine import Engine
 from core.kernels import native
 
-CALLS = ("decode_step", "head_step", "head_step_top")
+CALLS = ("decode_step", "spec_step_greedy", "head_step", "head_step_top")
 
 
 def timed_calls(spent: dict[str, float]) -> None:

@@ -582,3 +582,39 @@ def test_at_400_px_the_chat_starts_on_the_first_screen_and_the_legend_fits(page)
         assert fits, "every legend label is inside the chart"
     finally:
         page.set_viewport_size({"width": 1400, "height": 1000})
+
+
+def test_regenerate_keeps_the_answer_it_replaces_and_the_chat_flips_back_to_it(page):
+    page.locator("#new-chat").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    send(page, "w5 w9")  # greedy
+    first = snapshot(page)["#chatbot"]
+    assert not page.locator("#versions").is_visible(), "one answer: no flip controls"
+    temperature = page.locator("#temperature input[type=number]")
+    temperature.fill("1")  # the next answer is sampled (the fixture's seed 4242)
+    temperature.press("Enter")
+    try:
+        page.locator("#regenerate").click()
+        page.wait_for_function("document.querySelector('#versions-label')?.innerText.includes('Answer 2 of 2')",
+                               timeout=30_000)
+        second = snapshot(page)["#chatbot"]
+        assert second[0] == first[0] and second[1] != first[1]
+        page.locator("#versions-back").click()
+        wait_for_chat(page, first)
+        page.wait_for_function("document.querySelector('#versions-label')?.innerText.includes('Answer 1 of 2')",
+                               timeout=10_000)
+        assert page.locator("#notice").inner_text().startswith("Showing answer 1 of 2")
+        assert page.locator("#versions-back").is_disabled() and page.locator("#versions-forward").is_enabled()
+        page.locator("#versions-forward").click()
+        wait_for_chat(page, second)
+        page.locator("#versions-back").click()
+        wait_for_chat(page, first)
+        page.reload()  # the chat kept in this browser is the version shown
+        wait_for_chat(page, first)
+    finally:
+        page.locator("#sampling").get_by_text("Sampling").first.click()
+        temperature = page.locator("#temperature input[type=number]")
+        temperature.fill("0")  # greedy again for the tests after this one (settings are kept in the browser)
+        temperature.press("Enter")
+    send(page, "w6")
+    assert not page.locator("#versions").is_visible(), "a new message leaves the versions behind"

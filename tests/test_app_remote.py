@@ -218,7 +218,7 @@ def test_launcher_api_flag_serves_the_model(server, tmp_path):
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium is not installed")
 def test_browser_connect_disables_local_controls_with_a_reason(server):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     target = tiny_target(mix=0.0, max_pos=512)
     served = Served(Engine(target, oracle_head(target)))
@@ -234,28 +234,29 @@ def test_browser_connect_disables_local_controls_with_a_reason(server):
             page.wait_for_function("document.querySelector('#status').innerText.includes('Chatting through')",
                                    timeout=30_000)
             page.get_by_role("tab", name="Chat").click()
-            assert page.locator("#speculative input[type=checkbox]").is_disabled()
-            assert page.locator("#depth input[type=range]").is_disabled()
-            assert REMOTE_SPEC in page.locator("#speculative").inner_text()
-            assert REMOTE_TREE in page.locator("#depth").inner_text()
-            assert REMOTE_HIGHLIGHT in page.locator("#highlight").inner_text()
+            # each state is awaited (expect retries for 10 s): a tab's components may show an update a frame late
+            expect(page.locator("#speculative input[type=checkbox]")).to_be_disabled(timeout=10_000)
+            expect(page.locator("#depth input[type=range]")).to_be_disabled(timeout=10_000)
+            expect(page.locator("#speculative")).to_contain_text(REMOTE_SPEC, timeout=10_000)
+            expect(page.locator("#depth")).to_contain_text(REMOTE_TREE, timeout=10_000)
+            expect(page.locator("#highlight")).to_contain_text(REMOTE_HIGHLIGHT, timeout=10_000)
             page.locator("#message textarea").fill("w5 w6")
             page.locator("#send").click()
             page.wait_for_function("/max new tokens|end of answer/.test(document.querySelector('#stats').innerText)",
                                    timeout=60_000)
             assert "remote" in page.locator("#stats").inner_text() and "τ" in page.locator("#stats").inner_text()
             page.get_by_role("tab", name="Side by side").click()
-            assert page.locator("#compare").is_disabled() and "needs the local engine" in page.locator(
-                "#compare-note").inner_text()
+            expect(page.locator("#compare")).to_be_disabled(timeout=10_000)
+            expect(page.locator("#compare-note")).to_contain_text("needs the local engine", timeout=10_000)
             page.get_by_role("tab", name="Models").click()
             page.locator("#use-local").click()
             page.wait_for_function("document.querySelector('#status').innerText.includes('Serving')",
                                    timeout=30_000)
             page.get_by_role("tab", name="Chat").click()
-            assert page.locator("#speculative input[type=checkbox]").is_enabled()
-            assert page.locator("#depth input[type=range]").is_enabled()
-            assert LOCAL_INFO["depth"] in page.locator("#depth").inner_text()
-            assert REMOTE_TREE not in page.locator("#depth").inner_text()
+            expect(page.locator("#speculative input[type=checkbox]")).to_be_enabled(timeout=10_000)
+            expect(page.locator("#depth input[type=range]")).to_be_enabled(timeout=10_000)
+            expect(page.locator("#depth")).to_contain_text(LOCAL_INFO["depth"], timeout=10_000)
+            expect(page.locator("#depth")).not_to_contain_text(REMOTE_TREE, timeout=10_000)
             browser.close()
     finally:
         served.close()

@@ -1,0 +1,137 @@
+"""Versions of the chat's last answer: what a Regenerate replaces is kept, and the chat flips between them."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from app import chats, versions
+from app.chats_ui import BUSY_FLIP, CHATS_VIEW
+from core.decoding.engine import Engine
+from tests.app_server import LOCAL
+from tests.test_app_handlers import GREEDY, SYSTEM, answer, handlers_for
+from tests.tiny import oracle_head, tiny_target
+
+Q1, A1, A2, A3 = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
+                  {"role": "assistant", "content": "a2"}, {"role": "assistant", "content": "a3"})
+
+
+def regenerated(kept, before: list[dict], after: list[dict], chat="c1") -> dict:
+    """What the page does around a Regenerate: keep the replaced answer as it is pressed, the new one after."""
+    return versions.written(versions.replacing(kept, chat, before), chat, after)
+
+
+def test_each_regenerated_answer_is_kept_and_the_chat_flips_between_them():
+    kept = regenerated({}, [Q1, A1], [Q1, A2])
+    assert versions.label(kept, "c1", [Q1, A2]) == "Answer 2 of 2"
+    kept = regenerated(kept, [Q1, A2], [Q1, A3])
+    assert versions.label(kept, "c1", [Q1, A3]) == "Answer 3 of 3"
+    chat, kept = versions.flip(kept, "c1", [Q1, A3], -1)
+    assert chat == [Q1, A2] and versions.label(kept, "c1", chat) == "Answer 2 of 3"
+    chat, kept = versions.flip(kept, "c1", chat, -5)  # clamped at the first
+    assert chat == [Q1, A1] and versions.label(kept, "c1", chat) == "Answer 1 of 3"
+    chat, kept = versions.flip(kept, "c1", chat, 1)
+    assert chat == [Q1, A2]
+    # a Regenerate from a version shown keeps every version and adds the new answer last
+    kept = regenerated(kept, chat, [Q1, {"role": "assistant", "content": "a4"}])
+    assert versions.label(kept, "c1", [Q1, {"role": "assistant", "content": "a4"}]) == "Answer 4 of 4"
+    assert versions.flip(kept, "c1", [Q1, {"role": "assistant", "content": "a4"}], -3)[0] == [Q1, A1]
+
+
+def test_the_same_answer_again_is_not_a_new_version():
+    kept = regenerated({}, [Q1, A1], [Q1, A1])  # greedy writes it again (or a refused Regenerate left it)
+    assert versions.label(kept, "c1", [Q1, A1]) == ""
+    kept = regenerated(regenerated({}, [Q1, A1], [Q1, A2]), [Q1, A2], [Q1, A1])
+    assert versions.label(kept, "c1", [Q1, A1]) == "Answer 1 of 2", "the version it equals is shown"
+
+
+def test_a_continued_or_edited_answer_is_what_its_version_holds():
+    kept = regenerated({}, [Q1, A1], [Q1, A2])
+    continued = [Q1, {"role": "assistant", "content": "a2 and more"}]
+    chat, kept = versions.flip(kept, "c1", continued, -1)
+    assert chat == [Q1, A1]
+    chat, kept = versions.flip(kept, "c1", chat, 1)
+    assert chat == continued, "flipping back shows the answer as it was continued"
+
+
+def test_versions_hold_only_while_their_answer_is_the_chats_last():
+    kept = regenerated({}, [Q1, A1], [Q1, A2])
+    later = [Q1, A2, {"role": "user", "content": "next"}, {"role": "assistant", "content": "b"}]
+    edited_question = [{"role": "user", "content": "q edited"}, A2]
+    for chat in (later, edited_question, [], [Q1]):
+        assert versions.label(kept, "c1", chat) == "" and versions.flip(kept, "c1", chat, -1) is None
+    assert versions.label(kept, "another chat", [Q1, A2]) == "", "each chat keeps its own"
+    assert versions.label(kept, "c1", [Q1, A2]) == "Answer 2 of 2", "back in that chat, they are there again"
+    # a chat regenerated after a new turn starts its versions afresh
+    kept = regenerated(kept, later, later[:3] + [{"role": "assistant", "content": "b2"}])
+    assert versions.label(kept, "c1", later[:3] + [{"role": "assistant", "content": "b2"}]) == "Answer 2 of 2"
+    assert versions.label(kept, "c1", [Q1, A2]) == ""
+
+
+def test_kept_versions_are_plain_json_and_a_damaged_value_is_ignored():
+    import json
+    kept = regenerated({}, [Q1, A1], [Q1, A2])
+    assert json.loads(json.dumps(kept)) == kept
+    for bad in ({"c1": {"turns": [["user", "q"]], "answers": [], "shown": 0}},
+                {"c1": {"turns": [["user", "q"]], "answers": ["a1", "a2"], "shown": 5}},
+                {"c1": "junk"}, None):
+        assert versions.label(bad, "c1", [Q1, A1]) == ""
+    many = {}
+    chat = [Q1, A1]
+    for i in range(versions.MAX_VERSIONS + 5):
+        new = [Q1, {"role": "assistant", "content": f"v{i}"}]
+        many, chat = regenerated(many, chat, new), new
+    assert versions.label(many, "c1", chat) == f"Answer {versions.MAX_VERSIONS} of {versions.MAX_VERSIONS}"
+
+
+@pytest.fixture(scope="module")
+def bigram():
+    target = tiny_target(mix=0.0, max_pos=96)
+    return target, oracle_head(target)
+
+
+def test_the_handlers_keep_each_answer_and_flip_the_chat_and_its_store(bigram):
+    h = handlers_for(Engine(*bigram))
+    store = chats.empty_store()
+    _, first, _, _, _ = answer(h, "w5 w9", [])  # greedy
+    store = chats.save(store, first)
+    assert h.versions_view({}, first, store)[0]["visible"] is False, "one answer: no controls"
+    kept = h.versions_replacing({}, first, store)
+    sampled = GREEDY._replace(temperature=1.0, seed=7)
+    second = list(h.regenerate(first, SYSTEM, *sampled, request=None))[-1][1]
+    assert second[:-1] == first[:-1] and second[-1] != first[-1], "sampling wrote another answer"
+    kept, row, label, back, forward = h.versions_written(kept, second, store)
+    assert row["visible"] and label == "Answer 2 of 2"
+    assert back["interactive"] and not forward["interactive"]
+    kept, notice, row, label, back, forward, *view = h.versions_back(kept, second, store)
+    view = dict(zip(CHATS_VIEW, view))
+    assert view["chatbot"] == view["history"] == first
+    assert label == "Answer 1 of 2" and notice.startswith("Showing answer 1 of 2")
+    assert not back["interactive"] and forward["interactive"]
+    history, store = first, view["store"]
+    assert chats.current(store)["messages"] == first, "the browser keeps the version shown"
+    assert first[-1]["content"] in open(view["export_md"].value["path"], encoding="utf-8").read(), "and exports it"
+    # a greedy Regenerate of the first (greedy) answer writes it again: that version, no third
+    kept = h.versions_replacing(kept, history, store)
+    again = list(h.regenerate(history, SYSTEM, *GREEDY, request=None))[-1][1]
+    assert again == first
+    kept, row, label = h.versions_written(kept, again, store)[:3]
+    assert row["visible"] and label == "Answer 1 of 2"
+    assert dict(zip(CHATS_VIEW, h.versions_forward(kept, again, store)[6:]))["history"] == second
+    # a new message leaves the versions behind: the controls hide
+    _, longer, _, _, _ = answer(h, "w6", again)
+    row, label, _, _ = h.versions_view(kept, longer, store)
+    assert row["visible"] is False and label == ""
+
+
+def test_a_flip_waits_for_the_answer_being_written(bigram):
+    h = handlers_for(Engine(*bigram))
+    store = chats.save(chats.empty_store(), [Q1, A2])
+    kept = regenerated({}, [Q1, A1], [Q1, A2], chats.current(store)["id"])
+
+    ticket = h.tickets.ticket(LOCAL)  # this session's answer, running or waiting
+    with pytest.warns(UserWarning, match="flip between answers"):
+        out = h.versions_back(kept, [Q1, A2], store, LOCAL)
+    assert BUSY_FLIP in out[1] and all(o == gr.skip() for o in out[:1] + out[2:])
+    h.tickets.done(LOCAL, ticket)
+    assert dict(zip(CHATS_VIEW, h.versions_back(kept, [Q1, A2], store, LOCAL)[6:]))["history"] == [Q1, A1]
