@@ -91,6 +91,13 @@ class LoadedModel:
     # the native step serves them from the file's blocks, or with_layer_weights reads them
     lean: bool = False
 
+    def chat_ids(self, messages: list[dict], *, continue_final: bool = False) -> list[int]:
+        """The token ids of chat `messages` in the tokenizer's chat template: ready for the answer's turn, or
+        (`continue_final`) ending inside the last (assistant) message, whose answer goes on from its text."""
+        enc = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=not continue_final,
+                                                 continue_final_message=continue_final)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         ids = self.model.generation_config.eos_token_id

@@ -182,12 +182,8 @@ def calibration_hidden(step, target) -> np.ndarray:
 
     from core.kernels import screen
 
-    requests = []
-    for prompt in screen.CALIBRATION:
-        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                   return_tensors="pt")
-        ids = (ids["input_ids"] if not torch.is_tensor(ids) else ids)[0]
-        requests.append(Request(tuple(ids.tolist()), screen.TOKENS + 1))  # its first token, then TOKENS rows
+    requests = [Request(tuple(target.chat_ids([{"role": "user", "content": prompt}])), screen.TOKENS + 1)
+                for prompt in screen.CALIBRATION]  # each answer's first token, then TOKENS rows
     rows: list[list[np.ndarray]] = [[] for _ in requests]
     with tqdm(total=screen.TOKENS, desc="Fitting the LM-head screen (once per model file)", unit="step",
               leave=False) as bar:

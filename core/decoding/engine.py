@@ -171,10 +171,7 @@ class Engine:
             if continue_final and prompt[-1].get("role") != "assistant":
                 raise EngineError("only an assistant message can be continued: the messages end with a "
                                   f"{prompt[-1].get('role')!r} message")
-            enc = self.target.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=not continue_final,
-                                                            continue_final_message=continue_final)
-            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-            return list(ids)
+            return self.target.chat_ids(prompt, continue_final=continue_final)
         return [int(t) for t in prompt]
 
     def count_tokens(self, messages: Sequence[dict], *, continue_final: bool = False) -> int:
