@@ -4,11 +4,12 @@ The store lives in a gr.BrowserState (the browser's localStorage, encrypted); th
 no copy between requests and nothing leaves the machine. It is a plain JSON value:
 
     {"version": 1, "current": "<id>", "chats": [Chat, ...]}   Chat: {"id", "title", "named",
-                                                                   "messages", "updated"}
+                                                                   "messages", "updated"[, "versions"]}
 
 `messages` are the chat's {"role", "content"} turns with text content; `named` is True once the
-visitor renamed the chat (else the title follows its first message). Every operation returns a
-new store and leaves its argument unchanged.
+visitor renamed the chat (else the title follows its first message); `versions`, where a Regenerate
+kept some, the answers its last answer replaced (app.versions; exports leave them out). Every
+operation returns a new store and leaves its argument unchanged.
 """
 
 from __future__ import annotations
@@ -73,15 +74,24 @@ def auto_title(messages: list[dict]) -> str:
     return words if len(words) <= TITLE_CHARS else words[:TITLE_CHARS - 1].rstrip() + "…"
 
 
-def save(store, messages: list) -> dict:
-    """The current chat now holds `messages` (its title follows them unless renamed)."""
+def save(store, messages: list, versions: dict | None = None) -> dict:
+    """The current chat now holds `messages` (its title follows them unless renamed) and `versions` (the JSON
+    value app.versions keeps for it; None: none)."""
     store = normal(store)
     chat = current(store)
     chat["messages"] = clean_messages(messages)
+    chat.pop("versions", None)
+    if versions is not None:
+        chat["versions"] = copy.deepcopy(versions)
     chat["updated"] = time.time()
     if not chat.get("named"):
         chat["title"] = auto_title(chat["messages"])
     return store
+
+
+def kept_versions(store) -> dict:
+    """Every chat's versions (app.versions' session value: {chat_id: versions}) as the store holds them."""
+    return {c["id"]: copy.deepcopy(c["versions"]) for c in normal(store)["chats"] if c.get("versions") is not None}
 
 
 def start_new(store) -> dict:

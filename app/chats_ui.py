@@ -69,12 +69,16 @@ class ChatsHandlers:
 
     def chats_load(self, store, history):
         """Page load: the chat the visitor had open, as it was (unless a message was sent before
-        this arrived: that conversation is not overwritten)."""
-        return shown(chats.normal(store), messages=not history).outputs()
+        this arrived: that conversation is not overwritten), and every chat's answer versions.
+        -> (*CHATS_VIEW, versions)"""
+        store = chats.normal(store)
+        return (*shown(store, messages=not history).outputs(), chats.kept_versions(store))
 
-    def chats_save(self, history, store):
-        """After an answer (or Clear): the current chat now holds the conversation shown."""
-        return shown(chats.save(store, history or []), messages=False).outputs()
+    def chats_save(self, history, store, kept=None):
+        """After an answer (or Clear): the current chat now holds the conversation shown, and its
+        answer versions (app.versions)."""
+        store = chats.normal(store)
+        return shown(chats.save(store, history or [], (kept or {}).get(store["current"])), messages=False).outputs()
 
     def chats_new(self, store, request: gr.Request = None):
         return self._switch(lambda: chats.start_new(store), request)
@@ -147,7 +151,9 @@ class ChatsHandlers:
         chat, kept = flipped
         now = versions.current(kept, chats.normal(store)["current"], chat)
         notice = FLIPPED.format(shown=now.shown + 1, count=len(now.answers))
-        return (kept, notice, *versions_nav(kept, chat, store), *shown(chats.save(store, chat)).outputs())
+        store = chats.normal(store)
+        return (kept, notice, *versions_nav(kept, chat, store),
+                *shown(chats.save(store, chat, kept.get(store["current"]))).outputs())
 
     # ---- settings ---------------------------------------------------------------------------
     @staticmethod

@@ -227,7 +227,10 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         history = gr.State([])
         view = dict(store=store, chatbot=chatbot, history=history, **listing)
         chats_out = [view[name] for name in CHATS_VIEW]
-        save = dict(fn=h.chats_save, inputs=[history, store], outputs=chats_out, api_visibility="private",
+        # versions of the chat's last answer (app.versions), every chat's: loaded from the store with the page and
+        # kept in it with the chat
+        versions = gr.State({})
+        save = dict(fn=h.chats_save, inputs=[history, store, versions], outputs=chats_out, api_visibility="private",
                     show_progress="hidden")
         outs = [chatbot, history, box, chart, stats, stats_json, tokens, notice]
         # one generation at a time on the shared engine, whichever button started it; the
@@ -258,18 +261,18 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                    edit_go.change(h.edit, [pending_edit, box, history, system] + settings, outs,
                                   api_visibility="private", validator=h.check_edit, trigger_mode="once", **lane))
         for answered in answers:
-            answered.success(**save)
             answered.success(**headline)
-        # versions of the last answer: the one a Regenerate replaces is kept as it is pressed; the flip controls
-        # hide while any answer is written and come back after it, where the chat's last answer has versions
-        versions = gr.State({})
+        # the one a Regenerate replaces is kept as it is pressed, the one it writes after it, and then the chat is
+        # saved with them; the flip controls hide while any answer is written and come back after it, where the
+        # chat's last answer has versions
         versioned = dict(inputs=[versions, history, store], api_visibility="private", show_progress="hidden",
                          queue=False)
         regen.click(h.versions_replacing, outputs=versions, **versioned)
         gr.on([go.change for go in (chat_go, regen_go, more_go, edit_go)], lambda: gr.update(visible=False), None,
               nav[0], **gate)
-        answers[1].then(h.versions_written, outputs=[versions, *nav], **versioned)
+        answers[1].then(h.versions_written, outputs=[versions, *nav], **versioned).then(**save)
         for answered in answers[:1] + answers[2:]:
+            answered.success(**save)
             answered.then(h.versions_view, outputs=nav, **versioned)
         for flip, fn in ((nav[2], h.versions_back), (nav[3], h.versions_forward)):
             flip.click(fn, outputs=[versions, notice, *nav, *chats_out], **versioned)  # shown and kept at once
@@ -302,7 +305,9 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
             return h.page_load(app.banner, request)
 
         demo.load(page_load, None, [status, banner, tree_origin, *controls, *models], api_visibility="private") \
-            .then(h.chats_load, [store, history], chats_out, api_visibility="private", show_progress="hidden") \
+            .then(h.chats_load, [store, history], chats_out + [versions], api_visibility="private",
+                  show_progress="hidden") \
+            .then(h.versions_view, [versions, history, store], nav, api_visibility="private", show_progress="hidden") \
             .then(h.settings_load, [kept_settings, system] + settings, [system] + settings, api_visibility="private",
                   show_progress="hidden")
         demo.unload(h.session_end)

@@ -6,7 +6,8 @@ which is shown. They hold while the chat's messages before its last answer are `
 edited question or Clear leaves them behind (and they are dropped the next time the chat is regenerated).
 Continuing or editing the shown answer changes what that version holds (it is read back from the chat
 before each flip). The kept versions are a plain JSON value in the page's session (gr.State):
-{chat_id: {"turns": [[role, text], ...], "answers": [text, ...], "shown": i}}; nothing here touches the engine.
+{chat_id: {"turns": [[role, text], ...], "answers": [text, ...], "shown": i}}, and each chat's is saved with it in
+the browser's chat store (app.chats, "versions"); nothing here touches the engine.
 """
 
 from __future__ import annotations

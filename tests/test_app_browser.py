@@ -585,6 +585,8 @@ def test_at_400_px_the_chat_starts_on_the_first_screen_and_the_legend_fits(page)
 
 
 def test_regenerate_keeps_the_answer_it_replaces_and_the_chat_flips_back_to_it(page):
+    from playwright.sync_api import expect
+
     page.locator("#new-chat").click()
     page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
     send(page, "w5 w9")  # greedy
@@ -609,12 +611,21 @@ def test_regenerate_keeps_the_answer_it_replaces_and_the_chat_flips_back_to_it(p
         wait_for_chat(page, second)
         page.locator("#versions-back").click()
         wait_for_chat(page, first)
-        page.reload()  # the chat kept in this browser is the version shown
-        wait_for_chat(page, first)
     finally:
-        page.locator("#sampling").get_by_text("Sampling").first.click()
-        temperature = page.locator("#temperature input[type=number]")
         temperature.fill("0")  # greedy again for the tests after this one (settings are kept in the browser)
         temperature.press("Enter")
-    send(page, "w6")
+    wait_for_kept_settings(page)  # the settings saved before the reload
+    page.reload()  # the chat kept in this browser is the version shown, with its versions
+    wait_for_chat(page, first)
+    page.wait_for_function("document.querySelector('#versions-label')?.innerText.includes('Answer 1 of 2')",
+                           timeout=10_000)
+    page.locator("#versions-forward").click()
+    wait_for_chat(page, second)
+    answers = page.locator('#chatbot [data-testid="bot"]').count()
+    page.locator("#message textarea").fill("w6")
+    page.locator("#send").click()
+    expect(page.locator("#versions")).to_be_hidden(timeout=5_000)
+    page.wait_for_function(f"document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length > {answers}"
+                           f" && {DONE}", timeout=30_000)
+    page.wait_for_timeout(500)  # the controls' update after the answer
     assert not page.locator("#versions").is_visible(), "a new message leaves the versions behind"

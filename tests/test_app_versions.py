@@ -135,3 +135,28 @@ def test_a_flip_waits_for_the_answer_being_written(bigram):
     assert BUSY_FLIP in out[1] and all(o == gr.skip() for o in out[:1] + out[2:])
     h.tickets.done(LOCAL, ticket)
     assert dict(zip(CHATS_VIEW, h.versions_back(kept, [Q1, A2], store, LOCAL)[6:]))["history"] == [Q1, A1]
+
+
+def test_the_chat_store_keeps_each_chats_versions_and_exports_leave_them_out(bigram):
+    h = handlers_for(Engine(*bigram))
+    store = chats.save(chats.empty_store(), [Q1, A1])
+    chat_id = chats.current(store)["id"]
+    kept = regenerated({}, [Q1, A1], [Q1, A2], chat_id)
+    view = dict(zip(CHATS_VIEW, h.chats_save([Q1, A2], store, kept)))
+    store = view["store"]
+    assert chats.current(store)["versions"] == kept[chat_id]
+    exported = open(view["export_json"].value["path"], encoding="utf-8").read()
+    assert "a1" not in exported and "a2" in exported, "an export is the chat as shown"
+    # the page loads them with the chat: after a reload the controls are back
+    *loaded, kept_again = h.chats_load(store, [])
+    assert kept_again == kept and dict(zip(CHATS_VIEW, loaded))["history"] == [Q1, A2]
+    assert h.versions_view(kept_again, [Q1, A2], store)[1] == "Answer 2 of 2"
+    # another chat, and back: each keeps its own
+    other = chats.start_new(store)
+    other = dict(zip(CHATS_VIEW, h.chats_save([Q1, A3], other, kept)))["store"]
+    assert "versions" not in chats.current(other)
+    back = chats.select(other, chat_id)
+    assert chats.kept_versions(back) == kept
+    # a chat saved without versions (a new message left them behind) drops them from the store
+    assert "versions" not in chats.current(chats.save(store, [Q1, A2], None))
+
