@@ -77,8 +77,9 @@ class ChatsHandlers:
     def chats_save(self, history, store, kept=None):
         """After an answer (or Clear): the current chat now holds the conversation shown, and its
         answer versions (app.versions)."""
-        store = chats.normal(store)
-        return shown(chats.save(store, history or [], (kept or {}).get(store["current"])), messages=False).outputs()
+        store, history = chats.normal(store), history or []
+        now = versions.current(kept, store["current"], history)  # those a new message left behind are not saved
+        return shown(chats.save(store, history, now.as_json() if now else None), messages=False).outputs()
 
     def chats_new(self, store, request: gr.Request = None):
         return self._switch(lambda: chats.start_new(store), request)
