@@ -30,6 +30,11 @@ FORMAT = "eagle-chat conversation"
 TITLE_CHARS = 48
 UNTITLED = "New chat"
 MAX_IMPORT_BYTES = 5_000_000  # a browser's localStorage holds about 5 MB per site in all
+# What the store may take in the browser: localStorage holds 5 MiB of UTF-16 code units per site (key and value
+# lengths; Chromium and Firefox), the settings' entry and some margin set aside. Past it the browser refuses the
+# write (Gradio logs it to the console and nothing else): the chat stays on the page but is not kept.
+STORAGE_CHARS = 5 * 2**20 - 40_000
+NEARLY_FULL = 0.9  # of STORAGE_CHARS: the visitor is told before it is full
 ROLES = ("user", "assistant")
 
 
@@ -92,6 +97,27 @@ def save(store, messages: list, versions: dict | None = None) -> dict:
 def kept_versions(store) -> dict:
     """Every chat's versions (app.versions' session value: {chat_id: versions}) as the store holds them."""
     return {c["id"]: copy.deepcopy(c["versions"]) for c in normal(store)["chats"] if c.get("versions") is not None}
+
+
+def stored_chars(store) -> int:
+    """The characters the store takes in localStorage as Gradio's BrowserState writes it: base64 of a 16-byte IV,
+    ":", then CryptoJS's AES-CBC of the store's compact JSON (UTF-8, PKCS#7 padding) in OpenSSL's salted format,
+    base64."""
+    n = len(json.dumps(store, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    return 24 + 1 + 4 * -(-(16 + (n // 16 + 1) * 16) // 3)
+
+
+def storage_note(store) -> str:
+    """What the visitor should know about the room left for chats in this browser: "" while there is plenty."""
+    used = stored_chars(store)
+    mb = f"{used / 1e6:.1f} of about {STORAGE_CHARS / 1e6:.1f} MB"
+    fix = "Export the chats you want to keep (Manage chats → Export JSON), then delete old ones."
+    if used > STORAGE_CHARS:
+        return (f"This browser's room for chats is full ({mb}): the latest changes are shown but not kept, and a "
+                f"reload would lose them. {fix}")
+    if used > NEARLY_FULL * STORAGE_CHARS:
+        return f"This browser's room for chats is nearly full ({mb}). {fix}"
+    return ""
 
 
 def start_new(store) -> dict:
@@ -183,6 +209,14 @@ def parse_import(raw: bytes, name: str = "the file") -> dict:
 
 
 def add_imported(store, chat: dict) -> dict:
+    """The store with `chat` added and current; refused (UserError) where the store would not fit in the browser."""
     store = normal(store)
     chats = [c for c in store["chats"] if c["messages"] or c["id"] != store["current"]]  # drop an empty current
-    return {**store, "current": chat["id"], "chats": [chat] + chats}
+    added = {**store, "current": chat["id"], "chats": [chat] + chats}
+    if stored_chars(added) > STORAGE_CHARS:
+        alone = stored_chars({**added, "chats": [chat]})
+        raise UserError(f"This chat does not fit in this browser's room for chats: it needs "
+                        f"{alone / 1e6:.1f} MB of about {STORAGE_CHARS / 1e6:.1f} MB, and the chats kept here use "
+                        f"{stored_chars(store) / 1e6:.1f} MB. " + ("Delete or export old chats first, then import it "
+                        "again." if alone <= STORAGE_CHARS else "Import a shorter chat."))
+    return added

@@ -51,8 +51,12 @@ CHATS_VIEW = tuple(ChatsView.__dataclass_fields__)
 
 
 def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
-    """Everything that follows from the store: the picker, the title box, the export files and,
+    """Everything that follows from the store: the picker, the title box, the export files,
+    how much room the browser has left for it (a toast and the note, when it is short) and,
     with `messages`, the current chat in the conversation."""
+    if room := chats.storage_note(store):  # a toast too once nothing more is kept
+        room = user_error(room) if chats.stored_chars(store) > chats.STORAGE_CHARS else room
+        note = f"{note} {room}" if note else room
     chat = chats.current(store)
     md, js = chats.export_files(chat) if chat["messages"] else (None, None)
     view = ChatsView(store=store, picker=gr.Dropdown(choices=chats.choices(store), value=store["current"]),

@@ -629,3 +629,51 @@ def test_regenerate_keeps_the_answer_it_replaces_and_the_chat_flips_back_to_it(p
                            f" && {DONE}", timeout=30_000)
     page.wait_for_timeout(500)  # the controls' update after the answer
     assert not page.locator("#versions").is_visible(), "a new message leaves the versions behind"
+
+
+def test_a_nearly_full_browser_keeps_the_chat_says_so_and_refuses_a_chat_that_would_not_fit(page, served, tmp_path):
+    """Against Chromium's own localStorage quota, in a browser context of its own (the other tests' store stays
+    small): a chat that fills 95% of the room is kept (through a reload) with a note, the store takes in the browser
+    the characters the app counts, and a chat that would not fit beside it is refused in words, losing nothing."""
+    from app import chats
+
+    def chat_file(path, title: str, chars: int):
+        path.write_text(json.dumps({"title": title, "messages": [{"role": "user", "content": "x" * chars},
+                                                                 {"role": "assistant", "content": "ok"}]}))
+        return path
+
+    def store_with(chars: int) -> dict:  # what the page will keep: the imported chat alone (an empty one gives way)
+        chat = chats.parse_import(chat_file(tmp_path / "probe.json", "Big", chars).read_bytes())
+        return chats.add_imported(chats.empty_store(), chat)
+
+    want = int(0.95 * chats.STORAGE_CHARS)
+    chars = want * 3 // 4
+    chars -= (chats.stored_chars(store_with(chars)) - want) * 3 // 4
+    context = page.context.browser.new_context(viewport={"width": 1400, "height": 1000})
+    try:
+        other = context.new_page()
+        errors: list[str] = []
+        other.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        other.goto(served.url)
+        other.wait_for_function("document.querySelector('#chat-pick input')?.value", timeout=30_000)
+        other.locator("#manage-chats").get_by_text("Manage chats").first.click()
+        with other.expect_file_chooser() as chooser:
+            other.locator("#import-json").click()
+        chooser.value.set_files(str(chat_file(tmp_path / "big.json", "Big", chars)))
+        other.wait_for_function("document.querySelector('#chats-note')?.innerText.includes('nearly full')",
+                                timeout=60_000)
+        other.wait_for_function("localStorage.getItem('eagle-chat-chats')?.length > 1000000", timeout=10_000)
+        written = other.evaluate("localStorage.getItem('eagle-chat-chats').length")
+        assert abs(written - chats.stored_chars(store_with(chars))) < 64, "the app counts what the browser keeps"
+        other.reload()
+        other.wait_for_function("document.querySelector('#chat-pick input')?.value === 'Big'", timeout=60_000)
+        other.locator("#manage-chats").get_by_text("Manage chats").first.click()
+        with other.expect_file_chooser() as chooser:
+            other.locator("#import-json").click()
+        chooser.value.set_files(str(chat_file(tmp_path / "more.json", "More", chats.STORAGE_CHARS // 10)))
+        other.wait_for_function("document.querySelector('#chats-note')?.innerText.includes('does not fit')",
+                                timeout=60_000)
+        assert other.locator("#chat-pick input").input_value() == "Big", "the chat shown stays"
+        assert not errors, f"the browser reported errors: {errors}"
+    finally:
+        context.close()

@@ -312,3 +312,39 @@ def test_every_legend_kind_keeps_a_bar_when_its_steps_scroll_out_of_the_chart():
     plain = frame[frame["kind"] == PLAIN]
     assert len(plain) == 1 and plain["tokens"].sum() == 0, "the prefill scrolled out: a zero-height plain bar"
     assert set(frame["kind"]) == set(view.kinds()) and frame["step"].min() > 1
+
+
+def test_the_room_a_store_takes_in_the_browser_is_counted_as_gradio_writes_it():
+    from app import chats
+    # BrowserState writes base64(iv) ":" + CryptoJS.AES.encrypt(json, passphrase): "Salted__" + 8 bytes of salt +
+    # the AES-CBC ciphertext (PKCS#7: 1..16 bytes of padding), base64
+    import base64
+    import os as _os
+
+    def written(store) -> int:
+        data = json.dumps(store, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        cipher = _os.urandom(len(data) + 16 - len(data) % 16)  # the ciphertext's length, whatever its bytes
+        return len(base64.b64encode(_os.urandom(16))) + 1 + len(base64.b64encode(b"Salted__" + _os.urandom(8) + cipher))
+
+    for text in ("", "a", "é" * 7, "x" * 15, "x" * 16, "日本語 " * 1000, "🙂" * 333):
+        store = chats.save(chats.normal(None), [{"role": "user", "content": text}])
+        assert chats.stored_chars(store) == written(store), text[:20]
+
+
+def test_a_chat_that_would_not_fit_in_the_browser_is_refused_and_a_nearly_full_one_said():
+    from app import chats
+    from app.errors import UserError
+    store = chats.save(chats.normal(None), [{"role": "user", "content": "kept"}])
+    big = chats.parse_import(json.dumps({"messages": [{"role": "user", "content": "x" * 3_600_000}]}).encode())
+    full = chats.add_imported(store, big)
+    assert "nearly full" in chats.storage_note(full) and "Export JSON" in chats.storage_note(full)
+    with pytest.raises(UserError, match=r"does not fit in this browser.s room for chats: it needs 1\.3 MB") as e:
+        chats.add_imported(full, chats.parse_import(json.dumps({"messages": [
+            {"role": "user", "content": "y" * 1_000_000}]}).encode()))
+    assert "Delete or export old chats first" in str(e.value)
+    with pytest.raises(UserError, match="Import a shorter chat"):
+        chats.add_imported(store, chats.parse_import(json.dumps({"messages": [
+            {"role": "user", "content": "z" * 4_000_000}]}).encode()))
+    over = chats.save(full, [{"role": "user", "content": "x" * 3_600_000}, {"role": "assistant", "content": "w" * 900_000}])
+    assert chats.storage_note(over).startswith("This browser's room for chats is full")
+    assert chats.storage_note(store) == ""
