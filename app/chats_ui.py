@@ -150,15 +150,15 @@ class ChatsHandlers:
         chat store, in one update."""
         if session_of(request) in self.tickets.sessions():  # its last update would undo the flip
             return (gr.skip(), user_error(BUSY_FLIP), *(gr.skip(),) * 4, *ChatsView().outputs())
-        flipped = versions.flip(kept, chats.normal(store)["current"], history or [], step)
+        store = chats.normal(store)
+        flipped = versions.flip(kept, store["current"], history or [], step)
         if flipped is None:  # the chat changed since the controls were shown
             return (gr.skip(), "", *versions_nav(kept, history, store), *ChatsView().outputs())
         chat, kept = flipped
-        now = versions.current(kept, chats.normal(store)["current"], chat)
+        now = versions.current(kept, store["current"], chat)
         notice = FLIPPED.format(shown=now.shown + 1, count=len(now.answers))
-        store = chats.normal(store)
         return (kept, notice, *versions_nav(kept, chat, store),
-                *shown(chats.save(store, chat, kept.get(store["current"]))).outputs())
+                *shown(chats.save(store, chat, now.as_json())).outputs())
 
     # ---- settings ---------------------------------------------------------------------------
     @staticmethod
