@@ -201,9 +201,9 @@ def versions_nav(kept, history, store) -> tuple:
 def versions_row() -> list:
     """The flip controls under the chat: back, "Answer 2 of 3", forward; hidden until a Regenerate keeps a version."""
     with gr.Row(visible=False, elem_id="versions", equal_height=True) as row:
-        back = gr.Button("◀ Previous answer", size="sm", scale=1, elem_id="versions-back", interactive=False)
+        back = gr.Button("◀ Previous", size="sm", scale=1, min_width=80, elem_id="versions-back", interactive=False)
         label = gr.Markdown(elem_id="versions-label")
-        forward = gr.Button("Next answer ▶", size="sm", scale=1, elem_id="versions-forward", interactive=False)
+        forward = gr.Button("Next ▶", size="sm", scale=1, min_width=80, elem_id="versions-forward", interactive=False)
     return [row, label, back, forward]
 
 

@@ -26,7 +26,9 @@ CSS = """
 .tok-plain { background: #e5e7eb; color: #111827; border-radius: 3px; }
 .tok-legend span { padding: 1px 6px; margin-right: 6px; font-size: 0.85em; }
 #notice p, #tree-limit p { color: #b45309; }
-#versions-label { text-align: center; }
+#versions { flex-wrap: nowrap; }  /* back, "Answer 2 of 3", forward: one line, also on a phone */
+#versions-label { text-align: center; min-width: 0; white-space: nowrap; }
+@media (max-width: 480px) { #versions-label, #versions-label * { font-size: 13px !important; } }
 /* toasts repeat a message shown in place; at the bottom they do not cover the catalogue's columns */
 .toast-wrap { top: auto !important; bottom: var(--size-4) !important; }
 [data-testid="toast-body"] { max-height: 30vh; overflow-y: auto; }  /* Gradio groups warnings into one */
