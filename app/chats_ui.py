@@ -69,7 +69,8 @@ def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
 
 
 class ChatsHandlers:
-    """Mixed into app.session.Handlers, which provides `tickets` (who has an answer running)."""
+    """Mixed into app.session.Handlers, which provides `tickets` (who has an answer running) and `regenerated` (the
+    chat each session's last Regenerate read)."""
 
     def chats_load(self, store, history):
         """Page load: the chat the visitor had open, as it was (unless a message was sent before
@@ -123,15 +124,14 @@ class ChatsHandlers:
             return ChatsView(note=user_error(str(e))).outputs()
 
     # ---- versions of the last answer (app.versions) ------------------------------------------
-    @staticmethod
-    def versions_replacing(kept, history, store):
-        """Regenerate pressed: the answer it replaces is kept as a version of the chat's last answer."""
-        return versions.replacing(kept, chats.normal(store)["current"], history or [])
-
-    @staticmethod
-    def versions_written(kept, history, store):
-        """After a Regenerate: its answer is the newest version. -> (versions, *the flip controls)"""
-        kept = versions.written(kept, chats.normal(store)["current"], history or [])
+    def versions_written(self, kept, history, store, request: gr.Request = None):
+        """After a Regenerate: the answer it replaced (in the chat it read, `regenerated`) and the one it wrote are
+        versions of the chat's last answer, the new one shown. -> (versions, *the flip controls)"""
+        chat_id = chats.normal(store)["current"]
+        replaced = self.regenerated.pop(session_of(request), None)
+        if replaced is not None:
+            kept = versions.replacing(kept, chat_id, replaced)
+        kept = versions.written(kept, chat_id, history or [])
         return (kept, *versions_nav(kept, history, store))
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
@@ -27,7 +28,7 @@ from app.chats_ui import ChatsHandlers
 from app.compare import compare_outputs, race
 from app.controls import control_updates
 from app.errors import TOAST_S, UserError, fault, log, refuse, user_error
-from app.lane import Ticket, Tickets, visitor_of
+from app.lane import Ticket, Tickets, session_of, visitor_of
 from app.longchat import PREFILL_NOTE_S, LongChat, new_chat_hint, plan, reading
 from app.manager import ModelManager
 from app.models_tab import ModelHandlers
@@ -54,6 +55,7 @@ EDIT_CHANGED = ("The chat changed before the edit was answered (another answer o
 TEXT_IN_BOX = " Your edited text is in the message box."
 # Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
 CLEAR_WAIT_S = 10.0
+REGENERATED = 1024  # sessions whose last Regenerate's chat is kept for its answer versions (Handlers.regenerated)
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
 STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
@@ -77,6 +79,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         self.adaptive = adaptive
         self.tickets = Tickets()
         self._sends = itertools.count(1)  # the gates' counter: each request it lets go is a new value
+        # each session's chat as its last Regenerate read it (the answer it replaced: app.versions); read by the
+        # page's versions_written after that Regenerate, at most REGENERATED sessions kept
+        self.regenerated: OrderedDict[str, list] = OrderedDict()
 
     # ---- the queue: validators run when a request joins it --------------------------------
     # They guard the API (a refusal reaches a client as a validation error, HTTP 422). The page
@@ -215,6 +220,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
     def session_end(self, request: gr.Request = None):
         """The visitor's tab closed: free what this session held."""
         self.tickets.forget(request)
+        self.regenerated.pop(session_of(request), None)
 
     @staticmethod
     def cleared():
@@ -235,6 +241,12 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         history = list(history or [])
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
+        # the chat as this Regenerate reads it, queued behind any answer still being written: its last answer is
+        # the one replaced (a handler outside the queue could read a chat mid-answer)
+        self.regenerated[session_of(request)] = history
+        self.regenerated.move_to_end(session_of(request))
+        while len(self.regenerated) > REGENERATED:
+            self.regenerated.popitem(last=False)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
                              empty_first=not users, empty_message=NOTHING_TO_REGENERATE)

@@ -247,6 +247,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         pending_edit = gr.State(None)  # an edited message waiting for its answer (Handlers.gate_edit)
         gate = dict(queue=False, api_visibility="private", show_progress="hidden")
         gr.on([send.click, box.submit], h.gate_chat, [box, system], [notice, chat_go], **gate)
+        regen.click(h.gate_regenerate, [history, system], [notice, regen_go], **gate)
         more.click(h.gate_continue, [history, system], [notice, more_go], **gate)
         attach.upload(h.attach_file, [attach, box], [box, notice], **gate)
         run.click(h.gate_compare, [prompt, system], [summary, compare_go], **gate)
@@ -263,15 +264,12 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                   api_visibility="private", validator=h.check_edit, trigger_mode="once", **lane))
         for answered in answers:
             answered.success(**headline)
-        # the one a Regenerate replaces is kept as it is pressed, the one it writes after it, and then the chat is
-        # saved with them; the flip controls hide while any answer is written and come back after it, where the
-        # chat's last answer has versions
+        # after a Regenerate, the answer it replaced (in the chat it read when its turn came: gr.State is read on the
+        # server when a handler runs, so nothing outside the queue can take it before an answer still being written
+        # ends) and the one it wrote are kept, then the chat is saved with them; the flip controls hide while any
+        # answer is written and come back after it, where the chat's last answer has versions
         versioned = dict(inputs=[versions, history, store], api_visibility="private", show_progress="hidden",
                          queue=False)
-        # before the gate lets the Regenerate go: gr.State is read on the server when a handler runs, and a
-        # Regenerate that started first would show this its new, empty answer (seen in CI)
-        regen.click(h.versions_replacing, outputs=versions, **versioned) \
-            .then(h.gate_regenerate, [history, system], [notice, regen_go], **gate)
         gr.on([go.change for go in (chat_go, regen_go, more_go, edit_go)], lambda: gr.update(visible=False), None,
               nav[0], **gate)
         answers[1].then(h.versions_written, outputs=[versions, *nav], **versioned).then(**save)

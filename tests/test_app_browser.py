@@ -677,3 +677,45 @@ def test_a_nearly_full_browser_keeps_the_chat_says_so_and_refuses_a_chat_that_wo
         assert not errors, f"the browser reported errors: {errors}"
     finally:
         context.close()
+
+
+def test_a_regenerate_pressed_while_an_answer_is_written_keeps_that_whole_answer(page, served, monkeypatch):
+    """The answer a Regenerate replaces is the chat's when that Regenerate's turn comes, not what the page showed
+    when it was pressed (half an answer, still being written)."""
+    def new_chat():
+        page.locator("#new-chat").click()
+        page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0",
+                               timeout=10_000)
+
+    new_chat()
+    send(page, "w5 w9")  # greedy, 60 tokens: the answer the same message gets in the next new chat
+    first = snapshot(page)["#chatbot"]
+    new_chat()
+    fast = served.manager.engine.generate
+
+    def slow(*args, **kwargs):
+        for ev in fast(*args, **kwargs):
+            time.sleep(0.05)
+            yield ev
+
+    monkeypatch.setattr(served.manager.engine, "generate", slow)
+    temperature = page.locator("#temperature input[type=number]")
+    if not temperature.is_visible():
+        page.locator("#sampling").get_by_text("Sampling").first.click()
+    try:
+        send(page, "w5 w9", wait=False)
+        page.wait_for_function("/streaming/.test(document.querySelector('#stats').innerText)", timeout=10_000)
+        temperature.fill("1")  # the Regenerate samples
+        temperature.press("Enter")
+        page.wait_for_timeout(300)
+        assert "streaming" in page.locator("#stats").inner_text(), "the answer is still being written"
+        page.locator("#regenerate").click()  # waits for the answer being written
+        page.wait_for_function("document.querySelector('#versions-label')?.innerText.includes('Answer 2 of 2')",
+                               timeout=60_000)
+        assert snapshot(page)["#chatbot"][1] != first[1]
+        page.locator("#versions-back").click()
+        wait_for_chat(page, first)  # the whole answer, not the part shown when Regenerate was pressed
+    finally:
+        monkeypatch.undo()
+        temperature.fill("0")
+        temperature.press("Enter")

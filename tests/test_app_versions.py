@@ -96,11 +96,12 @@ def test_the_handlers_keep_each_answer_and_flip_the_chat_and_its_store(bigram):
     _, first, _, _, _ = answer(h, "w5 w9", [])  # greedy
     store = chats.save(store, first)
     assert h.versions_view({}, first, store)[0]["visible"] is False, "one answer: no controls"
-    kept = h.versions_replacing({}, first, store)
     sampled = GREEDY._replace(temperature=1.0, seed=7)
     second = list(h.regenerate(first, SYSTEM, *sampled, request=None))[-1][1]
     assert second[:-1] == first[:-1] and second[-1] != first[-1], "sampling wrote another answer"
-    kept, row, label, back, forward = h.versions_written(kept, second, store)
+    # the answer replaced comes from the chat the Regenerate itself read when its turn came (Handlers.regenerated),
+    # nothing read before it: a handler outside the queue could read the page's chat mid-answer
+    kept, row, label, back, forward = h.versions_written({}, second, store)
     assert row["visible"] and label == "Answer 2 of 2"
     assert back["interactive"] and not forward["interactive"]
     kept, notice, row, label, back, forward, *view = h.versions_back(kept, second, store)
@@ -112,12 +113,13 @@ def test_the_handlers_keep_each_answer_and_flip_the_chat_and_its_store(bigram):
     assert chats.current(store)["messages"] == first, "the browser keeps the version shown"
     assert first[-1]["content"] in open(view["export_md"].value["path"], encoding="utf-8").read(), "and exports it"
     # a greedy Regenerate of the first (greedy) answer writes it again: that version, no third
-    kept = h.versions_replacing(kept, history, store)
     again = list(h.regenerate(history, SYSTEM, *GREEDY, request=None))[-1][1]
     assert again == first
     kept, row, label = h.versions_written(kept, again, store)[:3]
     assert row["visible"] and label == "Answer 1 of 2"
     assert dict(zip(CHATS_VIEW, h.versions_forward(kept, again, store)[6:]))["history"] == second
+    assert h.regenerated == {}, "each Regenerate's chat is read once"
+    assert h.versions_written(kept, again, store)[2] == "Answer 1 of 2", "and then nothing more is added"
     # a new message leaves the versions behind: the controls hide
     _, longer, _, _, _ = answer(h, "w6", again)
     row, label, _, _ = h.versions_view(kept, longer, store)
@@ -161,4 +163,21 @@ def test_the_chat_store_keeps_each_chats_versions_and_exports_leave_them_out(big
     later = [Q1, A2, {"role": "user", "content": "next"}, {"role": "assistant", "content": "b"}]
     saved = dict(zip(CHATS_VIEW, h.chats_save(later, store, kept)))["store"]
     assert "versions" not in chats.current(saved) and chats.current(saved)["messages"] == later
+
+
+def test_each_sessions_regenerated_chat_is_its_own_and_a_closed_tab_frees_it(bigram):
+    from app import session
+    from tests.app_server import FakeRequest
+
+    h = handlers_for(Engine(*bigram))
+    one, two = FakeRequest(session_hash="one"), FakeRequest(session_hash="two")
+    list(h.regenerate([Q1, A1], SYSTEM, *GREEDY, request=one))
+    list(h.regenerate([Q1, A2], SYSTEM, *GREEDY, request=two))
+    assert h.regenerated == {"one": [Q1, A1], "two": [Q1, A2]}
+    h.session_end(one)
+    assert list(h.regenerated) == ["two"]
+    for i in range(session.REGENERATED + 3):
+        h.regenerated[f"s{i}"] = []
+    list(h.regenerate([Q1, A1], SYSTEM, *GREEDY, request=one))
+    assert len(h.regenerated) == session.REGENERATED and "one" in h.regenerated and "two" not in h.regenerated
 
