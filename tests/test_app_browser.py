@@ -455,20 +455,25 @@ STOP_LATENCY_JS = """(press) => new Promise((resolve) => {
 })"""
 
 
+def slowed(served, monkeypatch, step_s: float) -> None:
+    """The served engine takes `step_s` a step (as a model on a CPU does), until the test ends."""
+    fast = served.manager.engine.generate
+
+    def slow(*args, **kwargs):
+        for ev in fast(*args, **kwargs):
+            time.sleep(step_s)
+            yield ev
+
+    monkeypatch.setattr(served.manager.engine, "generate", slow)
+
+
 def test_stop_and_esc_take_effect_within_half_a_second_while_streaming(page, served, monkeypatch):
     """A model at ~60 steps a second (a CPU's pace) writing a long answer: the page stays
     responsive, and Stop (the button, or Esc) shows the answer stopped within 0.5 s of the press.
     Each way is tried up to 3 times and its best press counts: on a loaded 2-core CI machine a press
     measured 519 / 556 ms once (browser, server and test sharing the cores); a stop that does not
     take effect (it waits for the answer, seconds) fails every try."""
-    fast = served.manager.engine.generate
-
-    def slow(*args, **kwargs):
-        for ev in fast(*args, **kwargs):
-            time.sleep(0.015)
-            yield ev
-
-    monkeypatch.setattr(served.manager.engine, "generate", slow)
+    slowed(served, monkeypatch, 0.015)
     box = page.locator("#max-new input[type=number]")
     if not box.is_visible():
         page.locator("#sampling").get_by_text("Sampling").first.click()
@@ -691,14 +696,7 @@ def test_a_regenerate_pressed_while_an_answer_is_written_keeps_that_whole_answer
     send(page, "w5 w9")  # greedy, 60 tokens: the answer the same message gets in the next new chat
     first = snapshot(page)["#chatbot"]
     new_chat()
-    fast = served.manager.engine.generate
-
-    def slow(*args, **kwargs):
-        for ev in fast(*args, **kwargs):
-            time.sleep(0.05)
-            yield ev
-
-    monkeypatch.setattr(served.manager.engine, "generate", slow)
+    slowed(served, monkeypatch, 0.05)
     temperature = page.locator("#temperature input[type=number]")
     if not temperature.is_visible():
         page.locator("#sampling").get_by_text("Sampling").first.click()
