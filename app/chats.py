@@ -32,8 +32,8 @@ UNTITLED = "New chat"
 MAX_IMPORT_BYTES = 5_000_000  # a browser's localStorage holds about 5 MB per site in all
 # What the store may take in the browser: Chromium's localStorage holds 5 MiB of UTF-16 code units per site (key and
 # value lengths: 5,242,308 characters of one value measured; other browsers give about as much), less the settings'
-# entry and some margin. Past it the browser refuses the
-# write (Gradio logs it to the console and nothing else): the chat stays on the page but is not kept.
+# entry and some margin. Past it the browser refuses the write (Gradio logs it to the console and nothing else): the
+# chat stays on the page but is not kept.
 STORAGE_CHARS = 5 * 2**20 - 40_000
 NEARLY_FULL = 0.9  # of STORAGE_CHARS: the visitor is told before it is full
 ROLES = ("user", "assistant")
