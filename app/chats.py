@@ -27,6 +27,7 @@ from app.errors import UserError
 
 VERSION = 1
 FORMAT = "eagle-chat conversation"
+FORMAT_ALL = "eagle-chat conversations"  # every chat of a browser in one file (export_all_file)
 TITLE_CHARS = 48
 UNTITLED = "New chat"
 MAX_IMPORT_BYTES = 5_000_000  # a browser's localStorage holds about 5 MB per site in all
@@ -112,7 +113,7 @@ def storage_note(store) -> str:
     """What the visitor should know about the room left for chats in this browser: "" while there is plenty."""
     used = stored_chars(store)
     mb = f"{used / 1e6:.1f} of about {STORAGE_CHARS / 1e6:.1f} MB"
-    fix = "Export the chats you want to keep (Manage chats → Export JSON), then delete old ones."
+    fix = "Export the chats you want to keep (Manage chats → Export all chats), then delete old ones."
     if used > STORAGE_CHARS:
         return (f"This browser's room for chats is full ({mb}): the latest changes are shown but not kept, and a "
                 f"reload would lose them. {fix}")
@@ -188,9 +189,31 @@ def export_files(chat: dict, folder: Path | None = None) -> tuple[str, str]:
     return str(md), str(js)
 
 
-def parse_import(raw: bytes, name: str = "the file") -> dict:
-    """An exported JSON file -> a new chat record (raises UserError naming the problem and the fix)."""
-    fix = "Choose a .json file saved with “Export JSON”."
+def to_json_all(store: dict) -> str:
+    """Every chat with messages, the most recently updated first, in one file (Import JSON reads it back)."""
+    ordered = sorted((c for c in store["chats"] if c["messages"]), key=lambda c: c.get("updated", 0), reverse=True)
+    data = {"format": FORMAT_ALL, "version": VERSION,
+            "chats": [{"title": c["title"], "messages": c["messages"]} for c in ordered]}
+    return json.dumps(data, ensure_ascii=False, indent=2)
+
+
+def export_all_file(store: dict, folder: Path | None = None) -> str | None:
+    """Write every chat of the store to one JSON file for the "Export all chats" button; None without any."""
+    if not any(c["messages"] for c in store["chats"]):
+        return None
+    # one file per browser, rewritten: keyed by one of its chats (the least id: another only once that one is deleted)
+    key = min(c["id"] for c in store["chats"])
+    folder = folder or Path(tempfile.gettempdir()) / "eagle-chat-exports" / f"all-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "eagle-chat-chats.json"
+    path.write_text(to_json_all(store), encoding="utf-8")
+    return str(path)
+
+
+def parse_import(raw: bytes, name: str = "the file") -> list[dict]:
+    """An exported JSON file (one chat, or every chat: "Export all chats") -> new chat records, in the file's order
+    (raises UserError naming the problem and the fix)."""
+    fix = "Choose a .json file saved with “Export JSON” or “Export all chats”."
     if len(raw) > MAX_IMPORT_BYTES:
         raise UserError(f"{name} is {len(raw):,} bytes; chats of at most {MAX_IMPORT_BYTES:,} bytes fit in the "
                         "browser's storage. Import a shorter chat.")
@@ -198,6 +221,17 @@ def parse_import(raw: bytes, name: str = "the file") -> dict:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{name} is not JSON ({e}). {fix}") from e
+    if isinstance(data, dict) and isinstance(data.get("chats"), list):
+        if not data["chats"]:
+            raise UserError(f"{name} holds no chats. {fix}")
+        records = [_chat_from(c, f"chat {i} of {name}", fix) for i, c in enumerate(data["chats"], 1)]
+        for i, record in enumerate(records):  # the picker lists them in the file's order (the newest first)
+            record["updated"] = records[0]["updated"] - i * 1e-3
+        return records
+    return [_chat_from(data, name, fix)]
+
+
+def _chat_from(data, name: str, fix: str) -> dict:
     messages = data.get("messages") if isinstance(data, dict) else data
     if not isinstance(messages, list):
         raise UserError(f"{name} has no \"messages\" list. {fix}")
@@ -209,15 +243,18 @@ def parse_import(raw: bytes, name: str = "the file") -> dict:
     return new_chat_record(messages, title=" ".join(title.split())[:200], named=bool(title.strip()))
 
 
-def add_imported(store, chat: dict) -> dict:
-    """The store with `chat` added and current; refused (UserError) where the store would not fit in the browser."""
+def add_imported(store, imported: dict | list[dict]) -> dict:
+    """The store with the imported chat(s) added, the first current; refused (UserError) where the store would not
+    fit in the browser."""
+    new = [imported] if isinstance(imported, dict) else list(imported)
     store = normal(store)
     chats = [c for c in store["chats"] if c["messages"] or c["id"] != store["current"]]  # drop an empty current
-    added = {**store, "current": chat["id"], "chats": [chat] + chats}
+    added = {**store, "current": new[0]["id"], "chats": new + chats}
     if stored_chars(added) > STORAGE_CHARS:
-        alone = stored_chars({**added, "chats": [chat]})
-        raise UserError(f"This chat does not fit in this browser's room for chats: it needs "
+        alone = stored_chars({**added, "chats": new})
+        what = "This chat does" if len(new) == 1 else f"These {len(new)} chats do"
+        raise UserError(f"{what} not fit in this browser's room for chats: {'it needs' if len(new) == 1 else 'they need'} "
                         f"{alone / 1e6:.1f} MB of about {STORAGE_CHARS / 1e6:.1f} MB, and the chats kept here use "
-                        f"{stored_chars(store) / 1e6:.1f} MB. " + ("Delete or export old chats first, then import it "
-                        "again." if alone <= STORAGE_CHARS else "Import a shorter chat."))
+                        f"{stored_chars(store) / 1e6:.1f} MB. " + ("Delete or export old chats first, then import again."
+                        if alone <= STORAGE_CHARS else "Import fewer or shorter chats."))
     return added

@@ -41,6 +41,7 @@ class ChatsView:
     title: Any = field(default_factory=skip)
     export_md: Any = field(default_factory=skip)
     export_json: Any = field(default_factory=skip)
+    export_all: Any = field(default_factory=skip)
     note: Any = field(default_factory=skip)
 
     def outputs(self) -> tuple:
@@ -59,10 +60,12 @@ def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
         note = f"{note} {room}" if note else room
     chat = chats.current(store)
     md, js = chats.export_files(chat) if chat["messages"] else (None, None)
+    every = chats.export_all_file(store)
     view = ChatsView(store=store, picker=gr.Dropdown(choices=chats.choices(store), value=store["current"]),
                      title=chat["title"] if chat["messages"] or chat.get("named") else "",
                      export_md=gr.DownloadButton(value=md, interactive=md is not None),
-                     export_json=gr.DownloadButton(value=js, interactive=js is not None), note=note)
+                     export_json=gr.DownloadButton(value=js, interactive=js is not None),
+                     export_all=gr.DownloadButton(value=every, interactive=every is not None), note=note)
     if messages:
         view.chatbot = view.history = chat["messages"]
     return view
@@ -107,9 +110,9 @@ class ChatsHandlers:
         def imported():
             path = Path(file) if file else None
             if path is None or not path.is_file():
-                raise UserError("No file arrived; choose a .json file saved with “Export JSON”.")
-            chat = chats.parse_import(path.read_bytes(), f"“{path.name}”")
-            return chats.add_imported(store, chat)
+                raise UserError("No file arrived; choose a .json file saved with “Export JSON” or “Export all "
+                                "chats”.")
+            return chats.add_imported(store, chats.parse_import(path.read_bytes(), f"“{path.name}”"))
 
         return self._switch(imported, request)
 
@@ -227,8 +230,9 @@ def chat_list() -> dict:
         with gr.Row():
             export_md = gr.DownloadButton("Export Markdown", elem_id="export-md", interactive=False)
             export_json = gr.DownloadButton("Export JSON", elem_id="export-json", interactive=False)
+            export_all = gr.DownloadButton("Export all chats", elem_id="export-all", interactive=False)
             upload = gr.UploadButton("Import JSON", file_types=[".json"], elem_id="import-json")
         gr.Markdown(KEPT_HERE, elem_id="kept-here")
     note = gr.Markdown(elem_id="chats-note")
     return dict(picker=picker, new=new, title=title, rename=rename, delete=delete, export_md=export_md,
-                export_json=export_json, upload=upload, note=note)
+                export_json=export_json, export_all=export_all, upload=upload, note=note)

@@ -364,6 +364,10 @@ def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch
     with page.expect_download() as got:
         page.locator("#export-md").click()
     assert "**You:**\n\nw11 w12" in open(got.value.path(), encoding="utf-8").read()
+    with page.expect_download() as got:
+        page.locator("#export-all").click()
+    every = json.loads(open(got.value.path(), encoding="utf-8").read())
+    assert every["chats"][0]["messages"] == exported["messages"], "every chat in one file, the newest first"
 
     page.locator("#new-chat").click()
     page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)

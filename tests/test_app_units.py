@@ -266,17 +266,39 @@ def test_export_and_import_round_trip_and_bad_files_are_refused_with_the_fix(tmp
     store = chats.save(chats.normal(None), [{"role": "user", "content": "Hi <b>"}, {"role": "assistant", "content": "Hello"}])
     md, js = chats.export_files(chats.current(store), tmp_path)
     assert open(md).read() == "# Hi <b>\n\n**You:**\n\nHi <b>\n\n**Assistant:**\n\nHello\n"
-    back = chats.parse_import(open(js, "rb").read())
+    [back] = chats.parse_import(open(js, "rb").read())
     assert back["messages"] == chats.current(store)["messages"] and back["title"] == "Hi <b>"
     both = chats.add_imported(store, back)
     assert both["current"] == back["id"] and len(both["chats"]) == 2
     assert len(chats.add_imported(chats.normal(None), back)["chats"]) == 1, "an empty chat gives way"
     for raw, problem in [(b"{oops", "is not JSON"), (b'{"title": "t"}', 'has no "messages" list'),
                          (b'{"messages": [{"role": "system", "content": "x"}]}', "Message 1 of the file is not"),
-                         (b" " * (chats.MAX_IMPORT_BYTES + 1), "chats of at most 5,000,000 bytes")]:
+                         (b" " * (chats.MAX_IMPORT_BYTES + 1), "chats of at most 5,000,000 bytes"),
+                         (b'{"chats": []}', "holds no chats"),
+                         (b'{"chats": [{"messages": []}, {"title": "t"}]}', 'chat 2 of the file has no "messages"')]:
         with pytest.raises(UserError, match=problem) as e:
             chats.parse_import(raw)
         assert "Export JSON" in str(e.value) or "shorter" in str(e.value)
+
+
+def test_every_chat_exports_to_one_file_and_imports_back_the_newest_first(tmp_path):
+    from app import chats
+
+    store = chats.normal(None)
+    for text in ("first", "second", "third"):
+        store = chats.save(chats.start_new(store), [{"role": "user", "content": text},
+                                                     {"role": "assistant", "content": text.upper()}])
+    store = chats.start_new(store)  # an empty chat is left out
+    path = chats.export_all_file(store, tmp_path)
+    data = json.loads(open(path, encoding="utf-8").read())
+    assert data["format"] == chats.FORMAT_ALL and [c["title"] for c in data["chats"]] == ["third", "second", "first"]
+    back = chats.parse_import(open(path, "rb").read())
+    assert [c["messages"][1]["content"] for c in back] == ["THIRD", "SECOND", "FIRST"]
+    restored = chats.add_imported(chats.normal(None), back)
+    assert [c["title"] for c in restored["chats"]] == ["third", "second", "first"]
+    assert chats.current(restored)["title"] == "third"
+    assert [label for label, _ in chats.choices(restored)] == ["third", "second", "first"], "the picker's order"
+    assert chats.export_all_file(chats.normal(None), tmp_path) is None, "nothing to export without a message"
 
 
 def test_stored_settings_keep_their_defaults_where_a_value_is_missing_or_invalid():
@@ -337,12 +359,12 @@ def test_a_chat_that_would_not_fit_in_the_browser_is_refused_and_a_nearly_full_o
     store = chats.save(chats.normal(None), [{"role": "user", "content": "kept"}])
     big = chats.parse_import(json.dumps({"messages": [{"role": "user", "content": "x" * 3_600_000}]}).encode())
     full = chats.add_imported(store, big)
-    assert "nearly full" in chats.storage_note(full) and "Export JSON" in chats.storage_note(full)
-    with pytest.raises(UserError, match=r"does not fit in this browser.s room for chats: it needs 1\.3 MB") as e:
+    assert "nearly full" in chats.storage_note(full) and "Export all chats" in chats.storage_note(full)
+    with pytest.raises(UserError, match=r"This chat does not fit in this browser.s room for chats: it needs 1\.3 MB") as e:
         chats.add_imported(full, chats.parse_import(json.dumps({"messages": [
             {"role": "user", "content": "y" * 1_000_000}]}).encode()))
     assert "Delete or export old chats first" in str(e.value)
-    with pytest.raises(UserError, match="Import a shorter chat"):
+    with pytest.raises(UserError, match="Import fewer or shorter chats"):
         chats.add_imported(store, chats.parse_import(json.dumps({"messages": [
             {"role": "user", "content": "z" * 4_000_000}]}).encode()))
     over = chats.save(full, [{"role": "user", "content": "x" * 3_600_000}, {"role": "assistant", "content": "w" * 900_000}])
