@@ -51,16 +51,27 @@ def new_chat_record(messages: list | None = None, title: str = "", named: bool =
             "messages": messages, "updated": time.time()}
 
 
+def _records(store) -> list[dict]:
+    """The chat records of whatever the browser held (none at first visit, or from an older shape)."""
+    if not isinstance(store, dict) or not isinstance(store.get("chats"), list):
+        return []
+    return [c for c in store["chats"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+
+def current_id(store) -> str | None:
+    """The id of the chat `normal(store)` makes current, without copying the store; None where it holds no chat."""
+    ids = [c["id"] for c in _records(store)]
+    if not ids:
+        return None
+    return store.get("current") if store.get("current") in ids else ids[0]
+
+
 def normal(store) -> dict:
     """A usable store from whatever the browser held (None at first visit, or an older shape)."""
-    if not isinstance(store, dict) or not isinstance(store.get("chats"), list):
-        return empty_store()
-    chats = [c for c in store["chats"] if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    chats = _records(store)
     if not chats:
         return empty_store()
-    ids = [c["id"] for c in chats]
-    current = store.get("current") if store.get("current") in ids else ids[0]
-    return {"version": VERSION, "current": current, "chats": copy.deepcopy(chats)}
+    return {"version": VERSION, "current": current_id(store), "chats": copy.deepcopy(chats)}
 
 
 def current(store: dict) -> dict:
@@ -109,9 +120,9 @@ def stored_chars(store) -> int:
     return 24 + 1 + 4 * -(-(16 + (n // 16 + 1) * 16) // 3)
 
 
-def storage_note(store) -> str:
-    """What the visitor should know about the room left for chats in this browser: "" while there is plenty."""
-    used = stored_chars(store)
+def storage_note(used: int) -> str:
+    """What the visitor should know about the room left for chats in this browser, the store taking `used`
+    characters there (stored_chars): "" while there is plenty."""
     mb = f"{used / 1e6:.1f} of about {STORAGE_CHARS / 1e6:.1f} MB"
     fix = "Export the chats you want to keep (Manage chats → Export all chats), then delete old ones."
     if used > STORAGE_CHARS:

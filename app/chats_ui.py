@@ -55,8 +55,9 @@ def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
     """Everything that follows from the store: the picker, the title box, the export files,
     how much room the browser has left for it (a toast and the note, when it is short) and,
     with `messages`, the current chat in the conversation."""
-    if room := chats.storage_note(store):  # a toast too once nothing more is kept
-        room = user_error(room) if chats.stored_chars(store) > chats.STORAGE_CHARS else room
+    used = chats.stored_chars(store)
+    if room := chats.storage_note(used):  # a toast too once nothing more is kept
+        room = user_error(room) if used > chats.STORAGE_CHARS else room
         note = f"{note} {room}" if note else room
     chat = chats.current(store)
     md, js = chats.export_files(chat) if chat["messages"] else (None, None)
@@ -93,7 +94,7 @@ class ChatsHandlers:
         return self._switch(lambda: chats.start_new(store), request)
 
     def chats_select(self, chat_id, store, request: gr.Request = None):
-        if chat_id == chats.normal(store)["current"]:
+        if chat_id == chats.current_id(store):
             return ChatsView().outputs()  # the picker echoing a switch made elsewhere
         return self._switch(lambda: chats.select(store, chat_id), request)
 
@@ -130,7 +131,7 @@ class ChatsHandlers:
     def versions_written(self, kept, history, store, request: gr.Request = None):
         """After a Regenerate: the answer it replaced (in the chat it read, `regenerated`) and the one it wrote are
         versions of the chat's last answer, the new one shown. -> (versions, *the flip controls)"""
-        chat_id = chats.normal(store)["current"]
+        chat_id = chats.current_id(store)
         replaced = self.regenerated.pop(session_of(request), None)
         if replaced is not None:
             kept = versions.replacing(kept, chat_id, replaced)
@@ -192,7 +193,7 @@ class ChatsHandlers:
 def versions_nav(kept, history, store) -> tuple:
     """(the flip controls' row, their label, back, forward) for the chat shown: hidden unless its last answer
     has other versions; back and forward greyed out at the first and the last."""
-    chat_id, history = chats.normal(store)["current"], history or []
+    chat_id, history = chats.current_id(store), history or []
     now = versions.current(kept, chat_id, history)
     text = versions.label(kept, chat_id, history)
     if not text:

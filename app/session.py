@@ -243,8 +243,9 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
         # the chat as this Regenerate reads it, queued behind any answer still being written: its last answer is
         # the one replaced (a handler outside the queue could read a chat mid-answer)
-        self.regenerated[session_of(request)] = history
-        self.regenerated.move_to_end(session_of(request))
+        session = session_of(request)
+        self.regenerated[session] = history
+        self.regenerated.move_to_end(session)
         while len(self.regenerated) > REGENERATED:
             self.regenerated.popitem(last=False)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)

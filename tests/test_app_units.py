@@ -241,6 +241,9 @@ def test_the_chat_store_keeps_chats_apart_and_never_changes_its_argument():
                                {"role": "assistant", "content": "Sure."}])
     assert chats.current(store)["messages"] == [], "the argument is left as it was"
     assert chats.current(first)["title"] == "Plan a trip to Oslo"
+    assert chats.current_id(first) == first["current"] and chats.current_id({**first, "current": "gone"}) == \
+        first["chats"][0]["id"], "the current chat's id, as normal() chooses it"
+    assert chats.current_id(None) is None and chats.current_id({"chats": [{"title": "no id"}]}) is None
     assert chats.current(first)["messages"][0] == {"role": "user", "content": "Plan  a\ntrip to Oslo"}
     second = chats.start_new(first)
     assert second["current"] != first["current"] and len(second["chats"]) == 2
@@ -359,7 +362,8 @@ def test_a_chat_that_would_not_fit_in_the_browser_is_refused_and_a_nearly_full_o
     store = chats.save(chats.normal(None), [{"role": "user", "content": "kept"}])
     big = chats.parse_import(json.dumps({"messages": [{"role": "user", "content": "x" * 3_600_000}]}).encode())
     full = chats.add_imported(store, big)
-    assert "nearly full" in chats.storage_note(full) and "Export all chats" in chats.storage_note(full)
+    note = chats.storage_note(chats.stored_chars(full))
+    assert "nearly full" in note and "Export all chats" in note
     with pytest.raises(UserError, match=r"This chat does not fit in this browser.s room for chats: it needs 1\.3 MB") as e:
         chats.add_imported(full, chats.parse_import(json.dumps({"messages": [
             {"role": "user", "content": "y" * 1_000_000}]}).encode()))
@@ -368,5 +372,5 @@ def test_a_chat_that_would_not_fit_in_the_browser_is_refused_and_a_nearly_full_o
         chats.add_imported(store, chats.parse_import(json.dumps({"messages": [
             {"role": "user", "content": "z" * 4_000_000}]}).encode()))
     over = chats.save(full, [{"role": "user", "content": "x" * 3_600_000}, {"role": "assistant", "content": "w" * 900_000}])
-    assert chats.storage_note(over).startswith("This browser's room for chats is full")
-    assert chats.storage_note(store) == ""
+    assert chats.storage_note(chats.stored_chars(over)).startswith("This browser's room for chats is full")
+    assert chats.storage_note(chats.stored_chars(store)) == ""

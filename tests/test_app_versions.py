@@ -9,8 +9,7 @@ from app import chats, versions
 from app.chats_ui import BUSY_FLIP, CHATS_VIEW
 from core.decoding.engine import Engine
 from tests.app_server import LOCAL
-from tests.test_app_handlers import GREEDY, SYSTEM, answer, handlers_for
-from tests.tiny import oracle_head, tiny_target
+from tests.test_app_handlers import GREEDY, SYSTEM, answer, bigram, handlers_for  # noqa: F401 (bigram: a fixture)
 
 Q1, A1, A2, A3 = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
                   {"role": "assistant", "content": "a2"}, {"role": "assistant", "content": "a3"})
@@ -82,12 +81,6 @@ def test_kept_versions_are_plain_json_and_a_damaged_value_is_ignored():
         new = [Q1, {"role": "assistant", "content": f"v{i}"}]
         many, chat = regenerated(many, chat, new), new
     assert versions.label(many, "c1", chat) == f"Answer {versions.MAX_VERSIONS} of {versions.MAX_VERSIONS}"
-
-
-@pytest.fixture(scope="module")
-def bigram():
-    target = tiny_target(mix=0.0, max_pos=96)
-    return target, oracle_head(target)
 
 
 def test_the_handlers_keep_each_answer_and_flip_the_chat_and_its_store(bigram):
