@@ -240,8 +240,9 @@ class AnswerView:
                          f"{'s' if self.copied_steps > 1 else ''}, {self.copied_accepted} tokens accepted")
         waited = ""
         if self.first_token_s is not None:  # what the visitor saw, from their Send
-            waited = (f"**First token after {self.first_token_s:.1f} s · {self.total_tokens} tokens in "
-                      f"{self.wall_s:.1f} s** (your wait, from Send)\n\n")
+            # from the figures the raw numbers hold (0.44996 s is 0.45 there, so 0.5 here too, not 0.4)
+            waited = (f"**First token after {round(self.first_token_s, 3):.1f} s · {self.total_tokens} tokens in "
+                      f"{round(self.wall_s, 3):.1f} s** (your wait, from Send)\n\n")
         context = (f" · context {self.prompt_tokens + self.total_tokens:,} of {self.max_context:,} tokens"
                    if self.max_context else "")
         seed = (f" · sampled with seed {self.seed} (type it into Sampling → Seed for this answer again, "

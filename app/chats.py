@@ -4,12 +4,13 @@ The store lives in a gr.BrowserState (the browser's localStorage, encrypted); th
 no copy between requests and nothing leaves the machine. It is a plain JSON value:
 
     {"version": 1, "current": "<id>", "chats": [Chat, ...]}   Chat: {"id", "title", "named",
-                                                                   "messages", "updated"[, "versions"]}
+                                                                   "messages", "updated"[, "system"][, "versions"]}
 
 `messages` are the chat's {"role", "content"} turns with text content; `named` is True once the
-visitor renamed the chat (else the title follows its first message); `versions`, where a Regenerate
-kept some, the answers its last answer replaced (app.versions; exports leave them out). Every
-operation returns a new store and leaves its argument unchanged.
+visitor renamed the chat (else the title follows its first message); `system`, the system prompt the
+chat is written with (chats kept before it was kept have none: they take the one shown); `versions`,
+where a Regenerate kept some, the answers its last answer replaced (app.versions; exports leave them
+out). Every operation returns a new store and leaves its argument unchanged.
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def empty_store() -> dict:
     return {"version": VERSION, "current": chat["id"], "chats": [chat]}
 
 
-def new_chat_record(messages: list | None = None, title: str = "", named: bool = False) -> dict:
+def new_chat_record(messages: list | None = None, title: str = "", named: bool = False,
+                    system: str | None = None) -> dict:
     messages = clean_messages(messages or [])
-    return {"id": uuid.uuid4().hex[:12], "title": title or auto_title(messages), "named": named,
-            "messages": messages, "updated": time.time()}
+    record = {"id": uuid.uuid4().hex[:12], "title": title or auto_title(messages), "named": named,
+              "messages": messages, "updated": time.time()}
+    if system is not None:
+        record["system"] = system
+    return record
 
 
 def _records(store) -> list[dict]:
@@ -78,6 +83,20 @@ def current(store: dict) -> dict:
     return next(c for c in store["chats"] if c["id"] == store["current"])
 
 
+def system_of(chat: dict) -> str | None:
+    """The system prompt a chat is written with; None for a chat kept before chats kept theirs."""
+    return chat["system"] if isinstance(chat.get("system"), str) else None
+
+
+def keep_system(store, system: str | None) -> dict:
+    """The current chat is now written with `system` (None: unchanged). Its place in the list stays: the
+    prompt is a setting of the chat, not a new turn."""
+    store = normal(store)
+    if system is not None:
+        current(store)["system"] = system
+    return store
+
+
 def clean_messages(messages: list) -> list[dict]:
     """The UI history -> stored turns: text content, user and assistant roles only."""
     return [{"role": m["role"], "content": flatten(m.get("content"))}
@@ -92,10 +111,10 @@ def auto_title(messages: list[dict]) -> str:
     return words if len(words) <= TITLE_CHARS else words[:TITLE_CHARS - 1].rstrip() + "…"
 
 
-def save(store, messages: list, versions: dict | None = None) -> dict:
-    """The current chat now holds `messages` (its title follows them unless renamed) and `versions` (the JSON
-    value app.versions keeps for it; None: none)."""
-    store = normal(store)
+def save(store, messages: list, versions: dict | None = None, system: str | None = None) -> dict:
+    """The current chat now holds `messages` (its title follows them unless renamed), `versions` (the JSON
+    value app.versions keeps for it; None: none) and, unless None, the system prompt `system`."""
+    store = keep_system(store, system)
     chat = current(store)
     chat["messages"] = clean_messages(messages)
     chat.pop("versions", None)
@@ -133,12 +152,13 @@ def storage_note(used: int) -> str:
     return ""
 
 
-def start_new(store) -> dict:
-    """A new empty chat becomes current (an empty current chat is reused instead)."""
+def start_new(store, system: str | None = None) -> dict:
+    """A new empty chat, written with `system` (unless None), becomes current (an empty current chat is reused
+    instead)."""
     store = normal(store)
     if not current(store)["messages"]:
-        return store
-    chat = new_chat_record()
+        return keep_system(store, system)
+    chat = new_chat_record(system=system)
     return {**store, "current": chat["id"], "chats": [chat] + store["chats"]}
 
 
@@ -179,13 +199,21 @@ def choices(store: dict) -> list[tuple[str, str]]:
 
 def to_markdown(chat: dict) -> str:
     parts = [f"# {chat['title']}\n"]
+    if system_of(chat):
+        parts.append(f"**System prompt:**\n\n{chat['system']}\n")
     for m in chat["messages"]:
         parts.append(f"**{'You' if m['role'] == 'user' else 'Assistant'}:**\n\n{m['content']}\n")
     return "\n".join(parts)
 
 
+def _exported(chat: dict) -> dict:
+    """A chat as export files hold it: its title, its system prompt where it has one, its messages."""
+    system = system_of(chat)
+    return {"title": chat["title"], **({"system": system} if system is not None else {}), "messages": chat["messages"]}
+
+
 def to_json(chat: dict) -> str:
-    data = {"format": FORMAT, "version": VERSION, "title": chat["title"], "messages": chat["messages"]}
+    data = {"format": FORMAT, "version": VERSION, **_exported(chat)}
     return json.dumps(data, ensure_ascii=False, indent=2)
 
 
@@ -204,7 +232,7 @@ def to_json_all(store: dict) -> str:
     """Every chat with messages, the most recently updated first, in one file (Import JSON reads it back)."""
     ordered = sorted((c for c in store["chats"] if c["messages"]), key=lambda c: c.get("updated", 0), reverse=True)
     data = {"format": FORMAT_ALL, "version": VERSION,
-            "chats": [{"title": c["title"], "messages": c["messages"]} for c in ordered]}
+            "chats": [_exported(c) for c in ordered]}
     return json.dumps(data, ensure_ascii=False, indent=2)
 
 
@@ -251,7 +279,10 @@ def _chat_from(data, name: str, fix: str) -> dict:
             raise UserError(f"Message {i} of {name} is not {{\"role\": \"user\" or \"assistant\", \"content\": "
                             f"text}}. {fix}")
     title = data.get("title") if isinstance(data, dict) and isinstance(data.get("title"), str) else ""
-    return new_chat_record(messages, title=" ".join(title.split())[:200], named=bool(title.strip()))
+    system = data.get("system") if isinstance(data, dict) else None
+    if system is not None and not isinstance(system, str):
+        raise UserError(f"The \"system\" prompt of {name} is not text. {fix}")
+    return new_chat_record(messages, title=" ".join(title.split())[:200], named=bool(title.strip()), system=system)
 
 
 def add_imported(store, imported: dict | list[dict]) -> dict:

@@ -43,6 +43,7 @@ class ChatsView:
     export_json: Any = field(default_factory=skip)
     export_all: Any = field(default_factory=skip)
     note: Any = field(default_factory=skip)
+    system: Any = field(default_factory=skip)  # the System prompt box: the chat's own, where one is shown
 
     def outputs(self) -> tuple:
         return tuple(getattr(self, name) for name in CHATS_VIEW)
@@ -51,10 +52,11 @@ class ChatsView:
 CHATS_VIEW = tuple(ChatsView.__dataclass_fields__)
 
 
-def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
+def shown(store: dict, *, messages=True, note: str = "", system: bool | None = None) -> ChatsView:
     """Everything that follows from the store: the picker, the title box, the export files,
     how much room the browser has left for it (a toast and the note, when it is short) and,
-    with `messages`, the current chat in the conversation."""
+    with `messages`, the current chat in the conversation and, with `system` (by default as `messages`), its system
+    prompt in the box (where it keeps one: a chat kept before chats kept theirs takes the one shown)."""
     used = chats.stored_chars(store)
     if room := chats.storage_note(used):  # a toast too once nothing more is kept
         room = user_error(room) if used > chats.STORAGE_CHARS else room
@@ -69,6 +71,8 @@ def shown(store: dict, *, messages=True, note: str = "") -> ChatsView:
                      export_all=gr.DownloadButton(value=every, interactive=every is not None), note=note)
     if messages:
         view.chatbot = view.history = chat["messages"]
+    if (messages if system is None else system) and chats.system_of(chat) is not None:
+        view.system = chats.system_of(chat)
     return view
 
 
@@ -83,20 +87,22 @@ class ChatsHandlers:
         store = chats.normal(store)
         return (*shown(store, messages=not history).outputs(), chats.kept_versions(store))
 
-    def chats_save(self, history, store, kept=None):
-        """After an answer (or Clear): the current chat now holds the conversation shown, and its
-        answer versions (app.versions)."""
+    def chats_save(self, history, store, kept=None, system=None):
+        """After an answer (or Clear): the current chat now holds the conversation shown, its
+        answer versions (app.versions) and the system prompt shown."""
         store, history = chats.normal(store), history or []
         now = versions.current(kept, store["current"], history)  # those a new message left behind are not saved
-        return shown(chats.save(store, history, now.as_json() if now else None), messages=False).outputs()
+        return shown(chats.save(store, history, now.as_json() if now else None, system), messages=False).outputs()
 
-    def chats_new(self, store, request: gr.Request = None):
-        return self._switch(lambda: chats.start_new(store), request)
+    # A switch keeps the system prompt shown with the chat it leaves (typed and not yet sent, it would be lost) and
+    # shows the one the next chat keeps; a new chat starts with the one shown.
+    def chats_new(self, store, system=None, request: gr.Request = None):
+        return self._switch(lambda: chats.start_new(chats.keep_system(store, system), system), request)
 
-    def chats_select(self, chat_id, store, request: gr.Request = None):
+    def chats_select(self, chat_id, store, system=None, request: gr.Request = None):
         if chat_id == chats.current_id(store):
             return ChatsView().outputs()  # the picker echoing a switch made elsewhere
-        return self._switch(lambda: chats.select(store, chat_id), request)
+        return self._switch(lambda: chats.select(chats.keep_system(store, system), chat_id), request)
 
     def chats_delete(self, store, request: gr.Request = None):
         return self._switch(lambda: chats.delete(store), request)
@@ -107,13 +113,14 @@ class ChatsHandlers:
         except UserError as e:
             return ChatsView(note=user_error(str(e))).outputs()
 
-    def chats_import(self, file, store, request: gr.Request = None):
+    def chats_import(self, file, store, system=None, request: gr.Request = None):
         def imported():
             path = Path(file) if file else None
             if path is None or not path.is_file():
                 raise UserError("No file arrived; choose a .json file saved with “Export JSON” or “Export all "
                                 "chats”.")
-            return chats.add_imported(store, chats.parse_import(path.read_bytes(), f"“{path.name}”"))
+            return chats.add_imported(chats.keep_system(store, system),
+                                      chats.parse_import(path.read_bytes(), f"“{path.name}”"))
 
         return self._switch(imported, request)
 
@@ -162,7 +169,7 @@ class ChatsHandlers:
         now = versions.current(kept, store["current"], chat)
         notice = FLIPPED.format(shown=now.shown + 1, count=len(now.answers))
         return (kept, notice, *versions_nav(kept, chat, store),
-                *shown(chats.save(store, chat, now.as_json())).outputs())
+                *shown(chats.save(store, chat, now.as_json()), system=False).outputs())
 
     # ---- settings ---------------------------------------------------------------------------
     @staticmethod
@@ -170,9 +177,10 @@ class ChatsHandlers:
         """Any setting changed: keep them all (the order of ChatSettings.names())."""
         return {"system": system or "", **asdict(ChatSettings(*values))}
 
-    def settings_load(self, stored, system, *values):
+    def settings_load(self, stored, store, system, *values):
         """Page load: the settings kept in this browser, each checked as the chat would check it.
-        Speculation stays off when this model cannot speculate."""
+        Speculation stays off when this model cannot speculate. The system prompt is the open chat's own where it
+        has messages and keeps one, else the one typed last in this browser."""
         spec_ok = self.manager.backend is None and self.manager.engine is not None and self.manager.engine.has_head
         spec_at = 1 + ChatSettings.names().index("spec")
         if not isinstance(stored, dict):  # nothing kept in this browser: leave the controls as they are now
@@ -183,8 +191,11 @@ class ChatsHandlers:
             return tuple(updates)
         shown_now = ChatSettings(*values)
         kept = ChatSettings.stored(stored, shown_now)
-        kept_system = stored.get("system") if isinstance(stored, dict) and isinstance(stored.get("system"), str) \
-            else system
+        chat = chats.current(chats.normal(store))
+        if chat["messages"] and chats.system_of(chat) is not None:  # chats_load showed it already
+            kept_system = chats.system_of(chat)
+        else:
+            kept_system = stored.get("system") if isinstance(stored.get("system"), str) else system
         updates = [kept_system] + [getattr(kept, name) for name in ChatSettings.names()]
         updates[spec_at] = kept.spec and spec_ok
         return tuple(updates)

@@ -171,7 +171,8 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                             regen = gr.Button("Regenerate", elem_id="regenerate")
                             more = gr.Button("Continue", elem_id="continue")
                             clear = gr.Button("Clear", elem_id="clear")
-                        system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2)
+                        system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2, elem_id="system",
+                                             info="Kept with each chat; a new chat starts with the one shown.")
                     with gr.Column(scale=2):
                         spec = gr.Checkbox(label="Speculative decoding (EAGLE)", elem_id="speculative",
                                            **props["spec"])
@@ -227,12 +228,12 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                      tree_size=tree_size, highlight=highlight, seed=seed)
         settings = [named[name] for name in ChatSettings.names()]  # the handlers' parameter order
         history = gr.State([])
-        view = dict(store=store, chatbot=chatbot, history=history, **listing)
+        view = dict(store=store, chatbot=chatbot, history=history, system=system, **listing)
         chats_out = [view[name] for name in CHATS_VIEW]
         # versions of the chat's last answer (app.versions), every chat's: loaded from the store with the page and
         # kept in it with the chat
         versions = gr.State({})
-        save = dict(fn=h.chats_save, inputs=[history, store, versions], outputs=chats_out, api_visibility="private",
+        save = dict(fn=h.chats_save, inputs=[history, store, versions, system], outputs=chats_out, api_visibility="private",
                     show_progress="hidden")
         outs = [chatbot, history, box, chart, stats, stats_json, tokens, notice]
         # one generation at a time on the shared engine, whichever button started it; the
@@ -284,7 +285,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         # the chat's own trash icon is the Clear button too (it emptied the view only: the next message
         # brought the whole conversation back)
         chatbot.clear(h.clear, None, outs, api_visibility="private", queue=False).then(**save).then(**view_versions)
-        chat_events(h, listing, store, chats_out, view_versions)
+        chat_events(h, listing, store, system, chats_out, view_versions)
         # every setting is kept with all the others, as they are when it runs; "always_last": a change
         # made while the last one is still being kept runs after it (Gradio's default for input
         # events, "once", drops it: a second setting typed quickly, a slider's last position)
@@ -310,25 +311,26 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
             .then(h.chats_load, [store, history], chats_out + [versions], api_visibility="private",
                   show_progress="hidden") \
             .then(h.versions_view, [versions, history, store], nav, api_visibility="private", show_progress="hidden") \
-            .then(h.settings_load, [kept_settings, system] + settings, [system] + settings, api_visibility="private",
+            .then(h.settings_load, [kept_settings, store, system] + settings, [system] + settings, api_visibility="private",
                   show_progress="hidden")
         demo.unload(h.session_end)
     return app
 
 
-def chat_events(h: Handlers, listing: dict, store, chats_out: list, then: dict) -> None:
+def chat_events(h: Handlers, listing: dict, store, system, chats_out: list, then: dict) -> None:
     """The chat list's buttons; each shows its result through the same outputs (CHATS_VIEW), `then` after
-    those that change the chat shown (the flip controls of its last answer's versions)."""
+    those that change the chat shown (the flip controls of its last answer's versions). Those that switch chats read
+    the system prompt shown too: the chat left keeps it."""
     private = dict(outputs=chats_out, api_visibility="private", queue=False, show_progress="hidden")
-    listing["new"].click(h.chats_new, store, **private).then(**then)
+    listing["new"].click(h.chats_new, [store, system], **private).then(**then)
     # a chat picked while the last pick is still loading loads after it ("once" would drop it and
     # leave the picker naming one chat over another's messages)
-    listing["picker"].input(h.chats_select, [listing["picker"], store], trigger_mode="always_last",
+    listing["picker"].input(h.chats_select, [listing["picker"], store, system], trigger_mode="always_last",
                             **private).then(**then)
     listing["rename"].click(h.chats_rename, [listing["title"], store], **private)
     listing["title"].submit(h.chats_rename, [listing["title"], store], **private)
     listing["delete"].click(h.chats_delete, store, **private).then(**then)
-    listing["upload"].upload(h.chats_import, [listing["upload"], store], **private).then(**then)
+    listing["upload"].upload(h.chats_import, [listing["upload"], store, system], **private).then(**then)
 
 
 def models_tab(h: Handlers, manager: ModelManager, status, tree_origin, controls: list) -> list:

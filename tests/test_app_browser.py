@@ -403,6 +403,49 @@ def test_a_reload_keeps_the_chat_and_settings_and_chats_export_import_and_switch
     assert page.evaluate("document.querySelector('#chat-pick input').value") == "Imported one"
 
 
+def test_each_chat_keeps_its_system_prompt_through_switches_a_reload_and_its_export(page):
+    system = "#system textarea"
+    shows = lambda text: page.wait_for_function(  # noqa: E731
+        f"document.querySelector({json.dumps(system)})?.value === {json.dumps(text)}", timeout=10_000)
+
+    def pick(title: str) -> None:
+        page.locator("#chat-pick input").click()
+        page.get_by_role("option", name=title).click()
+
+    page.locator("#new-chat").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    page.locator(system).fill("You are a pirate.")
+    send(page, "w31 w32")
+    pirate = snapshot(page)["#chatbot"]
+    page.locator("#new-chat").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    shows("You are a pirate.")  # a new chat starts with the one shown
+    page.locator(system).fill("Answer in verse.")
+    send(page, "w41")
+    pick("w31 w32")
+    wait_for_chat(page, pirate)
+    shows("You are a pirate.")
+    page.locator(system).fill("You are a sly pirate.")  # typed, not sent: kept with this chat when another is picked
+    pick("w41")
+    shows("Answer in verse.")
+    page.locator(system).fill("Answer in rhyme.")  # typed last in this browser, in the other chat
+    pick("w31 w32")
+    shows("You are a sly pirate.")
+    page.reload()
+    wait_for_chat(page, pirate)
+    page.wait_for_timeout(1_500)  # the saved settings arrive after the chat: the open chat's prompt must stay
+    page.locator("#sampling").get_by_text("Sampling").first.click()
+    wait_for_kept_settings(page)
+    shows("You are a sly pirate.")
+    page.locator("#manage-chats").get_by_text("Manage chats").first.click()
+    with page.expect_download() as got:
+        page.locator("#export-json").click()
+    assert json.loads(open(got.value.path(), encoding="utf-8").read())["system"] == "You are a sly pirate."
+    page.locator("#manage-chats").get_by_text("Manage chats").first.click()
+    page.locator("#new-chat").click()  # the other tests' chats start with the default prompt again
+    page.locator(system).fill("You are a helpful assistant.")
+
+
 def test_settings_typed_in_quick_succession_are_all_kept(page, served):
     """Keeping the settings slowed to 0.4 s on the server: a second setting typed while the first is
     still being kept is kept too, and both show after a reload (Gradio's default trigger mode for

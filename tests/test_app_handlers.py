@@ -656,15 +656,15 @@ def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_wh
     kept settings are restored, each checked; without a head speculation is switched off either way."""
     values = tuple(ChatSettings(max_new=60).__dict__.values())
     h = handlers_for(Engine(*bigram))
-    fresh = h.settings_load(None, "sys", *values)
+    fresh = h.settings_load(None, None, "sys", *values)
     assert len(fresh) == 1 + len(values) and all(isinstance(u, type(gr.skip())) for u in fresh)
-    kept = h.settings_load({"system": "kept", "max_new": 77, "depth": "x"}, "sys", *values)
+    kept = h.settings_load({"system": "kept", "max_new": 77, "depth": "x"}, None, "sys", *values)
     assert kept[0] == "kept" and len(kept) == 1 + len(values)
     assert dict(zip(ChatSettings.names(), kept[1:]))["max_new"] == 77
     assert dict(zip(ChatSettings.names(), kept[1:]))["depth"] == ChatSettings().depth  # unparsable: the value shown
     no_head = handlers_for(Engine(bigram[0]))
     spec_at = 1 + ChatSettings.names().index("spec")
-    fresh = no_head.settings_load(None, "sys", *values)
+    fresh = no_head.settings_load(None, None, "sys", *values)
     assert fresh[spec_at] is False and all(isinstance(u, type(gr.skip())) for i, u in enumerate(fresh) if i != spec_at)
 
 
