@@ -22,8 +22,8 @@ STORE_KEY, SETTINGS_KEY = "eagle-chat-chats", "eagle-chat-settings"
 KEPT_HERE = "Chats and settings are kept in this browser only; nothing is sent anywhere."
 BUSY = "An answer is being written: press Stop (or wait for it), then switch chats."
 BUSY_FLIP = "An answer is being written: press Stop (or wait for it), then flip between answers."
-FLIPPED = ("Showing answer {shown} of {count}: Continue, Regenerate and your next message go on from it (the panel "
-           "on the right describes the answer written last).")
+FLIPPED = ("Showing {which}: Continue, Regenerate and your next message go on from it (the panel on the right "
+           "describes the answer written last).")
 
 
 def skip():
@@ -78,7 +78,7 @@ def shown(store: dict, *, messages=True, note: str = "", system: bool | None = N
 
 class ChatsHandlers:
     """Mixed into app.session.Handlers, which provides `tickets` (who has an answer running) and `regenerated` (the
-    chat each session's last Regenerate read)."""
+    chat each session's last Regenerate or edit read, and the point it turned at)."""
 
     def chats_load(self, store, history):
         """Page load: the chat the visitor had open, as it was (unless a message was sent before
@@ -134,15 +134,14 @@ class ChatsHandlers:
         except UserError as e:
             return ChatsView(note=user_error(str(e))).outputs()
 
-    # ---- versions of the last answer (app.versions) ------------------------------------------
+    # ---- versions from the chat's latest turning point (app.versions) -------------------------
     def versions_written(self, kept, history, store, request: gr.Request = None):
-        """After a Regenerate: the answer it replaced (in the chat it read, `regenerated`) and the one it wrote are
-        versions of the chat's last answer, the new one shown. -> (versions, *the flip controls)"""
+        """After a Regenerate or an edit: what it replaced (in the chat it read, `regenerated`) and what it wrote are
+        versions of the chat from that point on, the new one shown. -> (versions, *the flip controls)"""
         chat_id = chats.current_id(store)
         replaced = self.regenerated.pop(session_of(request), None)
-        if replaced is not None:
-            kept = versions.replacing(kept, chat_id, replaced)
-        kept = versions.written(kept, chat_id, history or [])
+        if replaced is not None:  # (none: an answer edited in place, which is what its version holds now)
+            kept = versions.written(versions.replacing(kept, chat_id, *replaced), chat_id, history or [])
         return (kept, *versions_nav(kept, history, store))
 
     @staticmethod
@@ -166,8 +165,8 @@ class ChatsHandlers:
         if flipped is None:  # the chat changed since the controls were shown
             return (gr.skip(), "", *versions_nav(kept, history, store), *ChatsView().outputs())
         chat, kept = flipped
-        now = versions.current(kept, store["current"], chat)
-        notice = FLIPPED.format(shown=now.shown + 1, count=len(now.answers))
+        now, which = versions.current(kept, store["current"], chat), versions.label(kept, store["current"], chat)
+        notice = FLIPPED.format(which=which[:1].lower() + which[1:])  # "answer 2 of 3", "version 2 of 3"
         return (kept, notice, *versions_nav(kept, chat, store),
                 *shown(chats.save(store, chat, now.as_json()), system=False).outputs())
 
@@ -202,8 +201,8 @@ class ChatsHandlers:
 
 
 def versions_nav(kept, history, store) -> tuple:
-    """(the flip controls' row, their label, back, forward) for the chat shown: hidden unless its last answer
-    has other versions; back and forward greyed out at the first and the last."""
+    """(the flip controls' row, their label, back, forward) for the chat shown: hidden unless it has other versions
+    from its latest turning point; back and forward greyed out at the first and the last."""
     chat_id, history = chats.current_id(store), history or []
     now = versions.current(kept, chat_id, history)
     text = versions.label(kept, chat_id, history)
@@ -214,7 +213,8 @@ def versions_nav(kept, history, store) -> tuple:
 
 
 def versions_row() -> list:
-    """The flip controls under the chat: back, "Answer 2 of 3", forward; hidden until a Regenerate keeps a version."""
+    """The flip controls under the chat: back, "Answer 2 of 3", forward; hidden until a Regenerate or an edit keeps a
+    version."""
     with gr.Row(visible=False, elem_id="versions", equal_height=True) as row:
         back = gr.Button("◀ Previous", size="sm", scale=1, min_width=80, elem_id="versions-back", interactive=False)
         label = gr.Markdown(elem_id="versions-label")

@@ -55,7 +55,7 @@ EDIT_CHANGED = ("The chat changed before the edit was answered (another answer o
 TEXT_IN_BOX = " Your edited text is in the message box."
 # Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
 CLEAR_WAIT_S = 10.0
-REGENERATED = 1024  # sessions whose last Regenerate's chat is kept for its answer versions (Handlers.regenerated)
+REGENERATED = 1024  # sessions whose last Regenerate or edit keeps the chat it read, for its versions (Handlers.regenerated)
 NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
 STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
@@ -81,7 +81,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         self._sends = itertools.count(1)  # the gates' counter: each request it lets go is a new value
         # each session's chat as its last Regenerate read it (the answer it replaced: app.versions); read by the
         # page's versions_written after that Regenerate, at most REGENERATED sessions kept
-        self.regenerated: OrderedDict[str, list] = OrderedDict()
+        self.regenerated: OrderedDict[str, tuple[list, int | None]] = OrderedDict()  # (chat, point)
 
     # ---- the queue: validators run when a request joins it --------------------------------
     # They guard the API (a refusal reaches a client as a validation error, HTTP 422). The page
@@ -241,16 +241,20 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         history = list(history or [])
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
         settings = ChatSettings(temperature, top_p, max_new, spec, depth, top_k, tree_size, highlight, seed)
-        # the chat as this Regenerate reads it, queued behind any answer still being written: its last answer is
-        # the one replaced (a handler outside the queue could read a chat mid-answer)
-        session = session_of(request)
-        self.regenerated[session] = history
-        self.regenerated.move_to_end(session)
-        while len(self.regenerated) > REGENERATED:
-            self.regenerated.popitem(last=False)
+        self._turning(request, history, None)
         work = self._chat(history, history[:users[-1] + 1] if users else [], system, settings, request, restore=None)
         yield from self._run(work, request, CHAT_OUTPUTS, NOTICE,
                              empty_first=not users, empty_message=NOTHING_TO_REGENERATE)
+
+    def _turning(self, request, history: list, at: int | None) -> None:
+        """The chat as this Regenerate (`at` None: its last answer is replaced) or edit (of message `at`) reads it,
+        queued behind any answer still being written, for the versions kept after it (app.versions; a handler
+        outside the queue could read a chat mid-answer)."""
+        session = session_of(request)
+        self.regenerated[session] = (history, at)
+        self.regenerated.move_to_end(session)
+        while len(self.regenerated) > REGENERATED:
+            self.regenerated.popitem(last=False)
 
     def continue_answer(self, history, system, temperature, top_p, max_new, spec, depth, top_k,
                         tree_size, highlight, seed=-1, request: gr.Request = None):
@@ -274,6 +278,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         index, role, text = pending.get("index"), pending.get("role", "user"), (pending.get("text") or "").strip()
         same = (isinstance(index, int) and 0 <= index < len(history) and history[index].get("role") == role
                 and flatten(history[index]["content"]) == pending.get("replaces"))
+        if same and not (role == "assistant" and index == len(history) - 1):  # the last answer is edited in place
+            self._turning(request, history, index)  # what the edit replaces is kept as a version
         if same and text and role == "assistant":
             kept = history[:index] + [{"role": "assistant", "content": text}]
             yield (kept, kept, *[gr.skip()] * (NOTICE - 2), EDITED_ANSWER)

@@ -158,7 +158,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                              buttons=["copy"], feedback_options=None, editable="all",
                                              placeholder="Ask anything. Speculation settings are on the right. Hover over a "
                                                          "message to copy or edit it.")
-                        nav = versions_row()  # the answers a Regenerate replaced (app.versions)
+                        nav = versions_row()  # what a Regenerate or an edit replaced (app.versions)
                         notice = gr.Markdown(elem_id="notice")
                         with gr.Row():
                             box = gr.Textbox(placeholder="Message (Enter to send)", label="Message", show_label=False,
@@ -230,7 +230,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         history = gr.State([])
         view = dict(store=store, chatbot=chatbot, history=history, system=system, **listing)
         chats_out = [view[name] for name in CHATS_VIEW]
-        # versions of the chat's last answer (app.versions), every chat's: loaded from the store with the page and
+        # versions of the chat from its latest turning point (app.versions), every chat's: loaded from the store with the page and
         # kept in it with the chat
         versions = gr.State({})
         save = dict(fn=h.chats_save, inputs=[history, store, versions, system], outputs=chats_out, api_visibility="private",
@@ -265,16 +265,17 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                   api_visibility="private", validator=h.check_edit, trigger_mode="once", **lane))
         for answered in answers:
             answered.success(**headline)
-        # after a Regenerate, the answer it replaced (in the chat it read when its turn came: gr.State is read on the
-        # server when a handler runs, so nothing outside the queue can take it before an answer still being written
-        # ends) and the one it wrote are kept, then the chat is saved with them; the flip controls hide while any
-        # answer is written and come back after it, where the chat's last answer has versions
+        # after a Regenerate or an edit, what it replaced (in the chat it read when its turn came: gr.State is read on
+        # the server when a handler runs, so nothing outside the queue can take it before an answer still being
+        # written ends) and what it wrote are kept, then the chat is saved with them; the flip controls hide while
+        # any answer is written and come back after it, where the chat has versions
         versioned = dict(inputs=[versions, history, store], api_visibility="private", show_progress="hidden",
                          queue=False)
         gr.on([go.change for go in (chat_go, regen_go, more_go, edit_go)], lambda: gr.update(visible=False), None,
               nav[0], **gate)
-        answers[1].then(h.versions_written, outputs=[versions, *nav], **versioned).then(**save)
-        for answered in answers[:1] + answers[2:]:
+        for turned in (answers[1], answers[3]):  # Regenerate, and an edit: what they replace is kept as a version
+            turned.then(h.versions_written, outputs=[versions, *nav], **versioned).then(**save)
+        for answered in answers[:1] + answers[2:3]:
             answered.success(**save)
             answered.then(h.versions_view, outputs=nav, **versioned)
         for flip, fn in ((nav[2], h.versions_back), (nav[3], h.versions_forward)):
@@ -319,7 +320,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
 
 def chat_events(h: Handlers, listing: dict, store, system, chats_out: list, then: dict) -> None:
     """The chat list's buttons; each shows its result through the same outputs (CHATS_VIEW), `then` after
-    those that change the chat shown (the flip controls of its last answer's versions). Those that switch chats read
+    those that change the chat shown (the flip controls of its versions). Those that switch chats read
     the system prompt shown too: the chat left keeps it."""
     private = dict(outputs=chats_out, api_visibility="private", queue=False, show_progress="hidden")
     listing["new"].click(h.chats_new, [store, system], **private).then(**then)

@@ -1,13 +1,16 @@
-"""The answers a Regenerate replaced, kept to flip back to: the chat's last answer only, while it is last.
+"""What a Regenerate or an edit replaced, kept to flip back to: the chat's latest turning point only.
 
-Each chat (by its id in the chat store) keeps at most one `Versions`: the messages before its last answer
-(`turns`, as (role, text) pairs) and every answer written to them (`answers`, in the order written), one of
-which is shown. They hold while the chat's messages before its last answer are `turns`; a new message, an
-edited question or Clear leaves them behind (and they are dropped the next time the chat is regenerated).
-Continuing or editing the shown answer changes what that version holds (it is read back from the chat
-before each flip). The kept versions are a plain JSON value in the page's session (gr.State):
-{chat_id: {"turns": [[role, text], ...], "answers": [text, ...], "shown": i}}, and each chat's is saved with it in
-the browser's chat store (app.chats, "versions"); nothing here touches the engine.
+Each chat (by its id in the chat store) keeps at most one `Versions`: the messages before a point of the chat
+(`turns`, as (role, text) pairs) and every tail written from there (`answers`, in the order written, each its
+messages as (role, text) pairs), one of which is shown. A Regenerate's point is the last answer (each tail that
+answer alone); an edited question's, the question (each tail the question and its answer; an edit of an earlier
+message keeps the turns it drops in the tail it replaces). They hold while the chat's messages before the point are
+`turns` and the chat has as many after it as the shown tail: a new message, an edit before the point or Clear
+leaves them behind (and they are dropped the next time the chat turns at another point). Continuing or editing the
+shown answer in place changes what that version holds (it is read back from the chat before each flip). The kept
+versions are a plain JSON value in the page's session (gr.State): {chat_id: {"turns": [[role, text], ...],
+"answers": [tail, ...], "shown": i}}, a tail being an answer's text or a list of [role, text], and each chat's is
+saved with it in the browser's chat store (app.chats, "versions"); nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -19,37 +22,49 @@ from app.chat import flatten
 MAX_VERSIONS = 20  # per chat; the oldest goes first
 
 
+Tail = tuple[tuple[str, str], ...]  # messages as (role, text)
+
+
+def pairs(messages: list[dict]) -> Tail:
+    return tuple((m["role"], flatten(m.get("content"))) for m in messages)
+
+
 @dataclass(frozen=True)
 class Versions:
-    turns: tuple[tuple[str, str], ...]  # the messages before the answer: (role, text)
-    answers: tuple[str, ...]
+    turns: Tail  # the messages before the point
+    answers: tuple[Tail, ...]  # every tail written from it
     shown: int
 
     def as_json(self) -> dict:
-        return {**asdict(self), "turns": [list(t) for t in self.turns], "answers": list(self.answers)}
+        answers = [t[0][1] if _answer_alone(t) else [list(m) for m in t] for t in self.answers]
+        return {**asdict(self), "turns": [list(t) for t in self.turns], "answers": answers}
 
     @classmethod
     def from_json(cls, value) -> "Versions | None":
         try:
             turns = tuple((str(r), str(t)) for r, t in value["turns"])
-            answers = tuple(str(a) for a in value["answers"])
+            answers = tuple((("assistant", a),) if isinstance(a, str) else tuple((str(r), str(t)) for r, t in a)
+                            for a in value["answers"])
             shown = int(value["shown"])
         except (KeyError, TypeError, ValueError):
             return None
-        return cls(turns, answers, shown) if answers and 0 <= shown < len(answers) else None
+        if not answers or not all(answers) or not 0 <= shown < len(answers):
+            return None
+        return cls(turns, answers, shown)
 
 
-def before_answer(history: list[dict]) -> tuple[tuple[str, str], ...] | None:
-    """The (role, text) messages before the chat's last answer; None where it does not end with one."""
-    if not history or history[-1].get("role") != "assistant":
-        return None
-    return tuple((m["role"], flatten(m.get("content"))) for m in history[:-1])
+def _answer_alone(tail: Tail) -> bool:
+    return len(tail) == 1 and tail[0][0] == "assistant"
 
 
 def current(kept, chat_id: str, history: list[dict]) -> Versions | None:
-    """The versions kept for this chat, if they are its last answer's (else None)."""
+    """The versions kept for this chat, if they still hold for it (else None): the messages before their point are
+    the chat's, and the messages after it are as many as the shown tail's, in the same roles."""
     versions = Versions.from_json((kept or {}).get(chat_id)) if chat_id else None
-    if versions is None or before_answer(history) != versions.turns:
+    if versions is None:
+        return None
+    at, shown = len(versions.turns), versions.answers[versions.shown]
+    if pairs(history[:at]) != versions.turns or [m.get("role") for m in history[at:]] != [r for r, _ in shown]:
         return None
     return versions
 
@@ -57,7 +72,7 @@ def current(kept, chat_id: str, history: list[dict]) -> Versions | None:
 def _updated(versions: Versions, history: list[dict]) -> Versions:
     """The shown version as the chat now holds it (continued, or edited, since it was shown)."""
     answers = list(versions.answers)
-    answers[versions.shown] = flatten(history[-1].get("content"))
+    answers[versions.shown] = pairs(history[len(versions.turns):])
     return Versions(versions.turns, tuple(answers), versions.shown)
 
 
@@ -66,47 +81,58 @@ def _store(kept, chat_id: str, versions: Versions | None) -> dict:
     return kept if versions is None else {**kept, chat_id: versions.as_json()}
 
 
-def replacing(kept, chat_id: str, history: list[dict]) -> dict:
-    """As a Regenerate starts: the answer about to be replaced becomes a version (with those already kept
-    for it, if they are this answer's)."""
-    turns = before_answer(history)
-    if turns is None or not chat_id:
+def replacing(kept, chat_id: str, history: list[dict], at: int | None = None) -> dict:
+    """As a Regenerate (the chat's last answer, `at` None) or an edit (of the message at `at`) starts: the chat's
+    messages from there on become a version, beside those kept for it where they still hold. Kept versions from a
+    later point are moved to this one, each with the messages between the two points before it."""
+    if at is None:
+        at = len(history) - 1 if history and history[-1].get("role") == "assistant" else -1
+    if not chat_id or not 0 <= at < len(history):
         return dict(kept or {})
     versions = current(kept, chat_id, history)
-    versions = _updated(versions, history) if versions else Versions(turns, (flatten(history[-1]["content"]),), 0)
+    if versions is None:
+        return _store(kept, chat_id, Versions(pairs(history[:at]), (pairs(history[at:]),), 0))
+    versions = _updated(versions, history)
+    point = len(versions.turns)
+    if at < point:
+        between = pairs(history[at:point])
+        versions = Versions(pairs(history[:at]), tuple(between + t for t in versions.answers), versions.shown)
     return _store(kept, chat_id, versions)
 
 
 def written(kept, chat_id: str, history: list[dict]) -> dict:
-    """After a Regenerate: its answer is the newest version and the one shown. An answer the same as a
-    version kept (greedy decoding writes the same answer again; a refused Regenerate leaves the old one)
-    shows that version instead of adding it twice."""
-    versions = current(kept, chat_id, history)
-    if versions is None:
+    """After a Regenerate or an edit: the chat's messages from the kept versions' point on are the newest version
+    and the one shown. A tail the same as a version kept (greedy decoding writes the same answer again; a refused
+    Regenerate or edit leaves the chat as it was) shows that version instead of adding it twice."""
+    versions = Versions.from_json((kept or {}).get(chat_id)) if chat_id else None
+    if versions is None or pairs(history[:len(versions.turns)]) != versions.turns \
+            or len(history) <= len(versions.turns):
         return dict(kept or {})
-    text = flatten(history[-1].get("content"))
-    if text in versions.answers:
-        return _store(kept, chat_id, Versions(versions.turns, versions.answers, versions.answers.index(text)))
-    answers = (versions.answers + (text,))[-MAX_VERSIONS:]
+    tail = pairs(history[len(versions.turns):])
+    if tail in versions.answers:
+        return _store(kept, chat_id, Versions(versions.turns, versions.answers, versions.answers.index(tail)))
+    answers = (versions.answers + (tail,))[-MAX_VERSIONS:]
     return _store(kept, chat_id, Versions(versions.turns, answers, len(answers) - 1))
 
 
 def flip(kept, chat_id: str, history: list[dict], step: int) -> tuple[list[dict], dict] | None:
-    """(the chat with the version `step` away shown as its last answer, the versions kept), or None where
-    the chat's last answer has no other version (then nothing changes)."""
+    """(the chat with the version `step` away shown from the versions' point on, the versions kept), or None where
+    the chat has no other version there (then nothing changes)."""
     versions = current(kept, chat_id, history)
     if versions is None or len(versions.answers) < 2:
         return None
     versions = _updated(versions, history)
     shown = min(max(versions.shown + step, 0), len(versions.answers) - 1)
     versions = Versions(versions.turns, versions.answers, shown)
-    chat = list(history[:-1]) + [{"role": "assistant", "content": versions.answers[shown]}]
+    chat = list(history[:len(versions.turns)]) + [{"role": r, "content": t} for r, t in versions.answers[shown]]
     return chat, _store(kept, chat_id, versions)
 
 
 def label(kept, chat_id: str, history: list[dict]) -> str:
-    """"Answer 2 of 3" where the chat's last answer has other versions, else ""."""
+    """"Answer 2 of 3" where the chat's last answer has other versions ("Version 2 of 3" where they begin at a
+    question), else ""."""
     versions = current(kept, chat_id, history)
     if versions is None or len(versions.answers) < 2:
         return ""
-    return f"Answer {versions.shown + 1} of {len(versions.answers)}"
+    what = "Answer" if all(_answer_alone(t) for t in versions.answers) else "Version"
+    return f"{what} {versions.shown + 1} of {len(versions.answers)}"

@@ -683,6 +683,36 @@ def test_regenerate_keeps_the_answer_it_replaces_and_the_chat_flips_back_to_it(p
     assert not page.locator("#versions").is_visible(), "a new message leaves the versions behind"
 
 
+def test_an_edited_question_keeps_the_exchanges_it_replaced_and_the_chat_flips_back_to_them(page):
+    page.locator("#new-chat").click()
+    page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
+    send(page, "w5 w9")
+    send(page, "w3")
+    first = snapshot(page)["#chatbot"]
+    assert len(first) == 4 and not page.locator("#versions").is_visible()
+    chat = page.locator("#chatbot")
+    chat.get_by_text("w5 w9").hover()  # the first question edited: the turns after it are replaced
+    chat.locator(".message-buttons-right").first.get_by_role("button", name="Edit").click()
+    chat.locator("textarea").first.fill("w6 w2")
+    chat.get_by_role("button", name="Submit").click()
+    page.wait_for_function("document.querySelector('#versions-label')?.innerText.includes('Version 2 of 2')",
+                           timeout=30_000)
+    second = snapshot(page)["#chatbot"]
+    assert second[0] == "w6 w2" and len(second) == 2
+    page.locator("#versions-back").click()
+    wait_for_chat(page, first)  # the whole chat as it was before the edit
+    assert page.locator("#notice").inner_text().startswith("Showing version 1 of 2")
+    page.reload()  # kept in this browser with the chat
+    wait_for_chat(page, first)
+    page.wait_for_function("document.querySelector('#versions-label')?.innerText.includes('Version 1 of 2')",
+                           timeout=10_000)
+    page.locator("#versions-forward").click()
+    wait_for_chat(page, second)
+    page.wait_for_timeout(1_500)  # the saved settings arrive after the chat: the next test's must not be undone
+    page.locator("#sampling").get_by_text("Sampling").first.click()
+    wait_for_kept_settings(page)
+
+
 def test_a_nearly_full_browser_keeps_the_chat_says_so_and_refuses_a_chat_that_would_not_fit(page, served, tmp_path):
     """Against Chromium's own localStorage quota, in a browser context of its own (the other tests' store stays
     small): a chat that fills 95% of the room is kept (through a reload) with a note, the store takes in the browser

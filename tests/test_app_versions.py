@@ -1,6 +1,9 @@
-"""Versions of the chat's last answer: what a Regenerate replaces is kept, and the chat flips between them."""
+"""Versions of the chat from its latest turning point: what a Regenerate or an edit replaces is kept, and the chat
+flips between them."""
 
 from __future__ import annotations
+
+import json
 
 import gradio as gr
 import pytest
@@ -65,6 +68,56 @@ def test_versions_hold_only_while_their_answer_is_the_chats_last():
     kept = regenerated(kept, later, later[:3] + [{"role": "assistant", "content": "b2"}])
     assert versions.label(kept, "c1", later[:3] + [{"role": "assistant", "content": "b2"}]) == "Answer 2 of 2"
     assert versions.label(kept, "c1", [Q1, A2]) == ""
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def bot(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def turned(kept, before: list[dict], at: int, after: list[dict], chat="c1") -> dict:
+    """What the page does around an edit of message `at`: keep what it replaces, then what it wrote."""
+    return versions.written(versions.replacing(kept, chat, before, at), chat, after)
+
+
+def test_an_edited_question_keeps_the_exchange_it_replaced_and_regenerations_join_them():
+    kept = turned({}, [Q1, A1], 0, [user("q2"), bot("b2")])
+    assert versions.label(kept, "c1", [user("q2"), bot("b2")]) == "Version 2 of 2"
+    chat, kept = versions.flip(kept, "c1", [user("q2"), bot("b2")], -1)
+    assert chat == [Q1, A1], "the question and its answer as they were"
+    # a Regenerate of a version shown: the same question with a new answer, one more version from the same point
+    kept = regenerated(kept, chat, [Q1, A2])
+    assert versions.label(kept, "c1", [Q1, A2]) == "Version 3 of 3"
+    assert versions.flip(kept, "c1", [Q1, A2], -1)[0] == [user("q2"), bot("b2")]
+    # answers regenerated first, then the question edited: each answer stays, with the question it answered
+    kept = regenerated({}, [Q1, A1], [Q1, A2])
+    kept = turned(kept, [Q1, A2], 0, [user("q2"), bot("b2")])
+    assert versions.label(kept, "c1", [user("q2"), bot("b2")]) == "Version 3 of 3"
+    chat, kept = versions.flip(kept, "c1", [user("q2"), bot("b2")], -2)
+    assert chat == [Q1, A1] and versions.flip(kept, "c1", chat, 1)[0] == [Q1, A2]
+    # a new message leaves them behind
+    assert versions.label(kept, "c1", [Q1, A1, user("next"), bot("n")]) == ""
+
+
+def test_an_edit_of_an_earlier_message_keeps_the_turns_it_dropped():
+    chat = [Q1, A1, user("q2"), bot("b2")]
+    kept = turned({}, chat, 0, [user("q1 edited"), bot("c")])
+    assert versions.label(kept, "c1", [user("q1 edited"), bot("c")]) == "Version 2 of 2"
+    assert versions.flip(kept, "c1", [user("q1 edited"), bot("c")], -1)[0] == chat, "the whole chat as it was"
+    # an earlier answer edited: kept as written, the turns after it kept in the version it replaced
+    kept = turned({}, chat, 1, [Q1, bot("a1 as I wrote it")])
+    assert versions.label(kept, "c1", [Q1, bot("a1 as I wrote it")]) == "Version 2 of 2"
+    back, kept = versions.flip(kept, "c1", [Q1, bot("a1 as I wrote it")], -1)
+    assert back == chat and versions.label(kept, "c1", back) == "Version 1 of 2"
+    # the versions' point moves back to an edit before it, each version with the turns between the two before it
+    kept = turned(kept, back, 0, [user("q0"), bot("z")])
+    assert versions.label(kept, "c1", [user("q0"), bot("z")]) == "Version 3 of 3"
+    assert versions.flip(kept, "c1", [user("q0"), bot("z")], -2)[0] == chat
+    assert versions.flip(kept, "c1", [user("q0"), bot("z")], -1)[0] == [Q1, bot("a1 as I wrote it")]
+    assert json.loads(json.dumps(kept)) == kept
 
 
 def test_kept_versions_are_plain_json_and_a_damaged_value_is_ignored():
@@ -166,11 +219,36 @@ def test_each_sessions_regenerated_chat_is_its_own_and_a_closed_tab_frees_it(big
     one, two = FakeRequest(session_hash="one"), FakeRequest(session_hash="two")
     list(h.regenerate([Q1, A1], SYSTEM, *GREEDY, request=one))
     list(h.regenerate([Q1, A2], SYSTEM, *GREEDY, request=two))
-    assert h.regenerated == {"one": [Q1, A1], "two": [Q1, A2]}
+    assert h.regenerated == {"one": ([Q1, A1], None), "two": ([Q1, A2], None)}
     h.session_end(one)
     assert list(h.regenerated) == ["two"]
     for i in range(session.REGENERATED + 3):
-        h.regenerated[f"s{i}"] = []
+        h.regenerated[f"s{i}"] = ([], None)
     list(h.regenerate([Q1, A1], SYSTEM, *GREEDY, request=one))
     assert len(h.regenerated) == session.REGENERATED and "one" in h.regenerated and "two" not in h.regenerated
 
+
+
+def test_the_handlers_keep_what_an_edit_replaced_and_an_answer_edited_in_place_is_its_version(bigram):
+    from tests.test_app_handlers import edited
+
+    h = handlers_for(Engine(*bigram))
+    _, first, _, _, _ = answer(h, "w5 w9", [])
+    store = chats.save(chats.empty_store(), first)
+    pending = h.gate_edit("", first, SYSTEM, edited(0, "w6 w2"), request=LOCAL)[1]
+    second = list(h.edit(pending, "", first, SYSTEM, *GREEDY, request=LOCAL))[-1][1]
+    assert second[0]["content"] == "w6 w2"
+    kept, row, label, back, forward = h.versions_written({}, second, store, LOCAL)
+    assert row["visible"] and label == "Version 2 of 2" and back["interactive"] and not forward["interactive"]
+    out = h.versions_back(kept, second, store, LOCAL)
+    kept, notice, view = out[0], out[1], dict(zip(CHATS_VIEW, out[6:]))
+    assert view["history"] == first and chats.current(view["store"])["messages"] == first
+    # the answer of the version shown, edited in place: what that version holds, no new one
+    pending = h.gate_edit("", first, SYSTEM, edited(1, "w7 w7"), request=LOCAL)[1]
+    mine = list(h.edit(pending, "", first, SYSTEM, *GREEDY, request=LOCAL))[-1][1]
+    assert mine == first[:1] + [{"role": "assistant", "content": "w7 w7"}] and h.regenerated == {}
+    kept, _, label, _, _ = h.versions_written(kept, mine, store, LOCAL)
+    assert label == "Version 1 of 2"
+    assert dict(zip(CHATS_VIEW, h.versions_forward(kept, mine, store, LOCAL)[6:]))["history"] == second
+    assert versions.flip(versions.flip(kept, chats.current_id(store), mine, 1)[1], chats.current_id(store),
+                         second, -1)[0] == mine, "flipping back shows the answer as edited"
