@@ -191,7 +191,7 @@ def serve_api(args, manager) -> None:
         sys.exit(f"error: cannot serve the API on port {port}: {e}")
     model_id = manager.choice.model
     print(f"eagle-chat API at http://127.0.0.1:{port}/v1 (model {model_id!r}, "
-          f"{'EAGLE head' if manager.engine.has_head else 'plain decoding'})", flush=True)
+          f"{'EAGLE head' if manager.engine.has_head else 'no EAGLE head: context lookup speculation'})", flush=True)
     uvicorn.run(build_app(manager.engine, model_id), host="127.0.0.1", port=port, log_level="warning")
 
 

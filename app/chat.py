@@ -234,7 +234,9 @@ class AnswerView:
         end = "stopped by you" if self.stopped else FINISH_TEXT.get(self.finish_reason or "", "streaming…")
         tree = ""
         if self.mode == "speculative" and self.tree_size:
-            tree = f" · head tree {self.head_nodes or self.tree_size} nodes"
+            # (context lookup alone: the root is the head tree's only node, so only the copies are said)
+            tree = "" if self.copied_steps and self.head_nodes <= 1 else \
+                f" · head tree {self.head_nodes or self.tree_size} nodes"
             if self.copied_steps:
                 tree += (f" · copied from earlier text on {self.copied_steps} step"
                          f"{'s' if self.copied_steps > 1 else ''}, {self.copied_accepted} tokens accepted")

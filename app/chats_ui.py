@@ -180,7 +180,7 @@ class ChatsHandlers:
         """Page load: the settings kept in this browser, each checked as the chat would check it.
         Speculation stays off when this model cannot speculate. The system prompt is the open chat's own where it
         has messages and keeps one, else the one typed last in this browser."""
-        spec_ok = self.manager.backend is None and self.manager.engine is not None and self.manager.engine.has_head
+        spec_ok = self.manager.backend is None and self.manager.engine is not None  # a head, or context lookup
         spec_at = 1 + ChatSettings.names().index("spec")
         if not isinstance(stored, dict):  # nothing kept in this browser: leave the controls as they are now
             # (the values this event read are the page's first ones; a slider moved since would be undone)

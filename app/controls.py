@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import gradio as gr
 
-SPEC_INFO = "Greyed out when the model has no EAGLE head."
+SPEC_INFO = "The EAGLE head drafts; where the text repeats, drafts are copied from it too. Lossless either way."
+LOOKUP_INFO = ("This model has no EAGLE head: drafts are copied from the conversation where it repeats (context "
+               "lookup); lossless, and a step with nothing to copy is a plain step.")
 LOCAL_INFO = {"depth": "How many tokens ahead the head drafts; the tree size grows with it.",
               "top_k": "How many children each drafted token may get.",
               "tree_size": "Tokens verified per step, the root included.",
@@ -29,9 +31,11 @@ CONTROLS = ("spec", "depth", "top_k", "tree_size", "highlight", "chart", "compar
 def control_props(manager) -> dict[str, dict]:
     """Each backend-dependent control's interactive state and reason, for build and updates."""
     remote = manager.backend is not None
-    has_head = not remote and manager.engine is not None and manager.engine.has_head
-    tree = tree_props(remote, has_head)
-    return {"spec": dict(value=has_head, interactive=has_head, info=REMOTE_SPEC if remote else SPEC_INFO), **tree,
+    local = not remote and manager.engine is not None
+    has_head = local and manager.engine.has_head
+    tree = tree_props(remote, has_head)  # context lookup alone has no tree to shape
+    info = REMOTE_SPEC if remote else SPEC_INFO if has_head or not local else LOOKUP_INFO
+    return {"spec": dict(value=local, interactive=local, info=info), **tree,
             "highlight": dict(interactive=not remote, info=REMOTE_HIGHLIGHT if remote else LOCAL_INFO["highlight"]),
             "chart": dict(title=REMOTE_CHART if remote else CHART_TITLE),
             "compare": dict(interactive=not remote),

@@ -259,7 +259,8 @@ class ModelManager:
         badge = ("✓ **exact**: the same text as the model alone" if e.numerics.exact
                  else "exactness not checked" if e.numerics.probe is None
                  else "**exactness not guaranteed** here (see the details)")
-        head = "EAGLE speculation available" if e.has_head else "no EAGLE head: plain decoding only"
+        head = ("EAGLE speculation available" if e.has_head
+                else "no EAGLE head: speculation copies from the conversation (context lookup)")
         speed = f" · last answer {self.last_speed:.0f} tok/s" if self.last_speed else ""
         return f"**Serving** `{self.choice.model}` · {badge} · {head}{speed}"
 
@@ -275,9 +276,12 @@ class ModelManager:
     def tree_markdown(self) -> str:
         """The default draft tree and where it came from (tuned here, shipped, built in)."""
         e = self.engine
-        if self.backend is not None or e is None or not e.has_head:
+        if self.backend is not None or e is None:
             return ""
         t, origin = e.default_tree, getattr(e, "tree_origin", "")
+        if not e.has_head:  # context lookup alone (core.decoding.engine.lookup_alone)
+            return (f"No draft tree: this model has no EAGLE head. Each step copies up to {t.lookup} tokens from "
+                    "earlier text where it repeats and verifies them with the next token; plain steps elsewhere")
         shape = f"Default tree: depth {t.depth}, top-k {t.top_k}, {t.total_tokens} nodes"
         if t.lookup:
             shape += f", plus up to {t.lookup} tokens copied from earlier text when it repeats"

@@ -100,7 +100,8 @@ class ModelHandlers:
                 engine = self.manager.switch(model)
             except LOAD_ERRORS as e:
                 raise UserError(f"Loading failed: {plain_reason(e)}. {self._after_failed_load()}") from e
-            note = "" if engine.has_head else " This model has no EAGLE head: speculation is off."
+            note = "" if engine.has_head else (" This model has no EAGLE head: speculation copies drafts from the "
+                                               "conversation where it repeats (context lookup).")
             return (f"Now serving {model.choice.describe()}. Numerics: {engine.numerics.describe()}.{note}",
                     self.manager.status_markdown(), catalogue_frame(), self.manager.tree_markdown(),
                     *control_updates(self.manager))

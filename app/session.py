@@ -56,7 +56,8 @@ TEXT_IN_BOX = " Your edited text is in the message box."
 # Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
 CLEAR_WAIT_S = 10.0
 REGENERATED = 1024  # sessions whose last Regenerate or edit keeps the chat it read, for its versions (Handlers.regenerated)
-NO_HEAD = "No EAGLE head is loaded for this model, so this answer used plain decoding."
+NO_HEAD = ("No EAGLE head is loaded for this model: this answer's drafts were copied from the conversation where it "
+           "repeats (context lookup), plain steps elsewhere.")
 STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
 CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")
@@ -341,7 +342,7 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         """The controls -> (GenerationConfig, deadline in seconds or None), with the caps for
         visitors through the public link applied and said."""
         engine = self.manager.engine  # its default tree says whether to copy from the context
-        default = engine.default_tree if engine is not None and engine.has_head else None
+        default = engine.default_tree if engine is not None else None
         try:
             cfg = settings.config(default)  # core's rule (TreeConfig.override) puts the controls over it
         except ConfigError as e:
@@ -414,9 +415,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
             with self.manager.lane:  # a model switch waits for this answer, and this for a switch
                 engine = self._engine()
                 if cfg.speculative and not engine.has_head:
-                    cfg = replace(cfg, speculative=False)
                     notices.append(NO_HEAD)
-                if cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
+                elif cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
                 msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request),
                                               continues)
@@ -531,8 +531,6 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 notices.append(f"Note: {limit}")
             with self.manager.lane:
                 engine = self._engine()
-                if not engine.has_head:
-                    raise UserError("Side by side needs an EAGLE head: load a model with a head in the Models tab.")
                 msgs = engine_messages([{"role": "user", "content": prompt}], system)
                 budget = self.access.prompt_tokens(request)
                 if budget is not None and (n_tokens := engine.count_tokens(msgs)) > budget:

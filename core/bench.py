@@ -1,10 +1,12 @@
-"""Benchmark: `python -m core.bench [--modes plain,eagle,eagle-head,hf,hf-lookup,llama.cpp] [--out results.json] ...`.
+"""Benchmark: `python -m core.bench [--modes plain,eagle,eagle-head,lookup,hf,hf-lookup,llama.cpp] [--out results.json] ...`.
 
 Every mode answers the same prompts on the SAME model object, dtype and torch threads:
   plain      our decode loop without speculation (one target forward per token)
   eagle      our decode loop with the EAGLE draft head and tree verification (with the
              tree's context lookup, core.decoding.lookup)
   eagle-head the same without context lookup: what the head's tree alone accepts
+  lookup     our decode loop with speculation by context lookup alone (no head: what a model without one runs;
+             a step with nothing to copy is a plain step)
   hf         transformers' `model.generate` (greedy or sampled), what a user runs instead, on
              the same weights and dtype with transformers' stock kernels (sdpa attention)
   hf-fp32    `generate` on an fp32 copy of the target: what a plain transformers user gets
@@ -56,7 +58,7 @@ import torch
 
 from core.config import (WEIGHTS, WEIGHTS_HELP, ConfigError, GenerationConfig, SamplingConfig, TreeConfig,
                          add_tree_args, tree_changes)
-from core.decoding.engine import Engine, EngineError
+from core.decoding.engine import Engine, EngineError, lookup_alone
 from core.decoding.forward import uses_exact_kernels
 from core.kernels.invariant import make_invariant, undo_invariant
 from core.decoding.head import HeadLoadError, new_head
@@ -67,9 +69,9 @@ from core.decoding.treestore import BUILT_IN
 
 BUILTIN_PROMPTS = Path(__file__).with_name("bench_prompts.jsonl")
 LLAMA_CPP = "llama.cpp"
-MODE_NAMES = ("plain", "eagle", "eagle-head", "hf", "hf-fp32", "hf-lookup", LLAMA_CPP)
+MODE_NAMES = ("plain", "eagle", "eagle-head", "lookup", "hf", "hf-fp32", "hf-lookup", LLAMA_CPP)
 DEFAULT_MODES = ("plain", "eagle", "hf", "hf-lookup")  # and llama.cpp where a build is given
-ENGINE_MODES = ("plain", "eagle", "eagle-head")
+ENGINE_MODES = ("plain", "eagle", "eagle-head", "lookup")
 SPEC_MODES = ("eagle", "eagle-head")  # eagle-head: the head's tree alone, no context lookup
 WARMUP_TOKENS = 16
 PREFILL_REPS = 3
@@ -175,10 +177,10 @@ def parse_modes(modes: str | Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------------- modes
 
 def _engine_generate(engine: Engine, ids: list[int], s: BenchSettings, seed: int,
-                     speculative: bool) -> Generation:
+                     speculative: bool, head: bool = True) -> Generation:
     config = GenerationConfig(max_new_tokens=s.max_new_tokens, speculative=speculative, tree=s.tree,
                               sampling=s.sampling, seed=seed, adaptive=s.adaptive and speculative,
-                              reuse_prompt=False)  # every mode reads the prompt from its start
+                              reuse_prompt=False, head=head)  # every mode reads the prompt from its start
     tokens, lengths, split = [], [], [0.0, 0.0, 0.0]
     forwards, first = 0, None
     start = time.perf_counter()
@@ -293,6 +295,10 @@ MODES: dict[str, Runner] = {
     "eagle": functools.partial(_engine_generate, speculative=True),
     "eagle-head": lambda engine, ids, s, seed: _engine_generate(engine, ids, replace(s, tree=replace(s.tree, lookup=0)),
                                                                 seed, speculative=True),
+    # the tree's chain length (--lookup), else the one an engine without a head copies
+    "lookup": lambda engine, ids, s, seed: _engine_generate(
+        engine, ids, s if s.tree.lookup else replace(s, tree=replace(s.tree, lookup=lookup_alone(engine.step).tree.lookup)),
+        seed, speculative=True, head=False),
     "hf": functools.partial(_hf_generate, lookup=None),
     "hf-fp32": _hf_fp32,
     "hf-lookup": lambda engine, ids, s, seed: _hf_generate(engine, ids, s, seed, s.lookup_tokens),
@@ -531,7 +537,7 @@ def _mode_summary(mode: str, prompts: Sequence[Prompt], runs: list[list[Generati
     if mode in ENGINE_MODES:
         out["time_split"] = {"draft_s": sum(g.draft_s for g in flat), "verify_s": sum(g.verify_s for g in flat),
                              "other_s": sum(g.other_s for g in flat)}
-    if mode in SPEC_MODES:
+    if mode in SPEC_MODES + ("lookup",):
         lengths = [n for g in flat for n in g.accepted_lengths]
         out["accepted_length_histogram"] = {str(n): lengths.count(n) for n in sorted(set(lengths))}
         out["mean_accepted_length"] = sum(lengths) / len(lengths) if lengths else None

@@ -261,12 +261,17 @@ class GenerationConfig:
     # the same bits as reading it all, sooner). Off: read from the start, as a benchmark or a race of the
     # two modes on one prompt must, or the second reader would start ahead.
     reuse_prompt: bool = True
+    # speculation's drafts come from the engine's EAGLE head and context lookup. Off (and always for an engine
+    # without a head): from context lookup alone, where the context repeats (core.decoding.lookup); a step with
+    # nothing to copy is a plain step
+    head: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
         _check(isinstance(self.reuse_prompt, bool), f"reuse_prompt must be True or False, got {self.reuse_prompt!r}")
+        _check(isinstance(self.head, bool), f"head must be True or False, got {self.head!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                "stop strings must be non-empty strings")
 

@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("prompt", nargs="?", help="the user message; '-' reads it from standard input")
     p.add_argument("--prompt-file", type=Path, help="read the user message from this file")
     p.add_argument("--plain", action="store_true", help="plain decoding, no speculation")
+    p.add_argument("--lookup-only", action="store_true", help="speculation by context lookup alone, without a head "
+                   "(what a model without a head runs): drafts copied from where the text repeats")
     p.add_argument("--adaptive", action="store_true", help="each step runs the mode measured faster in "
                    "this answer (speculative or plain, probing the other now and then; the app's default), where "
                    "otherwise the tree's long-context caps decide alone")
@@ -68,6 +70,8 @@ def check_args(a) -> tuple[str, dict, GenerationConfig]:
         raise ArgumentError("the prompt is empty")
     if a.threads is not None and a.threads < 1:
         raise ArgumentError(f"--threads must be >= 1, got {a.threads}")
+    if a.plain and a.lookup_only:
+        raise ArgumentError("--plain and --lookup-only contradict each other: choose one")
     if a.dtype not in DTYPE_NAMES:
         raise ArgumentError(f"unknown --dtype {a.dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     given = tree_changes(a)
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
 
     last, interrupted = None, False
     try:
-        engine = Engine.load(a.model, None if a.plain else a.head, dtype=a.dtype, attention=a.attention,
+        engine = Engine.load(a.model, None if a.plain or a.lookup_only else a.head, dtype=a.dtype, attention=a.attention,
                              device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
         config = replace(config, tree=engine.default_tree.override(**given))
         for last in engine.generate(prompt, config):
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
     if not config.sampling.greedy:
         print(f"[seed] sampled with seed {config.seed}: --seed {config.seed} gives this answer again, with or "
               "without speculation", file=sys.stderr)
-    print(f"[{'plain' if a.plain or hot else 'eagle'}] tokens={last.total_tokens} target_forwards="
+    mode = "plain" if a.plain or hot else "eagle" if engine.has_head else "lookup"
+    print(f"[{mode}] tokens={last.total_tokens} target_forwards="
           f"{last.target_forwards} tau={tau:.2f} tokens/s={last.total_tokens / last.elapsed_s:.1f} "
           f"finish={'interrupted' if interrupted else last.finish_reason} threads={torch.get_num_threads()} "
           f"({core.threads.policy().wait} wait)", file=sys.stderr)

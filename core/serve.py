@@ -235,8 +235,9 @@ def parse(body, engine: Engine, model_id: str, chat: bool, limits: ServeConfig =
         sampling = SamplingConfig(temperature=_number(body, "temperature", 1.0, 0, 2),
                                   top_p=_number(body, "top_p", 1.0, 0, 1))
         default = limits.default_max_tokens if chat else 16  # 16: OpenAI's default for completions
-        config = GenerationConfig(max_new_tokens=max_tokens or min(default, room),
-                                  speculative=engine.has_head, tree=limits.tree_over(engine.default_tree),
+        tree = limits.tree_over(engine.default_tree)
+        config = GenerationConfig(max_new_tokens=max_tokens or min(default, room),  # without a head: context lookup
+                                  speculative=engine.has_head or bool(tree.lookup), tree=tree,
                                   sampling=sampling, adaptive=limits.adaptive,
                                   stop_strings=_stops(body.get("stop")), seed=seed)
     except ConfigError as e:
@@ -638,7 +639,7 @@ def main(argv=None) -> int:
     print(f"[numerics] {engine.numerics.describe()}", file=sys.stderr)
     print(f"[threads] {threads} torch threads ({core.threads.policy().wait} wait)", file=sys.stderr, flush=True)
     print(f"eagle-chat API at http://{a.host}:{a.port}/v1 (model {a.served_model_name or a.model!r}, "
-          f"{'EAGLE head' if engine.has_head else 'plain decoding'}"
+          f"{'EAGLE head' if engine.has_head else 'no EAGLE head: context lookup speculation'}"
           f"{', API key required' if limits.api_key else ''})", flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0

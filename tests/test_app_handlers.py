@@ -191,14 +191,26 @@ def test_clear_answers_after_the_running_answers_last_update(bigram):
     assert h.tickets.sessions() == set()
 
 
-def test_without_head_speculation_falls_back_to_plain_with_a_notice(bigram):
+def test_without_head_the_chat_speculates_by_context_lookup_and_answers_as_plain(bigram):
+    """A model without an EAGLE head still speculates: the drafts are copied from the conversation where it repeats
+    (a prompt that loops), each step a plain one where nothing repeats; the answer is plain decoding's, token for
+    token, and the stats say what was copied. Side by side races the two."""
     h = handlers_for(Engine(bigram[0]))
-    _, _, stats, tokens, notice = answer(h, "w5", [])
-    assert stats["mode"] == "plain" and NO_HEAD in notice
-    assert 'title="id' in tokens and PLAIN in tokens
-    with pytest.warns(UserWarning, match="needs an EAGLE head"):
-        outs = list(h.compare("w5", SYSTEM, 0.0, 1.0, 4, 2, 2, 4, request=None))
-    assert outs == [(SKIP, SKIP, outs[0][2], SKIP)] and "needs an EAGLE head" in outs[0][2]
+    loop = " ".join(["w5 w9 w3 w6"] * 6)
+    settings = GREEDY._replace(max_new=40)
+    _, state, stats, tokens, notice = answer(h, loop, [], settings)
+    assert stats["mode"] == "speculative" and NO_HEAD in notice
+    assert stats["copied_steps"] > 0 and stats["copied_accepted"] > 0 and stats["tau"] > 1.2, stats
+    assert stats["head_nodes"] == 1, "the root alone: no head tree"
+    _, plain_state, plain_stats, _, _ = answer(h, loop, [], settings._replace(spec=False))
+    assert state == plain_state and plain_stats["mode"] == "plain"
+    assert sum(r["draft"] for r in stats["per_step"]) == stats["copied_accepted"]
+    assert 'title="id' in tokens
+    sampled = settings._replace(temperature=0.9, seed=11)
+    assert answer(h, loop, [], sampled)[1] == answer(h, loop, [], sampled._replace(spec=False))[1], \
+        "sampled: plain sampling's tokens for the seed"
+    outs = list(h.compare(loop, SYSTEM, 0.0, 1.0, 40, 2, 2, 4, request=None))
+    assert "answers: **identical** token for token" in outs[-1][2], outs[-1][2]
 
 
 def test_regenerate_and_empty_input(bigram):
@@ -653,7 +665,8 @@ def test_a_seed_gives_one_sampled_answer_and_each_answer_shows_its_seed(bigram):
 def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_when_nothing_is_kept(bigram):
     """A fresh browser has nothing kept: the load must not write back the page's first values over a
     slider the visitor moved meanwhile (the browser test set 60 new tokens, then saw 512 come back);
-    kept settings are restored, each checked; without a head speculation is switched off either way."""
+    kept settings are restored, each checked; without a local engine speculation is switched off either way (a
+    model without a head speculates by context lookup: kept as it is)."""
     values = tuple(ChatSettings(max_new=60).__dict__.values())
     h = handlers_for(Engine(*bigram))
     fresh = h.settings_load(None, None, "sys", *values)
@@ -663,7 +676,9 @@ def test_settings_load_restores_what_the_browser_kept_and_leaves_the_controls_wh
     assert dict(zip(ChatSettings.names(), kept[1:]))["max_new"] == 77
     assert dict(zip(ChatSettings.names(), kept[1:]))["depth"] == ChatSettings().depth  # unparsable: the value shown
     no_head = handlers_for(Engine(bigram[0]))
+    assert all(isinstance(u, type(gr.skip())) for u in no_head.settings_load(None, None, "sys", *values))
     spec_at = 1 + ChatSettings.names().index("spec")
+    no_head.manager.engine = None  # a failed switch: nothing serves
     fresh = no_head.settings_load(None, None, "sys", *values)
     assert fresh[spec_at] is False and all(isinstance(u, type(gr.skip())) for i, u in enumerate(fresh) if i != spec_at)
 

@@ -120,6 +120,16 @@ def test_eagle_head_mode_runs_the_tree_without_context_lookup():
     assert r["modes"]["eagle"]["tau"] > r["modes"]["eagle-head"]["tau"]
 
 
+def test_lookup_mode_speculates_by_context_lookup_alone_with_or_without_a_head():
+    target = tiny_target(mix=0.0, seed=4)  # a bigram model: answers loop, so lookup finds matches
+    for eng in (Engine(target), Engine(target, oracle_head(target))):
+        r = run_benchmark(eng, prompts(), "plain,lookup", BenchSettings(max_new_tokens=40, warmup=False))
+        assert r["identical_to_plain"] == {"plain": True, "lookup": True}
+        lookup = r["modes"]["lookup"]
+        assert lookup["tau"] > 1.5 and max(int(k) for k in lookup["accepted_length_histogram"]) > 3
+        assert lookup["time_split"]["draft_s"] >= 0
+
+
 def test_multi_turn_feeds_each_modes_own_answer_and_modes_interleave(engine, monkeypatch):
     calls = []
     for mode, runner in list(bench.MODES.items()):
@@ -188,7 +198,7 @@ def test_bad_prompt_file_errors_name_the_line(tmp_path, rows, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--modes", "plain,bogus"],
-     "unknown mode(s) 'bogus'; choose from plain, eagle, eagle-head, hf, hf-fp32, hf-lookup"),
+     "unknown mode(s) 'bogus'; choose from plain, eagle, eagle-head, lookup, hf, hf-fp32, hf-lookup"),
     (["--modes", "plain,plain"], "listed twice"),
     (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
     (["--tree", "auto", "--depth", "3"], "--tree auto chooses the tree itself"),

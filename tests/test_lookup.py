@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
-from core.decoding.engine import Engine
+from core.decoding.engine import Engine, EngineError
 from core.kernels.invariant import make_invariant
 from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, ContextIndex,
                                   chain_length, chain_tree, default_tokens, graft, longest_repeat, lookup_chain)
@@ -159,6 +159,47 @@ def test_lookup_never_writes_past_the_budget_or_context():
         assert spec == plain[:n] and events[-1].finish_reason in ("length", "eos")
     long, _ = run(eng, [5, 6], GenerationConfig(max_new_tokens=200, tree=TreeConfig(1, 1, 2, lookup=16)))
     assert long == run(eng, [5, 6], GenerationConfig(max_new_tokens=200, speculative=False))[0]
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_context_lookup_alone_speculates_without_a_head_and_writes_plain_decodings_tokens(with_head, monkeypatch):
+    """An engine without a head speculates by context lookup alone (GenerationConfig.head False does the same
+    beside a head, which then never runs): a step where the context repeats verifies the root and the chain, one
+    where it does not is a plain step; greedy and sampled answers are plain decoding's token for token."""
+    target = tiny_target(mix=0.0, seed=4, vocab=24)
+    head = random_head(target) if with_head else None
+    eng = Engine(target, head)
+    if with_head:
+        import core.decoding.engine as engine_mod
+
+        def head_used(*args, **kwargs):
+            raise AssertionError("the head ran")
+
+        for name in ("draft", "catch_up", "catch_up_top", "spec_step_greedy"):
+            monkeypatch.setattr(engine_mod, name, head_used)
+    else:
+        assert eng.default_tree.lookup == DEFAULT_TOKENS and "no EAGLE head" in eng.tree_origin
+    tree = TreeConfig(1, 1, 2, lookup=8)
+    for prompt in ([5, 6], [3, 9, 11, 3], [7, 8, 9, 10, 7, 8, 9, 10, 7, 8]):
+        for sampling, seed in ((SamplingConfig(), None), (SamplingConfig(temperature=0.9, top_p=0.95), 5)):
+            plain, _ = run(eng, prompt, GenerationConfig(max_new_tokens=60, speculative=False, sampling=sampling,
+                                                         seed=seed))
+            copied, events = run(eng, prompt, GenerationConfig(max_new_tokens=60, tree=tree, sampling=sampling,
+                                                               seed=seed, head=False))
+            assert copied == plain, (prompt, sampling)
+            steps = events[1:]  # after the prompt's token
+            assert all(ev.tree_size == 0 and len(ev.token_ids) == 1 or 2 <= ev.tree_size <= 1 + 8 for ev in steps)
+            assert any(ev.tree_size == 0 for ev in steps) or prompt[0] == 7, "a plain step where nothing repeats"
+        assert max(ev.accepted_length for ev in events) > 2, "the loop is copied"
+        assert events[-1].target_forwards < len(copied)
+
+
+def test_speculation_without_a_head_needs_a_lookup_chain():
+    target = tiny_target(mix=0.0, seed=4, vocab=24)
+    with pytest.raises(EngineError, match="without a draft head speculation copies from the context.*lookup"):
+        list(Engine(target).generate([5, 6], GenerationConfig(max_new_tokens=4, tree=TreeConfig(lookup=0))))
+    with pytest.raises(ConfigError, match="head must be True or False"):
+        GenerationConfig(head="no")
 
 
 def test_lookup_setting_checked():

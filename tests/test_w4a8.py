@@ -354,3 +354,31 @@ def test_branches_of_one_cache_answer_as_the_served_engine_does(smollm2_w4a8):
     for i, r in enumerate(requests):
         config = GenerationConfig(max_new_tokens=48, sampling=r.sampling, seed=r.seed, reuse_prompt=False)
         assert got[i] == tuple(t for ev in eng.generate(list(r.ids), config) for t in ev.token_ids), i
+
+
+def test_context_lookup_alone_on_the_served_numerics_writes_plain_decodings_tokens(smollm2_w4a8):
+    """What a model without a head serves (speculation by context lookup alone), on the embedded model's served
+    numerics: greedy and sampled answers are plain decoding's, token for token, for a long prompt that the answer
+    copies from, a two-turn chat and a short question."""
+    from core.config import GenerationConfig, SamplingConfig
+
+    eng = smollm2_w4a8
+    chats = [[{"role": "user", "content": "Repeat this text exactly: " + "The committee met on Tuesday to review "
+               "the budget, the new library hours and the plan for the summer festival. " * 12}],
+             [{"role": "user", "content": "What is the capital of France?"},
+              {"role": "assistant", "content": "The capital of France is Paris."},
+              {"role": "user", "content": "And what river runs through it?"}],
+             [{"role": "user", "content": "Name a fruit that is yellow."}]]
+    assert len(eng.encode(chats[0])) >= 256
+    copied = 0
+    for chat in chats:
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=0.8)):
+            def answer(**kw):
+                config = GenerationConfig(max_new_tokens=64, sampling=sampling, seed=3, reuse_prompt=False, **kw)
+                events = list(eng.generate(chat, config))
+                return [t for ev in events for t in ev.token_ids], events
+            plain, _ = answer(speculative=False)
+            lookup, events = answer(head=False, tree=eng.default_tree)
+            assert lookup == plain, (chat[-1]["content"][:40], sampling)
+            copied += sum(len(ev.token_ids) - 1 for ev in events[1:] if ev.tree_size)
+    assert copied > 20, "the copying answer is copied"

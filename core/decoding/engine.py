@@ -34,13 +34,13 @@ from core.decoding.forward import (StopReading, forward_tree, forward_tree_greed
                                    plain_forward_greedy, prefill, spec_step_greedy, uses_exact_kernels)
 from core.decoding.head import HeadCache, HeadLoadError
 from core.decoding.head3 import drafter_for, load_any_head
-from core.decoding.lookup import ContextIndex, graft
+from core.decoding.lookup import ContextIndex, default_tokens, graft
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, names_gguf, resolve
 from core.decoding.numerics import Numerics, load_numerics
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
 from core.decoding.gumbel import DraftNoise
-from core.decoding.tree import catch_up, catch_up_top, draft
+from core.decoding.tree import DraftTree, catch_up, catch_up_top, draft
 from core.decoding.treestore import BUILT_IN, TreeChoice, default_tree
 from core.decoding.verify import Verification, accept_greedy, plain_choice, verify_sampled
 
@@ -66,6 +66,15 @@ class StepEvent:
         return len(self.token_ids)
 
 
+LOOKUP_ALONE = "context lookup alone: this model has no EAGLE head"
+
+
+def lookup_alone(step: NativeStep | None) -> TreeChoice:
+    """The tree of an engine without a head: no head tree, a lookup chain as long as rows of this step pay for."""
+    int8 = step is not None and step.info.activations == "int8"
+    return TreeChoice(TreeConfig(lookup=default_tokens(int8)), LOOKUP_ALONE)
+
+
 def default_head(model: str) -> str | None:
     if model == EMBEDDED:
         return str(DEFAULT_HEAD_DIR) if DEFAULT_HEAD_DIR.is_dir() else None
@@ -89,7 +98,8 @@ class Engine:
         self.numerics = numerics or Numerics(str(target.dtype).removeprefix("torch."),
                                              "exact" if uses_exact_kernels(target.model) else
                                              target.model.config._attn_implementation, None)
-        self.tree_choice = TreeChoice(TreeConfig(), BUILT_IN)  # Engine.load: tuned / shipped
+        # Engine.load: tuned / shipped; without a head, speculation copies from the context alone
+        self.tree_choice = TreeChoice(TreeConfig(), BUILT_IN) if drafter is not None else lookup_alone(step)
         self.prefix: prefix.Prefix | None = None  # the last prompt's rows (read_prompt)
         self.row_costs = rowcost.RowCosts()  # measured by greedy steps of trees with row_floor
 
@@ -196,8 +206,9 @@ class Engine:
         vocab = self.target.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise EngineError(f"token ids must be in 0..{vocab - 1}")
-        if config.speculative and not self.has_head:
-            raise EngineError("speculation needs a draft head: load one (--head) or turn speculation off")
+        if config.speculative and not (self.has_head and config.head) and not config.tree.lookup:
+            raise EngineError("without a draft head speculation copies from the context, and this tree's lookup "
+                              "is 0: set lookup (--lookup N), load a head (--head), or turn speculation off")
         return _stream(self, ids, config, on_step, should_stop, text_context=tuple(ids[-1:]) if continue_final else ())
 
 
@@ -237,12 +248,14 @@ class _Run:
             config = replace(config, speculative=False)  # measured: plain decoding is faster this hot
         self.e, self.cfg, self.on_step = engine, config, on_step
         self.model, self.device = engine.forwarder, engine.target.device
-        self.layers = engine.drafter.feature_layers if config.speculative else None
+        # speculation without the head: each step verifies the root and a lookup chain, where the context repeats
+        self.lookup_only = config.speculative and not (engine.has_head and config.head)
+        head = config.speculative and not self.lookup_only
+        self.layers = engine.drafter.feature_layers if head else None
         self.ids = torch.tensor(ids, device=self.device)
         self.context = ContextIndex(ids)  # prompt + every emitted token: where context lookup searches
         self.cache = kv.new_cache(self.model)
-        self.head_cache = (HeadCache(engine.head.config, engine.target.dtype, self.device)
-                           if config.speculative else None)
+        self.head_cache = HeadCache(engine.head.config, engine.target.dtype, self.device) if head else None
         # sampled tokens are a function of the seed and their position (core.decoding.gumbel)
         self.seed = config.seed if config.seed is not None else new_seed()
         self.budget, self.budget_reason = answer_budget(config.max_new_tokens, engine.max_context - len(ids))
@@ -281,11 +294,12 @@ class _Run:
         if self.cfg.speculative and self.cfg.adaptive:
             self.speeds = adaptive.start(not capped, POLICY, patient=self.cfg.paused_hot)
             if capped:  # the head catches up on the prompt when a probe first speculates, if one does
-                self.pending.append((follow, features))
+                if not self.lookup_only:
+                    self.pending.append((follow, features))
                 return event
         elif self.cfg.speculative and capped:
             self.cfg = replace(self.cfg, speculative=False)  # a plain cap: no head catch-up on a long prompt
-        if self.cfg.speculative and not event.finished:
+        if self.cfg.speculative and not self.lookup_only and not event.finished:
             self.root_hidden = self.catch_up(follow, features)
         return event
 
@@ -347,7 +361,7 @@ class _Run:
             features, logits = plain_forward(self.model, self.token, self.cache, committed, layers)
             t1 = self.now()
             self.token = self.choose(logits, committed + 1)
-        if self.speeds is not None:  # for the head, should a later step speculate
+        if self.speeds is not None and not self.lookup_only:  # for the head, should a later step speculate
             self.pending.append((torch.tensor([self.token], device=self.device), features))
             if self.cfg.sampling.greedy and self.cfg.tree.row_floor:  # a 1-row forward: the floor's T1
                 self.e.row_costs = rowcost.record(self.e.row_costs, 1, t1 - t0, None)
@@ -355,6 +369,8 @@ class _Run:
         return self.emit([self.token], 0, 0, 0.0, t1 - t0, t0)
 
     def spec_step(self) -> StepEvent:
+        if self.lookup_only:
+            return self.lookup_step()
         if self.pending:  # an adaptive answer's first speculative step after plain ones
             t = self.now()
             tokens, features = (torch.cat(x) for x in zip(*self.pending))  # (n,), (n, F)
@@ -409,6 +425,35 @@ class _Run:
             path = result.path
             kept = features[:len(path)] if path == tuple(range(len(path))) else features[list(path)]  # (m, F)
             self.root_hidden = self.catch_up(torch.tensor(result.tokens, device=self.device), kept)
+        return event
+
+    def lookup_step(self) -> StepEvent:
+        """Speculation without the head: the root and the context's lookup chain verified in one forward, with the
+        rules of any tree (greedy: plain decoding's tokens; sampled: its tokens for the seed); a plain step where the
+        context holds no repeat to copy."""
+        committed = kv.cache_length(self.cache)
+        chain = self.context.chain(self.lookup_room(committed)) if self.cfg.tree.at(committed).lookup else []
+        if not chain:
+            return self.plain_step()
+        t0 = self.now()
+        # a path of 1 + n; the copied nodes score -inf, as beside a head's tree (what the app counts as copied)
+        tree = graft(DraftTree.from_lists([self.token], [-1], [0], [0.0], device=self.device), chain)
+        t1 = self.now()
+        s = self.cfg.sampling
+        if s.greedy:
+            _, choices = forward_tree_greedy(self.model, tree, self.cache, committed, None)
+            t2 = self.now()
+            result = accept_greedy(tree, choices)
+        else:
+            _, logits = forward_tree(self.model, tree, self.cache, committed, None)
+            t2 = self.now()
+            result = verify_sampled(tree, logits, s, self.seed, committed)
+        if self.on_step is not None:
+            self.on_step(tree, result)
+        kv.keep(self.cache, committed, result.path)
+        self.forwards += 1
+        event = self.emit(list(result.tokens), result.accepted, tree.size, t1 - t0, t2 - t1, t0)
+        self.token = result.bonus
         return event
 
     def emit(self, tokens: list[int], n_draft: int, tree_size: int, draft_s: float, verify_s: float,
