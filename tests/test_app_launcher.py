@@ -68,6 +68,8 @@ def test_share_failure_keeps_serving_locally_with_auth(tmp_path):
     from gradio_client import Client
     from gradio_client.exceptions import AuthenticationError
 
+    from app.controls import LOOKUP_INFO
+
     port = free_port()
     spy_env, marker = browser_spy(tmp_path)
     # every outside connection fails at once, as on a machine without internet
@@ -87,8 +89,9 @@ def test_share_failure_keeps_serving_locally_with_auth(tmp_path):
                                          api_name="/download")
         assert "Nothing to download" in message, "a logged-in visitor may manage models"
         toggle = next(c for c in client.config["components"] if c.get("props", {}).get("elem_id") == "speculative")
-        assert toggle["props"]["interactive"] is False and toggle["props"]["value"] is False, \
-            "without a head the speculation toggle is off and greyed out"
+        assert toggle["props"]["interactive"] is True and toggle["props"]["value"] is True, \
+            "without a head the chat still speculates, by context lookup"
+        assert toggle["props"]["info"] == LOOKUP_INFO
         assert not marker.exists(), "--no-browser must not open a browser"
     finally:
         app.stop()
