@@ -18,6 +18,7 @@ LOCAL_INFO = {"depth": "How many tokens ahead the head drafts; the tree size gro
               "highlight": "Colours the answer below by where each token came from."}
 CHART_TITLE = "Tokens committed per verification step"
 SPEC_OFF_TREE = "Not used while speculative decoding is off."
+NO_HEAD_TREE = "Not used: without an EAGLE head there is no draft tree, only text copied from the conversation."
 REMOTE_SPEC = "Off here: the remote server decides whether and how it speculates."
 REMOTE_TREE = "Not used: the remote server drafts with its own settings."
 REMOTE_HIGHLIGHT = "Needs the local engine: a remote server does not say which tokens were drafted."
@@ -33,7 +34,7 @@ def control_props(manager) -> dict[str, dict]:
     remote = manager.backend is not None
     local = not remote and manager.engine is not None
     has_head = local and manager.engine.has_head
-    tree = tree_props(remote, has_head)  # context lookup alone has no tree to shape
+    tree = tree_props(remote, local, has_head)  # context lookup alone has no tree to shape
     info = REMOTE_SPEC if remote else SPEC_INFO if has_head or not local else LOOKUP_INFO
     return {"spec": dict(value=local, interactive=local, info=info), **tree,
             "highlight": dict(interactive=not remote, info=REMOTE_HIGHLIGHT if remote else LOCAL_INFO["highlight"]),
@@ -42,16 +43,19 @@ def control_props(manager) -> dict[str, dict]:
             "compare_note": dict(value=REMOTE_COMPARE if remote else "", visible=remote)}
 
 
-def tree_props(remote: bool, spec_on: bool) -> dict[str, dict]:
-    """The tree controls: greyed out, with the reason, while nothing speculates."""
-    return {k: dict(interactive=spec_on and not remote,
-                    info=REMOTE_TREE if remote else LOCAL_INFO[k] if spec_on else SPEC_OFF_TREE)
+def tree_props(remote: bool, spec_on: bool, has_head: bool = True) -> dict[str, dict]:
+    """The tree controls: greyed out, with the reason, while no head tree drafts (speculation off, a remote server,
+    or a model without a head: context lookup alone)."""
+    return {k: dict(interactive=spec_on and has_head and not remote,
+                    info=REMOTE_TREE if remote else NO_HEAD_TREE if not has_head else LOCAL_INFO[k] if spec_on
+                    else SPEC_OFF_TREE)
             for k in ("depth", "top_k", "tree_size")}
 
 
 def tree_updates(manager, spec_on) -> tuple:
     """The speculation box changed: the depth, top-k and tree size follow it."""
-    props = tree_props(manager.backend is not None, bool(spec_on))
+    has_head = manager.engine is not None and manager.engine.has_head
+    props = tree_props(manager.backend is not None, bool(spec_on), has_head)
     return tuple(gr.update(**props[k]) for k in ("depth", "top_k", "tree_size"))
 
 

@@ -56,8 +56,6 @@ TEXT_IN_BOX = " Your edited text is in the message box."
 # Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
 CLEAR_WAIT_S = 10.0
 REGENERATED = 1024  # sessions whose last Regenerate or edit keeps the chat it read, for its versions (Handlers.regenerated)
-NO_HEAD = ("No EAGLE head is loaded for this model: this answer's drafts were copied from the conversation where it "
-           "repeats (context lookup), plain steps elsewhere.")
 STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
 CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")
@@ -414,9 +412,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
                 return
             with self.manager.lane:  # a model switch waits for this answer, and this for a switch
                 engine = self._engine()
-                if cfg.speculative and not engine.has_head:
-                    notices.append(NO_HEAD)
-                elif cfg.speculative and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
+                # (a model without a head speculates by context lookup alone: the header and the box say so)
+                if cfg.speculative and engine.has_head and (limit := tree_limit(cfg.tree.depth, cfg.tree.total_tokens)):
                     notices.append(f"Note: {limit}")
                 msgs, n_tokens = self._prompt(engine, turns, system, cfg, notices, self.access.prompt_tokens(request),
                                               continues)
