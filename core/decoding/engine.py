@@ -400,18 +400,9 @@ class _Run:
         if fused is not None:  # the forward's time as the separate calls measure it: all but the head's part
             t2 = self.now() - fused.head_s
             result: Verification = Verification(fused.path, fused.tokens)
-        elif s.greedy:  # each row's argmax comes out of the forward's own call
-            features, choices = forward_tree_greedy(self.model, tree, self.cache, committed, self.layers)
-            t2 = self.now()
-            result = accept_greedy(tree, choices)
         else:
-            features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
-            t2 = self.now()
-            result = verify_sampled(tree, logits, s, self.seed, committed)
-        if self.on_step is not None:
-            self.on_step(tree, result)
-        kv.keep(self.cache, committed, result.path)
-        self.forwards += 1
+            features, result, t2 = self.verify(tree, committed)
+        self.keep(tree, result, committed)
         carry = self._draft_carry  # the last catch-up, spent before t0: the step starts that much earlier
         head_s = (t1 - t0) + carry + (fused.head_s if fused is not None else 0.0)  # a fused step catches up in it
         if floor:
@@ -427,6 +418,26 @@ class _Run:
             self.root_hidden = self.catch_up(torch.tensor(result.tokens, device=self.device), kept)
         return event
 
+    def verify(self, tree: DraftTree, committed: int) -> tuple[torch.Tensor | None, Verification, float]:
+        """The tree's rows in one target forward, then its walk: greedy, each row's argmax out of the forward's own
+        call; sampled, plain sampling's token for the seed at every node. -> (features for the head, the
+        verification, the time the forward ended)."""
+        s = self.cfg.sampling
+        if s.greedy:
+            features, choices = forward_tree_greedy(self.model, tree, self.cache, committed, self.layers)
+            t2 = self.now()
+            return features, accept_greedy(tree, choices), t2
+        features, logits = forward_tree(self.model, tree, self.cache, committed, self.layers)
+        t2 = self.now()
+        return features, verify_sampled(tree, logits, s, self.seed, committed), t2
+
+    def keep(self, tree: DraftTree, result: Verification, committed: int) -> None:
+        """The cache keeps the accepted path's rows; the step is counted (and shown to `on_step`)."""
+        if self.on_step is not None:
+            self.on_step(tree, result)
+        kv.keep(self.cache, committed, result.path)
+        self.forwards += 1
+
     def lookup_step(self) -> StepEvent:
         """Speculation without the head: the root and the context's lookup chain verified in one forward, with the
         rules of any tree (greedy: plain decoding's tokens; sampled: its tokens for the seed); a plain step where the
@@ -439,19 +450,8 @@ class _Run:
         # a path of 1 + n; the copied nodes score -inf, as beside a head's tree (what the app counts as copied)
         tree = graft(DraftTree.from_lists([self.token], [-1], [0], [0.0], device=self.device), chain)
         t1 = self.now()
-        s = self.cfg.sampling
-        if s.greedy:
-            _, choices = forward_tree_greedy(self.model, tree, self.cache, committed, None)
-            t2 = self.now()
-            result = accept_greedy(tree, choices)
-        else:
-            _, logits = forward_tree(self.model, tree, self.cache, committed, None)
-            t2 = self.now()
-            result = verify_sampled(tree, logits, s, self.seed, committed)
-        if self.on_step is not None:
-            self.on_step(tree, result)
-        kv.keep(self.cache, committed, result.path)
-        self.forwards += 1
+        _, result, t2 = self.verify(tree, committed)
+        self.keep(tree, result, committed)
         event = self.emit(list(result.tokens), result.accepted, tree.size, t1 - t0, t2 - t1, t0)
         self.token = result.bonus
         return event
