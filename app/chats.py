@@ -9,8 +9,8 @@ no copy between requests and nothing leaves the machine. It is a plain JSON valu
 `messages` are the chat's {"role", "content"} turns with text content; `named` is True once the
 visitor renamed the chat (else the title follows its first message); `system`, the system prompt the
 chat is written with (chats kept before it was kept have none: they take the one shown); `versions`,
-where a Regenerate kept some, the answers its last answer replaced (app.versions; exports leave them
-out). Every operation returns a new store and leaves its argument unchanged.
+where a Regenerate or an edit kept some, what they replaced (app.versions; exports leave them out).
+Every operation returns a new store and leaves its argument unchanged.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ EDIT_CHANGED = ("The chat changed before the edit was answered (another answer o
 TEXT_IN_BOX = " Your edited text is in the message box."
 # Clear waits this long at most for a running answer's last update (a step, or a chunk of a long prompt)
 CLEAR_WAIT_S = 10.0
-REGENERATED = 1024  # sessions whose last Regenerate or edit keeps the chat it read, for its versions (Handlers.regenerated)
+# sessions whose last Regenerate or edit keeps the chat it read, for its versions (Handlers.regenerated)
+REGENERATED = 1024
 STOPPED_READING = "Stopped while the prompt was read, before the first token: the chat is as it was before Send."
 # the chat events' outputs, in the order of ui.build's `outs`
 CHAT_OUTPUT_NAMES = ("chatbot", "history", "box", "chart", "stats", "stats_json", "tokens", "notice")

@@ -171,8 +171,9 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                             regen = gr.Button("Regenerate", elem_id="regenerate")
                             more = gr.Button("Continue", elem_id="continue")
                             clear = gr.Button("Clear", elem_id="clear")
-                        system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2, elem_id="system",
-                                             info="Kept with each chat; a new chat starts with the one shown.")
+                        system = gr.Textbox("You are a helpful assistant.", label="System prompt", lines=2,
+                                            elem_id="system",
+                                            info="Kept with each chat; a new chat starts with the one shown.")
                     with gr.Column(scale=2):
                         spec = gr.Checkbox(label="Speculative decoding (EAGLE)", elem_id="speculative",
                                            **props["spec"])
@@ -230,11 +231,11 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
         history = gr.State([])
         view = dict(store=store, chatbot=chatbot, history=history, system=system, **listing)
         chats_out = [view[name] for name in CHATS_VIEW]
-        # versions of the chat from its latest turning point (app.versions), every chat's: loaded from the store with the page and
-        # kept in it with the chat
+        # versions of the chat from its latest turning point (app.versions), every chat's: loaded from the store with
+        # the page and kept in it with the chat
         versions = gr.State({})
-        save = dict(fn=h.chats_save, inputs=[history, store, versions, system], outputs=chats_out, api_visibility="private",
-                    show_progress="hidden")
+        save = dict(fn=h.chats_save, inputs=[history, store, versions, system], outputs=chats_out,
+                    api_visibility="private", show_progress="hidden")
         outs = [chatbot, history, box, chart, stats, stats_json, tokens, notice]
         # one generation at a time on the shared engine, whichever button started it; the
         # validators run when a request joins the queue (see app.lane)
