@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+SPEC_LABEL, LOOKUP_LABEL = "Speculative decoding (EAGLE)", "Speculative decoding (context lookup)"
 SPEC_INFO = "The EAGLE head drafts; where the text repeats, drafts are copied from it too. Lossless either way."
 LOOKUP_INFO = ("This model has no EAGLE head: drafts are copied from the conversation where it repeats (context "
                "lookup); lossless, and a step with nothing to copy is a plain step.")
@@ -35,8 +36,10 @@ def control_props(manager) -> dict[str, dict]:
     local = not remote and manager.engine is not None
     has_head = local and manager.engine.has_head
     tree = tree_props(remote, local, has_head)  # context lookup alone has no tree to shape
-    info = REMOTE_SPEC if remote else SPEC_INFO if has_head or not local else LOOKUP_INFO
-    return {"spec": dict(value=local, interactive=local, info=info), **tree,
+    head_or_none = has_head or not local
+    info = REMOTE_SPEC if remote else SPEC_INFO if head_or_none else LOOKUP_INFO
+    label = SPEC_LABEL if head_or_none else LOOKUP_LABEL
+    return {"spec": dict(value=local, interactive=local, info=info, label=label), **tree,
             "highlight": dict(interactive=not remote, info=REMOTE_HIGHLIGHT if remote else LOCAL_INFO["highlight"]),
             "chart": dict(title=REMOTE_CHART if remote else CHART_TITLE),
             "compare": dict(interactive=not remote),

@@ -175,8 +175,7 @@ def build(manager: ModelManager, access: Access = Access()) -> App:
                                             elem_id="system",
                                             info="Kept with each chat; a new chat starts with the one shown.")
                     with gr.Column(scale=2):
-                        spec = gr.Checkbox(label="Speculative decoding (EAGLE)", elem_id="speculative",
-                                           **props["spec"])
+                        spec = gr.Checkbox(elem_id="speculative", **props["spec"])
                         depth = gr.Slider(1, MAX_DEPTH, tree.depth, step=1, label="Tree depth", elem_id="depth",
                                           **props["depth"])
                         tree_note = gr.Markdown(tree_limit(tree.depth, tree.total_tokens), elem_id="tree-limit")

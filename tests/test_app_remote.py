@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from app.chat import engine_messages
-from app.controls import LOCAL_INFO, REMOTE_COMPARE, REMOTE_HIGHLIGHT, REMOTE_SPEC, REMOTE_TREE, SPEC_INFO
+from app.controls import (LOCAL_INFO, REMOTE_COMPARE, REMOTE_HIGHLIGHT, REMOTE_SPEC, REMOTE_TREE, SPEC_INFO,
+                          SPEC_LABEL)
 from app.manager import ModelManager
 from app.session import Handlers
 from app.state import Access, ModelChoice
@@ -58,7 +59,7 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     result, status, _tree, spec, depth, top_k, size, highlight, chart, compare, note = h.connect(server.url, "")
     assert status == f"**Chatting through** {server.url} — eagle-chat server, model `tiny-remote`"
     assert "Connected" in result and h.manager.engine is not None, "the local engine stays loaded"
-    assert spec == gr.update(value=False, interactive=False, info=REMOTE_SPEC)
+    assert spec == gr.update(value=False, interactive=False, info=REMOTE_SPEC, label=SPEC_LABEL)
     assert all(c == gr.update(interactive=False, info=REMOTE_TREE) for c in (depth, top_k, size))
     assert highlight == gr.update(interactive=False, info=REMOTE_HIGHLIGHT)
     assert chart["title"] == "Per-step chart: local engine only" and compare["interactive"] is False
@@ -110,7 +111,7 @@ def test_a_chat_streams_through_the_server_and_the_panel_says_remote(server):
     assert status.startswith("**Serving** `tiny`") and "EAGLE speculation available" in status and "Numerics:" in result
     details = h.manager.details_markdown()
     assert "**Numerics:**" in details and "**CPU threads:**" in details, "the details sit in a collapsed section"
-    assert spec == gr.update(value=True, interactive=True, info=SPEC_INFO)
+    assert spec == gr.update(value=True, interactive=True, info=SPEC_INFO, label=SPEC_LABEL)
     assert depth == gr.update(interactive=True, info=LOCAL_INFO["depth"])
     assert answer(h, "w5 w9", [])[-1][5]["mode"] == "speculative", "back on the local engine"
 

@@ -99,11 +99,11 @@ def test_a_reload_shows_the_open_chats_system_prompt_else_the_one_typed_last(big
 
 
 def test_a_model_without_a_head_keeps_speculation_on_by_context_lookup(bigram):
-    from app.controls import LOOKUP_INFO, NO_HEAD_TREE, SPEC_INFO, control_props, tree_updates
+    from app.controls import LOOKUP_INFO, LOOKUP_LABEL, NO_HEAD_TREE, SPEC_INFO, SPEC_LABEL, control_props, tree_updates
 
     no_head = handlers_for(Engine(bigram[0]))
     props = control_props(no_head.manager)
-    assert props["spec"] == dict(value=True, interactive=True, info=LOOKUP_INFO)
+    assert props["spec"] == dict(value=True, interactive=True, info=LOOKUP_INFO, label=LOOKUP_LABEL)
     assert all(props[k] == dict(interactive=False, info=NO_HEAD_TREE) for k in ("depth", "top_k", "tree_size")), \
         "context lookup alone has no tree to shape"
     assert all(u == gr.update(interactive=False, info=NO_HEAD_TREE) for u in tree_updates(no_head.manager, True)), \
@@ -111,4 +111,5 @@ def test_a_model_without_a_head_keeps_speculation_on_by_context_lookup(bigram):
     assert "speculation copies from the conversation" in no_head.manager.status_markdown()
     assert no_head.manager.tree_markdown().startswith("No draft tree: this model has no EAGLE head. Each step copies "
                                                       "up to 24 tokens from earlier text")
-    assert control_props(handlers_for(Engine(*bigram)).manager)["spec"]["info"] == SPEC_INFO
+    with_head = control_props(handlers_for(Engine(*bigram)).manager)["spec"]
+    assert with_head["info"] == SPEC_INFO and with_head["label"] == SPEC_LABEL
