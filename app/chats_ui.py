@@ -165,7 +165,8 @@ class ChatsHandlers:
         if flipped is None:  # the chat changed since the controls were shown
             return (gr.skip(), "", *versions_nav(kept, history, store), *ChatsView().outputs())
         chat, kept = flipped
-        now, which = versions.current(kept, store["current"], chat), versions.label(kept, store["current"], chat)
+        now = versions.current(kept, store["current"], chat)
+        which = versions.describe(now)
         notice = FLIPPED.format(which=which[:1].lower() + which[1:])  # "answer 2 of 3", "version 2 of 3"
         return (kept, notice, *versions_nav(kept, chat, store),
                 *shown(chats.save(store, chat, now.as_json()), system=False).outputs())
@@ -205,7 +206,7 @@ def versions_nav(kept, history, store) -> tuple:
     from its latest turning point; back and forward greyed out at the first and the last."""
     chat_id, history = chats.current_id(store), history or []
     now = versions.current(kept, chat_id, history)
-    text = versions.label(kept, chat_id, history)
+    text = versions.describe(now)
     if not text:
         return gr.update(visible=False), "", gr.update(interactive=False), gr.update(interactive=False)
     return (gr.update(visible=True), text, gr.update(interactive=now.shown > 0),

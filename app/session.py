@@ -79,8 +79,8 @@ class Handlers(ModelHandlers, BackendHandlers, ChatsHandlers):
         self.adaptive = adaptive
         self.tickets = Tickets()
         self._sends = itertools.count(1)  # the gates' counter: each request it lets go is a new value
-        # each session's chat as its last Regenerate read it (the answer it replaced: app.versions); read by the
-        # page's versions_written after that Regenerate, at most REGENERATED sessions kept
+        # each session's chat as its last Regenerate or edit read it (what it replaced: app.versions); read by the
+        # page's versions_written after that Regenerate or edit, at most REGENERATED sessions kept
         self.regenerated: OrderedDict[str, tuple[list, int | None]] = OrderedDict()  # (chat, point)
 
     # ---- the queue: validators run when a request joins it --------------------------------

@@ -5,10 +5,10 @@ Each chat (by its id in the chat store) keeps at most one `Versions`: the messag
 messages as (role, text) pairs), one of which is shown. A Regenerate's point is the last answer (each tail that
 answer alone); an edited question's, the question (each tail the question and its answer; an edit of an earlier
 message keeps the turns it drops in the tail it replaces). They hold while the chat's messages before the point are
-`turns` and the chat has as many after it as the shown tail: a new message, an edit before the point or Clear
-leaves them behind (and they are dropped the next time the chat turns at another point). Continuing or editing the
-shown answer in place changes what that version holds (it is read back from the chat before each flip). The kept
-versions are a plain JSON value in the page's session (gr.State): {chat_id: {"turns": [[role, text], ...],
+`turns` and the chat has as many after it as the shown tail: a new message or Clear leaves them behind (and they
+are dropped the next time the chat turns), while an edit before the point moves them back to it. Continuing or
+editing the shown answer in place changes what that version holds (it is read back from the chat before each flip).
+The kept versions are a plain JSON value in the page's session (gr.State): {chat_id: {"turns": [[role, text], ...],
 "answers": [tail, ...], "shown": i}}, a tail being an answer's text or a list of [role, text], and each chat's is
 saved with it in the browser's chat store (app.chats, "versions"); nothing here touches the engine.
 """
@@ -131,7 +131,11 @@ def flip(kept, chat_id: str, history: list[dict], step: int) -> tuple[list[dict]
 def label(kept, chat_id: str, history: list[dict]) -> str:
     """"Answer 2 of 3" where the chat's last answer has other versions ("Version 2 of 3" where they begin at a
     question), else ""."""
-    versions = current(kept, chat_id, history)
+    return describe(current(kept, chat_id, history))
+
+
+def describe(versions: Versions | None) -> str:
+    """label's text for versions that hold for the chat shown (`current`'s answer)."""
     if versions is None or len(versions.answers) < 2:
         return ""
     what = "Answer" if all(_answer_alone(t) for t in versions.answers) else "Version"

@@ -290,15 +290,21 @@ def _llama_cpp(engine: Engine, ids: list[int], s: BenchSettings, seed: int, *, s
 
 
 Runner = Callable[[Engine, list[int], BenchSettings, int], Generation]
+
+
+def _lookup_alone(engine: Engine, ids: list[int], s: BenchSettings, seed: int) -> Generation:
+    """Speculation by context lookup alone: the tree's chain length (--lookup), else the one an engine without a
+    head copies."""
+    tree = s.tree if s.tree.lookup else replace(s.tree, lookup=lookup_alone(engine.step).tree.lookup)
+    return _engine_generate(engine, ids, replace(s, tree=tree), seed, speculative=True, head=False)
+
+
 MODES: dict[str, Runner] = {
     "plain": functools.partial(_engine_generate, speculative=False),
     "eagle": functools.partial(_engine_generate, speculative=True),
     "eagle-head": lambda engine, ids, s, seed: _engine_generate(engine, ids, replace(s, tree=replace(s.tree, lookup=0)),
                                                                 seed, speculative=True),
-    # the tree's chain length (--lookup), else the one an engine without a head copies
-    "lookup": lambda engine, ids, s, seed: _engine_generate(
-        engine, ids, s if s.tree.lookup else replace(s, tree=replace(s.tree, lookup=lookup_alone(engine.step).tree.lookup)),
-        seed, speculative=True, head=False),
+    "lookup": _lookup_alone,
     "hf": functools.partial(_hf_generate, lookup=None),
     "hf-fp32": _hf_fp32,
     "hf-lookup": lambda engine, ids, s, seed: _hf_generate(engine, ids, s, seed, s.lookup_tokens),

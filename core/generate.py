@@ -99,8 +99,9 @@ def main(argv=None) -> int:
 
     last, interrupted = None, False
     try:
-        engine = Engine.load(a.model, None if a.plain or a.lookup_only else a.head, dtype=a.dtype, attention=a.attention,
-                             device=a.device, load_in_4bit=a.load_in_4bit, weights=a.weights)
+        head = None if a.plain or a.lookup_only else a.head
+        engine = Engine.load(a.model, head, dtype=a.dtype, attention=a.attention, device=a.device,
+                             load_in_4bit=a.load_in_4bit, weights=a.weights)
         config = replace(config, tree=engine.default_tree.override(**given))
         for last in engine.generate(prompt, config):
             sys.stdout.write(last.text)

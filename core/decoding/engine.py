@@ -443,7 +443,7 @@ class _Run:
         rules of any tree (greedy: plain decoding's tokens; sampled: its tokens for the seed); a plain step where the
         context holds no repeat to copy."""
         committed = kv.cache_length(self.cache)
-        chain = self.context.chain(self.lookup_room(committed)) if self.cfg.tree.at(committed).lookup else []
+        chain = self.context.chain(self.lookup_room(committed))  # (none where the tree's lookup is 0)
         if not chain:
             return self.plain_step()
         t0 = self.now()
