@@ -408,20 +408,35 @@ def test_each_chat_keeps_its_system_prompt_through_switches_a_reload_and_its_exp
     shows = lambda text: page.wait_for_function(  # noqa: E731
         f"document.querySelector({json.dumps(system)})?.value === {json.dumps(text)}", timeout=10_000)
 
+    def titled(title: str) -> None:  # the chat just answered is saved: the picker shows its title
+        page.wait_for_function(f"document.querySelector('#chat-pick input')?.value === {json.dumps(title)}",
+                               timeout=10_000)
+
     def pick(title: str) -> None:
-        page.locator("#chat-pick input").click()
-        page.get_by_role("option", name=title).click()
+        """Open the picker and choose `title`, as a visitor does: where an update redrew the picker under the
+        click (its list closed), open it again."""
+        for attempt in range(3):
+            page.locator("#chat-pick input").click()
+            try:
+                page.get_by_role("option", name=title).click(timeout=5_000)
+                return
+            except Exception:
+                if attempt == 2:
+                    raise AssertionError(f"the picker never offered {title!r}; it shows "
+                                         f"{page.locator('#chat-pick input').input_value()!r}") from None
 
     page.locator("#new-chat").click()
     page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
     page.locator(system).fill("You are a pirate.")
     send(page, "w31 w32")
+    titled("w31 w32")
     pirate = snapshot(page)["#chatbot"]
     page.locator("#new-chat").click()
     page.wait_for_function("document.querySelectorAll('#chatbot [data-testid=\"bot\"]').length === 0", timeout=10_000)
     shows("You are a pirate.")  # a new chat starts with the one shown
     page.locator(system).fill("Answer in verse.")
     send(page, "w41")
+    titled("w41")
     pick("w31 w32")
     wait_for_chat(page, pirate)
     shows("You are a pirate.")
