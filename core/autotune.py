@@ -36,6 +36,7 @@ from core.decoding.forward import forward_tree, prefill
 from core.decoding.head import HeadCache
 from core.decoding.lookup import chain_tree, default_tokens
 from core.decoding.tree import catch_up, draft_dynamic, tree_from_parents
+from core.kernels import native
 from core.decoding.treestore import (TREE_FILE, engine_gemm, save_tuned, shipped_tree, shipped_tree_path,  # noqa: F401
                             tuned_path, tuned_tree)  # (re-exported)
 
@@ -402,7 +403,7 @@ def choose_tree(engine: Engine, top_k: int = 8, refresh: bool = False, lookup: i
     candidates = rank(profile)
     tree, rate = pick(candidates)
     dear_rows = engine.step is not None and engine.step.info.activations == "int8"  # a row costs integer work
-    default_lookup = default_tokens(dear_rows)
+    default_lookup = default_tokens(dear_rows, native.gemm_kind())
     confirmed = {}
     if confirm_top > 1:
         trees = [tree]  # then the best depth of each next-best size: size is what costs
@@ -469,8 +470,8 @@ def main(argv=None) -> None:
     p.add_argument("--lookup", type=_lookup_arg, default=None, metavar="N|auto",
                    help=f"context-lookup tokens in the chosen tree (0 = off; default auto: each of "
                         f"{', '.join(map(str, LOOKUP_CHOICES))} answers end to end and the fastest wins; "
-                        f"where --confirm is 0 or 1: {default_tokens(True)} on the 8-bit-activation step, else "
-                        f"{default_tokens(False)})")
+                        f"where --confirm is 0 or 1: {default_tokens(True)} on the 8-bit-activation step "
+                        f"({default_tokens(True, 'avx2')} on AVX2), else {default_tokens(False)})")
     p.add_argument("--confirm", type=int, default=4, metavar="N",
                    help="answer the calibration prompts end to end with the model's N best trees and keep "
                         "the fastest (0 = trust the cost model; default 4)")

@@ -182,6 +182,85 @@ def test_a_prompt_past_the_plain_cap_starts_plain_and_the_head_catches_up_when_p
     assert sum(spec[4:]) > 0.7 * len(spec[4:]), "and speculation keeps the answer"
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8)], ids=["greedy", "sampled"])
+def test_beside_a_head_the_other_mode_copies_where_the_context_repeats(bigram, monkeypatch, sampling):
+    """With a head and a tree that copies, an adaptive answer's mode beside speculation is context lookup alone (a
+    plain step where nothing repeats), not plain decoding: where the head's work measures slower (its drafting made
+    dear here), the answer copies the loop the target falls into without the head, and writes plain's tokens."""
+    monkeypatch.setattr(engine_mod, "POLICY", POLICY)
+    plain, _ = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, speculative=False, sampling=sampling, seed=3))
+    clock = FakeClock(monkeypatch, 0.001, 0.001)
+    drafts, copying = [], []
+    real_draft, real_lookup = engine_mod.draft, engine_mod._Run.lookup_step
+
+    def dear_draft(*a, **k):  # the head's work: twenty forwards' time
+        clock.t += 0.02
+        drafts.append(1)
+        return real_draft(*a, **k)
+
+    def lookup_step(self):
+        event = real_lookup(self)
+        copying.append(len(event.token_ids) if event.tree_size else 0)  # tokens a copied chain wrote
+        return event
+
+    monkeypatch.setattr(engine_mod, "draft", dear_draft)
+    monkeypatch.setattr(engine_mod._Run, "lookup_step", lookup_step)
+    tree = TreeConfig(4, 1, 5, lookup=8)
+    tokens, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=tree, adaptive=True,
+                                                             sampling=sampling, seed=3))
+    assert tokens == plain, "the same tokens whichever mode wrote them"
+    assert drafts, "the head ran (the answer starts speculating, and probes it)"
+    assert len(copying) > 0.5 * (len(events) - 1), "most steps ran in the copying mode"
+    if sampling.greedy:  # (a sampled answer leaves the loop now and then: less to copy)
+        assert sum(copying) > 0.6 * len(tokens), "copying wrote most of the answer, without the head"
+    # without lookup in the tree, the other mode is plain decoding, as before
+    copying.clear()
+    no_copy, events = answer(bigram, [5, 6], GenerationConfig(max_new_tokens=120, tree=TreeConfig(4, 1, 5),
+                                                              adaptive=True, sampling=sampling, seed=3))
+    assert no_copy == plain and not any(copying)
+
+
+def test_copied_steps_leave_the_head_the_features_plain_steps_would(monkeypatch):
+    """What an adaptive answer copied without the head, the head catches up on when speculation next runs: the
+    copied rows' tokens and features wait for it exactly as plain steps' would (the same positions, the same
+    values), and past a plain cap the other mode is plain decoding."""
+    from dataclasses import replace
+
+    import torch
+
+    from tests.tiny import random_head
+
+    target = tiny_target(mix=0.05, seed=4, vocab=24)  # nearly a bigram: it loops, and features see the context
+    eng = Engine(target, random_head(target))
+    prompt, tree = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8], TreeConfig(1, 1, 2, lookup=8)
+    monkeypatch.setattr(adaptive, "probe_now", lambda s, policy: s)  # no probe of speculation: one mode throughout
+
+    def waiting(copies: bool):
+        """The head's pending (tokens, features) after 40 tokens in the mode beside speculation."""
+        run = engine_mod._Run(eng, prompt, GenerationConfig(max_new_tokens=60, tree=tree, adaptive=True))
+        if not copies:
+            monkeypatch.setattr(run, "copies", lambda: False)
+        run.first_step()
+        run.speeds = replace(run.speeds, speculative=False, gap=10**6)  # that mode throughout
+        events = []
+        while run.n_out < 40:
+            events.append(run.next_step())
+        tokens, features = (torch.cat(x) for x in zip(*run.pending))
+        return tokens, features, events
+
+    copied_tokens, copied_features, events = waiting(True)
+    plain_tokens, plain_features, plain_events = waiting(False)
+    assert any(ev.tree_size > 2 for ev in events) and not any(ev.tree_size for ev in plain_events)
+    n = min(len(copied_tokens), len(plain_tokens))
+    assert n >= 39 and torch.equal(copied_tokens[:n], plain_tokens[:n])
+    torch.testing.assert_close(copied_features[:n], plain_features[:n], rtol=1e-9, atol=1e-9)
+    capped = engine_mod._Run(eng, prompt, GenerationConfig(max_new_tokens=60, adaptive=True,
+                                                            tree=replace(tree, long_context=((8, 0, 0),))))
+    capped.first_step()
+    assert not capped.copies() and engine_mod._Run(eng, prompt, GenerationConfig(max_new_tokens=60, tree=tree,
+                                                                                  adaptive=True)).copies()
+
+
 def test_the_cli_and_the_benchmark_turn_it_on_by_flag():
     from core.bench import parse_args as bench_args
     from core.generate import check_args, parse_args

@@ -9,8 +9,9 @@ import torch
 from core.config import ConfigError, GenerationConfig, SamplingConfig, TreeConfig
 from core.decoding.engine import Engine, EngineError
 from core.kernels.invariant import make_invariant
-from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_INT8, MAX_NGRAM, ContextIndex,
-                                  chain_length, chain_tree, default_tokens, graft, longest_repeat, lookup_chain)
+from core.decoding.lookup import (CHAIN_TREE_TOKENS, DEFAULT_TOKENS, DEFAULT_TOKENS_AVX2, DEFAULT_TOKENS_INT8,
+                                  MAX_NGRAM, ContextIndex, chain_length, chain_tree, default_tokens, graft,
+                                  longest_repeat, lookup_chain)
 from core.decoding.tree import DraftTree, tree_from_parents
 from tests.test_tree_verify import chi2_pvalue
 from tests.tiny import oracle_head, random_head, tiny_target
@@ -68,6 +69,9 @@ def test_chain_length_follows_the_match():
     assert [chain_length(n, 2) for n in (2, 3, 4, 5)] == [2, 2, 2, 2]  # at least 2, at most the setting
     assert [chain_length(n, 1) for n in (2, 5)] == [1, 1] and chain_length(5, 0) == 0
     assert default_tokens(True) == DEFAULT_TOKENS_INT8 < default_tokens(False) == DEFAULT_TOKENS
+    # where a row costs most (the 8-bit step without VNNI) the chain is shorter; elsewhere the GEMM does not matter
+    assert default_tokens(True, "avx2") == DEFAULT_TOKENS_AVX2 < default_tokens(True, "avx512") == DEFAULT_TOKENS_INT8
+    assert default_tokens(True, "amx") == DEFAULT_TOKENS_INT8 and default_tokens(False, "avx2") == DEFAULT_TOKENS
 
 
 def test_chain_tree_and_its_caps():

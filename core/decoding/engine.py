@@ -37,6 +37,7 @@ from core.decoding.head3 import drafter_for, load_any_head
 from core.decoding.lookup import ContextIndex, default_tokens, graft
 from core.models import DEFAULT_HEAD_DIR, EMBEDDED, LoadedModel, catalogue_entry, names_gguf, resolve
 from core.decoding.numerics import Numerics, load_numerics
+from core.kernels import native
 from core.kernels.step import NativeStep
 from core.decoding.text import TextStream
 from core.decoding.gumbel import DraftNoise
@@ -72,7 +73,7 @@ LOOKUP_ALONE = "context lookup alone: this model has no EAGLE head"
 def lookup_alone(step: NativeStep | None) -> TreeChoice:
     """The tree of an engine without a head: no head tree, a lookup chain as long as rows of this step pay for."""
     int8 = step is not None and step.info.activations == "int8"
-    return TreeChoice(TreeConfig(lookup=default_tokens(int8)), LOOKUP_ALONE)
+    return TreeChoice(TreeConfig(lookup=default_tokens(int8, native.gemm_kind())), LOOKUP_ALONE)
 
 
 def default_head(model: str) -> str | None:
@@ -328,18 +329,29 @@ class _Run:
 
     def adaptive_step(self) -> StepEvent:
         """The mode the measured speeds choose (plain near the context's end), then its time recorded.
-        A plain stretch probes speculation at once where the context repeats (a lookup chain of
-        COPY_PROBE tokens or more: the answer copies from the chat, where speculation pays most)."""
-        if not self.speeds.speculative and self.cfg.tree.lookup and self.fits_tree():
+        With a head, the mode beside speculation copies where it can (`copies`): the head's own work is what the
+        two modes' speeds weigh. Else a plain stretch probes speculation at once where the context repeats (a lookup
+        chain of COPY_PROBE tokens or more: the answer copies from the chat, where speculation pays most)."""
+        copies = self.copies()
+        if not self.speeds.speculative and not copies and self.cfg.tree.lookup and self.fits_tree():
             chain = self.context.chain(self.lookup_room(kv.cache_length(self.cache)))
             if len(chain) >= COPY_PROBE:
                 self.speeds = adaptive.probe_now(self.speeds, POLICY)
         speculate = self.speeds.speculative and self.fits_tree()
         t0, self._switch_s = self.now(), 0.0
-        event = self.spec_step() if speculate else self.plain_step()
+        event = self.spec_step() if speculate else self.lookup_step() if copies else self.plain_step()
         seconds = self.now() - t0 - self._switch_s
         self.speeds = adaptive.record(self.speeds, POLICY, speculate, len(event.token_ids), seconds)
         return event
+
+    def copies(self) -> bool:
+        """Whether an adaptive answer with a head copies in its other mode: context lookup alone (a plain step where
+        nothing repeats), where the tree copies and speculates at this context's length. Where a verified row costs
+        most (AVX2), copying alone measured as fast as the head with it, or faster (docs/context-lookup.md,
+        2026-12-08): the answer then runs the faster of the two instead of the head or nothing."""
+        committed = kv.cache_length(self.cache)
+        return (not self.lookup_only and self.cfg.tree.lookup > 0 and self.cfg.tree.speculates_at(committed)
+                and self.fits_tree())
 
     def fits_tree(self) -> bool:
         return kv.cache_length(self.cache) + self.cfg.tree.depth + 1 < self.e.max_context
@@ -441,7 +453,8 @@ class _Run:
     def lookup_step(self) -> StepEvent:
         """Speculation without the head: the root and the context's lookup chain verified in one forward, with the
         rules of any tree (greedy: plain decoding's tokens; sampled: its tokens for the seed); a plain step where the
-        context holds no repeat to copy."""
+        context holds no repeat to copy. Where a head is loaded (an adaptive answer's copying mode, `copies`) the
+        accepted rows' features wait for its catch-up, as a plain step's do."""
         committed = kv.cache_length(self.cache)
         chain = self.context.chain(self.lookup_room(committed))  # (none where the tree's lookup is 0)
         if not chain:
@@ -450,8 +463,10 @@ class _Run:
         # a path of 1 + n; the copied nodes score -inf, as beside a head's tree (what the app counts as copied)
         tree = graft(DraftTree.from_lists([self.token], [-1], [0], [0.0], device=self.device), chain)
         t1 = self.now()
-        _, result, t2 = self.verify(tree, committed)
+        features, result, t2 = self.verify(tree, committed)
         self.keep(tree, result, committed)
+        if not self.lookup_only:  # (m, F): a chain's path is its first m rows
+            self.pending.append((torch.tensor(result.tokens, device=self.device), features[:len(result.path)]))
         event = self.emit(list(result.tokens), result.accepted, tree.size, t1 - t0, t2 - t1, t0)
         self.token = result.bonus
         return event

@@ -34,6 +34,9 @@ MAX_NGRAM = 8
 # The chain length core.autotune puts in the trees it chooses without measuring it (`default_tokens`).
 DEFAULT_TOKENS = 24
 DEFAULT_TOKENS_INT8 = 10  # where the step multiplies 8-bit activations: every row costs integer work
+# and where it does so without VNNI (the AVX2 build: csrc/avx2.h's vpmaddubsw pairs), a row costs 20-25% of a
+# forward, twice VNNI's share: 6 (docs/context-lookup.md, 2026-12-08)
+DEFAULT_TOKENS_AVX2 = 6
 # The head's tree on steps that verify a chain (TreeConfig.lookup_total_tokens), as autotune
 # sets it: on a CPU a target forward costs about the same for 1 to 12 rows and about 0.85 ms
 # (4% of a one-row forward) for each row past that, so with a chain of up to 24 rows the head's
@@ -51,9 +54,12 @@ def chain_tree(tree: TreeConfig) -> TreeConfig:
     return replace(tree, lookup_total_tokens=min(tree.total_tokens, CHAIN_TREE_TOKENS))
 
 
-def default_tokens(int8_activations: bool) -> int:
-    """The chain length for a target whose step does (or does not) multiply 8-bit activations."""
-    return DEFAULT_TOKENS_INT8 if int8_activations else DEFAULT_TOKENS
+def default_tokens(int8_activations: bool, gemm: str | None = None) -> int:
+    """The chain length for a target whose step does (or does not) multiply 8-bit activations, on the decoding
+    GEMM `gemm` (core.kernels.native.gemm_kind: "amx", "avx512", "avx2" or None)."""
+    if not int8_activations:
+        return DEFAULT_TOKENS
+    return DEFAULT_TOKENS_AVX2 if gemm == "avx2" else DEFAULT_TOKENS_INT8
 
 
 def chain_length(match: int, max_tokens: int) -> int:
