@@ -98,6 +98,7 @@ class BenchSettings:
     lookup_tokens: int = 10      # hf-lookup: prompt_lookup_num_tokens
     warmup: bool = True
     adaptive: bool = False       # eagle modes: GenerationConfig.adaptive (the app's default)
+    copy_tokens: int | None = None  # lookup mode's chain length (--lookup); None: what an engine without a head copies
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
@@ -292,11 +293,17 @@ def _llama_cpp(engine: Engine, ids: list[int], s: BenchSettings, seed: int, *, s
 Runner = Callable[[Engine, list[int], BenchSettings, int], Generation]
 
 
+def lookup_alone_tree(engine: Engine, s: BenchSettings) -> TreeConfig:
+    """What the lookup mode runs: the tree of an engine without a head on this machine (`lookup_alone`: its chain
+    length, not the head's tree's), with --lookup's length where given."""
+    tree = lookup_alone(engine.step).tree
+    return tree if s.copy_tokens is None else replace(tree, lookup=s.copy_tokens)
+
+
 def _lookup_alone(engine: Engine, ids: list[int], s: BenchSettings, seed: int) -> Generation:
-    """Speculation by context lookup alone: the tree's chain length (--lookup), else the one an engine without a
-    head copies."""
-    tree = s.tree if s.tree.lookup else replace(s.tree, lookup=lookup_alone(engine.step).tree.lookup)
-    return _engine_generate(engine, ids, replace(s, tree=tree), seed, speculative=True, head=False)
+    """Speculation by context lookup alone, as a model without a head speculates (lookup_alone_tree)."""
+    return _engine_generate(engine, ids, replace(s, tree=lookup_alone_tree(engine, s)), seed, speculative=True,
+                            head=False)
 
 
 MODES: dict[str, Runner] = {
@@ -520,6 +527,7 @@ def _header(engine: Engine, s: BenchSettings, head_name: str | None, prompts: Se
         "settings": {"max_new_tokens": s.max_new_tokens, "temperature": s.sampling.temperature,
                      "top_p": s.sampling.top_p, "top_k": s.sampling.top_k, "seed": s.seed,
                      "tree": asdict(s.tree), "tree_source": s.tree_source, "lookup_tokens": s.lookup_tokens,
+                     "lookup_alone": lookup_alone_tree(engine, s).lookup,
                      "warmup": s.warmup, "adaptive": s.adaptive, "prompts": len(prompts), "turns": sum(len(p.turns) for p in prompts),
                      "order": "modes interleaved per prompt, rotated"},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -872,7 +880,7 @@ def main(argv=None) -> int:
         engine, head_name = load_engine(a, spec)
         memory = resident_memory()  # before a tree is tuned, llama.cpp starts or any answer runs
         tree, source = bench_tree(engine, manual, given, spec)
-        settings = replace(settings, tree=tree, tree_source=source)
+        settings = replace(settings, tree=tree, tree_source=source, copy_tokens=given.get("lookup"))
         with start_llama_cpp(a, llama_exe, engine) as llama:
             result = run_benchmark(engine, prompts, modes, settings, head_name=head_name, progress=True, llama=llama)
             if lengths:

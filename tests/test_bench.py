@@ -10,6 +10,7 @@ from core.bench import (BUILTIN_PROMPTS, BenchError, BenchSettings, Prompt, form
                         mode_order, run_benchmark)
 from core.config import SamplingConfig, TreeConfig
 from core.decoding.engine import Engine
+from core.decoding.lookup import DEFAULT_TOKENS
 from tests.tiny import oracle_head, random_head, tiny_target
 
 TWO_PROMPTS = [{"id": "two-turn", "category": "math", "turns": ["w5 w6 w7", "w9 w10"]},
@@ -128,6 +129,16 @@ def test_lookup_mode_speculates_by_context_lookup_alone_with_or_without_a_head()
         lookup = r["modes"]["lookup"]
         assert lookup["tau"] > 1.5 and max(int(k) for k in lookup["accepted_length_histogram"]) > 3
         assert lookup["time_split"]["draft_s"] >= 0
+    # beside a head, the lookup mode copies what a model without one copies, not the head's tree's chain; --lookup sets it
+    eng = Engine(target, oracle_head(target))
+    head_tree = TreeConfig(1, 1, 2, lookup=3)
+    r = run_benchmark(eng, prompts(), "lookup", BenchSettings(max_new_tokens=40, warmup=False, tree=head_tree))
+    assert r["settings"]["lookup_alone"] == DEFAULT_TOKENS and r["settings"]["tree"]["lookup"] == 3
+    assert max(int(k) for k in r["modes"]["lookup"]["accepted_length_histogram"]) > 3 + 1
+    r = run_benchmark(eng, prompts(), "lookup", BenchSettings(max_new_tokens=40, warmup=False, tree=head_tree,
+                                                              copy_tokens=2))
+    assert r["settings"]["lookup_alone"] == 2
+    assert max(int(k) for k in r["modes"]["lookup"]["accepted_length_histogram"]) == 2 + 1
 
 
 def test_multi_turn_feeds_each_modes_own_answer_and_modes_interleave(engine, monkeypatch):
